@@ -1,0 +1,731 @@
+"""The DFlash drafter: a small block-diffusion model that drafts a whole block of tokens in one
+forward pass, conditioned on the target's hidden states.
+
+Reference: "DFlash: Block Diffusion for Flash Speculative Decoding" (arXiv 2602.06036), and the
+checkpoint format its released drafters, SGLang and vLLM load. ../shared/DESIGN.md (sections 1,
+2 and 5) is the specification this file implements.
+
+Reading order: config -> pure helpers (anchors, blocks, labels, masks) -> attention backends ->
+RMSNorm, attention, MLP, decoder layer -> drafter -> loss and metrics.
+
+Notation used in every shape comment:
+    batch   batch dimension            S       context (sequence) length
+    N       anchors (blocks) per row   B       block size
+    hidden  hidden size                heads / kv_heads / head_dim   attention sizes
+"""
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the drafter, one per drafter layer (DESIGN §1).
+
+    Spread evenly from layer 1 to layer L-3: `round(1 + i * (L - 4) / (n - 1))`, i = 0..n-1.
+    Worked example: L = 36 target layers, n = 5 drafter layers -> [1, 9, 17, 25, 33].
+    Small targets can map two drafter layers to one target layer; duplicates are dropped.
+
+    Args:
+        num_target_layers: decoder layers of the target (untruncated), L.
+        num_draft_layers: decoder layers of the drafter, n.
+    Returns:
+        Sorted, unique 0-based decoder-layer indices.
+    Raises:
+        ValueError: if the target has fewer than 2 layers or n < 1.
+    """
+    if num_target_layers < 2 or num_draft_layers < 1:
+        raise ValueError(
+            f"cannot pick target_layer_ids for a target with {num_target_layers} layers and "
+            f"{num_draft_layers} drafter layers; pass --target_layer_ids explicitly"
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = max(num_target_layers - 4, 0)
+    ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return sorted({min(i, num_target_layers - 1) for i in ids})
+
+
+# Decay of the per-position loss weight w_k = exp(-(k - 1) / gamma), by block size (DESIGN §2).
+DEFAULT_LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@strict
+class DFlashConfig(Qwen3Config):
+    """Drafter config: a Qwen3 config plus the DFlash fields that serving engines read (DESIGN §5).
+
+    It stays `model_type = "qwen3"` (a second class registering "qwen3" would collide in
+    AutoConfig); the DFlash fields are `block_size`, `num_target_layers` and
+    `dflash_config = {"mask_token_id": int, "target_layer_ids": [int, ...]}`.
+    `rope_theta` is written at the top level too, because older loaders read it there.
+
+    Raises:
+        ValueError: on a block size < 2, target layer ids out of range, or a mask token id
+            outside the target's embedding rows.
+    """
+
+    block_size: int = 16
+    num_target_layers: int | None = None
+    dflash_config: dict | None = None
+    rope_theta: float | None = None
+
+    def __post_init__(self, **kwargs):
+        # Checkpoints written by transformers 4 carry only the top-level rope_theta.
+        if self.rope_parameters is None and self.rope_theta is not None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        super().__post_init__(**kwargs)
+        self.rope_theta = self.rope_parameters["rope_theta"]
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor plus at least one drafted token), got {self.block_size}")
+        if self.dflash_config is not None:
+            ids = self.dflash_config.get("target_layer_ids")
+            if ids is None or "mask_token_id" not in self.dflash_config:
+                raise ValueError("dflash_config needs both 'target_layer_ids' and 'mask_token_id'")
+            if self.num_target_layers is not None and any(not 0 <= i < self.num_target_layers for i in ids):
+                raise ValueError(
+                    f"target_layer_ids {ids} out of range for a target with {self.num_target_layers} layers "
+                    f"(0-based decoder-layer indices)"
+                )
+            if not 0 <= self.dflash_config["mask_token_id"] < self.vocab_size:
+                raise ValueError(
+                    f"mask_token_id {self.dflash_config['mask_token_id']} is not a row of the target's "
+                    f"embedding ({self.vocab_size} rows); pass --mask_token_id with an existing token id"
+                )
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.dflash_config["target_layer_ids"])
+
+    @property
+    def mask_token_id(self) -> int:
+        return int(self.dflash_config["mask_token_id"])
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_config,
+        *,
+        mask_token_id: int,
+        num_draft_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        vocab_size: int | None = None,
+    ) -> "DFlashConfig":
+        """A drafter config whose sizes copy any HF causal-LM target's (Qwen3, Llama, Mistral, ...).
+
+        Args:
+            target_config: the target's `PretrainedConfig`.
+            mask_token_id: an existing row of the target's embedding (see `resolve_mask_token_id`
+                in dflash_target.py).
+            num_draft_layers: drafter decoder layers (paper ablation 3/5/8 -> MATH-500 tau 5.64/5.99/6.33).
+            block_size: tokens per block, anchor included.
+            target_layer_ids: 0-based target layers to read; default `default_target_layer_ids`.
+            vocab_size: rows of the target's embedding, if it differs from `target_config.vocab_size`.
+        """
+        text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        num_target_layers = text_config.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        rope_parameters = getattr(text_config, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": getattr(text_config, "rope_theta", 10000.0),
+        }
+        return cls(
+            architectures=["DFlashDraftModel"],
+            vocab_size=vocab_size or text_config.vocab_size,
+            hidden_size=text_config.hidden_size,
+            intermediate_size=text_config.intermediate_size,
+            num_hidden_layers=num_draft_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            hidden_act="silu",
+            max_position_embeddings=text_config.max_position_embeddings,
+            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope_parameters),
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure helpers: anchors, blocks, labels, masks (DESIGN §2)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample anchor positions without replacement, per row (DESIGN §2).
+
+    A position p is eligible when `loss_mask[p]` and `loss_mask[p + 1]` are both set: the anchor
+    token is known and at least its first label trains. Rows with fewer eligible positions than
+    `num_anchors` get padded slots (anchor 0, valid False) at the end, so the shape is static.
+
+    Args:
+        loss_mask: [batch, S] bool.
+        num_anchors: N, slots per row.
+        generator: a CPU `torch.Generator` for reproducible draws.
+    Returns:
+        anchors: [batch, N] int64, valid anchors sorted ascending first (sorted anchors give
+            flex_attention denser mask blocks), padded slots after them.
+        anchor_valid: [batch, N] bool.
+    """
+    batch, seq_len = loss_mask.shape
+    loss_mask = loss_mask.bool()
+    eligible = loss_mask[:, :-1] & loss_mask[:, 1:]  # [batch, S-1]
+    scores = torch.rand(eligible.shape, generator=generator).to(loss_mask.device)
+    scores = scores.masked_fill(~eligible, -1.0)
+    k = min(num_anchors, seq_len - 1)
+    top_scores, positions = scores.topk(k, dim=1)  # random subset of the eligible positions
+    sort_key = torch.where(top_scores >= 0, positions, seq_len)  # padded slots sort last
+    sort_key, _ = sort_key.sort(dim=1)
+    anchor_valid = sort_key < seq_len
+    anchors = torch.where(anchor_valid, sort_key, 0)
+    if k < num_anchors:
+        pad = num_anchors - k
+        anchors = F.pad(anchors, (0, pad), value=0)
+        anchor_valid = F.pad(anchor_valid, (0, pad), value=False)
+    return anchors, anchor_valid
+
+
+def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, mask_token_id: int, block_size: int) -> torch.Tensor:
+    """Token ids of every block: `[token[a_j], MASK x (B - 1)]`.
+
+    Args:
+        input_ids: [batch, S] int64.
+        anchors: [batch, N] int64.
+    Returns:
+        [batch, N * B] int64, block j at columns j*B .. j*B + B - 1.
+    """
+    batch, num_anchors = anchors.shape
+    block = torch.full((batch, num_anchors, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block[:, :, 0] = input_ids.gather(1, anchors)
+    return block.view(batch, num_anchors * block_size)  # [batch, N*B]
+
+
+def block_position_ids(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Absolute positions of block tokens: block j sits at `a_j .. a_j + B - 1`.
+
+    Args:
+        anchors: [batch, N] int64.
+    Returns:
+        [batch, N * B] int64.
+    """
+    offsets = torch.arange(block_size, device=anchors.device)
+    return (anchors[:, :, None] + offsets).flatten(1)  # [batch, N*B]
+
+
+def block_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels of block positions k = 1..B-1: the block at anchor a predicts `token[a + k]`.
+
+    A label is valid when its anchor slot is valid, `a + k < S`, and `loss_mask[a + k]` is set.
+
+    Args:
+        input_ids: [batch, S] int64.
+        loss_mask: [batch, S] bool.
+        anchors, anchor_valid: [batch, N] from `sample_anchors`.
+    Returns:
+        labels: [batch, N, B-1] int64 (arbitrary where invalid).
+        label_valid: [batch, N, B-1] bool.
+    """
+    batch, seq_len = input_ids.shape
+    offsets = torch.arange(1, block_size, device=anchors.device)
+    positions = anchors[:, :, None] + offsets  # [batch, N, B-1]
+    in_range = positions < seq_len
+    flat = positions.clamp(max=seq_len - 1).flatten(1)  # [batch, N*(B-1)]
+    labels = input_ids.gather(1, flat).view_as(positions)
+    trainable = loss_mask.bool().gather(1, flat).view_as(positions)
+    return labels, in_range & trainable & anchor_valid[:, :, None]
+
+
+def anchor_block_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int):
+    """The training attention rule as a flex_attention `mask_mod` (DESIGN §2).
+
+    KV layout: `[context 0..S-1 | block 0 | block 1 | ... | block N-1]`, KV_LEN = S + N*B.
+    Query side: `[block 0 | ... | block N-1]`, Q_LEN = N*B; query q is in block j = q // B.
+    A query in block j sees context keys `kv < a_j` (strictly before its anchor: the target's
+    features at a_j and later would leak the labels) and every key of its own block
+    (bidirectional inside the block); nothing of other blocks. A padded anchor slot sees only its
+    own block, so no row is fully masked (that would make softmax NaN).
+
+    Args:
+        anchors, anchor_valid: [batch, N] from `sample_anchors`.
+        context_len: S.
+    Returns:
+        `mask_mod(b, h, q_idx, kv_idx) -> bool`, valid for scalar or broadcast index tensors.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        sees_context = (kv_idx < anchors[b, block]) & anchor_valid[b, block]  # a_j < S, so kv is context
+        sees_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
+        return sees_context | sees_own_block
+
+    return mask_mod
+
+
+def dense_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """The same rule as `anchor_block_mask_mod`, materialised for SDPA.
+
+    Returns:
+        [batch, 1, N*B, S + N*B] bool, True = may attend. Memory is batch * Q * KV bytes: use
+        it on CPU and at small sizes only.
+    """
+    batch, num_anchors = anchors.shape
+    device = anchors.device
+    q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
+    mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size)
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    q_idx = torch.arange(q_len, device=device)[None, None, :, None]
+    kv_idx = torch.arange(kv_len, device=device)[None, None, None, :]
+    return mask_mod(b, 0, q_idx, kv_idx)  # [batch, 1, Q, KV]
+
+
+def create_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int) -> BlockMask:
+    """The same rule as `anchor_block_mask_mod`, as a flex_attention `BlockMask` shared by all heads.
+
+    Built once per batch, outside compiled code, and passed to every layer.
+    """
+    batch, num_anchors = anchors.shape
+    q_len = num_anchors * block_size
+    mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size)
+    return create_block_mask(mask_mod, batch, None, q_len, context_len + q_len, device=anchors.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention backends
+
+
+class DenseAttentionFallbackError(RuntimeError):
+    """flex_attention would run uncompiled, i.e. materialise the whole score matrix."""
+
+
+_compiled_flex: dict[str, object] = {}
+_compiled_flex_lock = threading.Lock()
+
+
+def get_compiled_flex_attention(device: torch.device | str):
+    """`torch.compile(flex_attention)` for `device`, built lazily once per device.
+
+    Eager flex_attention falls back to dense math attention that materialises the full score
+    matrix (hundreds of GB at real sizes), so the block-sparse path needs the compiled function.
+    """
+    key = str(torch.device(device))
+    with _compiled_flex_lock:
+        if key not in _compiled_flex:
+            _compiled_flex[key] = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex[key]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    Args:
+        q: [batch, heads, Q, head_dim]; k, v: [batch, kv_heads, KV, head_dim].
+        mask: a `BlockMask` (flex_attention, compiled), a [batch, 1, Q, KV] bool tensor (SDPA),
+            or None (every query sees every key, as in a draft pass at inference).
+    Returns:
+        [batch, heads, Q, head_dim].
+    """
+    if isinstance(mask, BlockMask):
+        flex = get_compiled_flex_attention(q.device)
+        return flex(q, k, v, block_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE. x: [batch, heads, T, head_dim]; cos, sin: [batch, T, head_dim]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules (attribute names copy transformers' Qwen3, so state_dict keys load in vLLM and SGLang)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class DFlashAttention(nn.Module):
+    """Attention whose keys/values come from the fused context AND the block (KV injection, DESIGN §1).
+
+    `K = k_norm(k_proj([ctx; block]))`, `V = v_proj([ctx; block])`, queries from block tokens only.
+    The context enters k_proj/v_proj without input_layernorm (it was normalised once by
+    `hidden_norm`), which is what the serving engines do.
+    """
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values of `x`: [batch, T, hidden] -> 2 x [batch, kv_heads, T, head_dim]."""
+        batch, t, _ = x.shape
+        k = self.k_proj(x).view(batch, t, self.num_kv_heads, self.head_dim)  # [batch, T, kv_heads, head_dim]
+        v = self.v_proj(x).view(batch, t, self.num_kv_heads, self.head_dim)
+        k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)  # [batch, kv_heads, T, head_dim]
+        return k, v.transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: BlockMask | torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: [batch, Q, hidden] block stream (after input_layernorm); cos, sin: [batch, Q, head_dim]
+        at block positions; context_k/v: [batch, kv_heads, S, head_dim] -> [batch, Q, hidden]."""
+        batch, q_len, _ = x.shape
+        q = self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)  # [batch, Q, heads, head_dim]
+        q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)  # [batch, heads, Q, head_dim]
+        block_k, block_v = self.project_kv(x, cos, sin)
+        k = torch.cat([context_k, block_k], dim=2)  # [batch, kv_heads, S + Q, head_dim]
+        v = torch.cat([context_v, block_v], dim=2)
+        out = attention(q, k, v, mask)  # [batch, heads, Q, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))  # [batch, Q, hidden]
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, x, cos, sin, context_k, context_v, mask):
+        """x: [batch, Q, hidden] -> [batch, Q, hidden]; see `DFlashAttention.forward`."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DFlashContextCache:
+    """The drafter's K/V of the context it has seen, per layer, for drafting at inference.
+
+    keys[i], values[i]: [batch, kv_heads, S, head_dim]. Draft passes never write into it, so after
+    each draft the cache holds the context only; `crop` cuts it back when the context shrinks.
+    """
+
+    keys: list
+    values: list
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys else self.keys[0].shape[2]
+
+    def crop(self, length: int) -> None:
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """The DFlash drafter (DESIGN §1).
+
+    Trainable: `layers`, `fc` (context fusion), `hidden_norm`, `norm`. The block embedding and the
+    LM head are the target's, attached by `attach_target` and held by reference: they are never
+    registered as submodules, so they stay out of the drafter's state_dict, optimizer and
+    DeepSpeed partitioning, and out of the exported checkpoint (engines borrow the target's).
+    """
+
+    config_class = DFlashConfig
+    base_model_prefix = "dflash"
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        hidden = config.hidden_size
+        num_features = len(config.target_layer_ids)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
+        self._target_modules = ()  # (embed_tokens, lm_head); a tuple, so nn.Module does not register them
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        """Borrow the target's (frozen) input embedding and LM head by reference."""
+        self._target_modules = (embed_tokens, lm_head)
+
+    # Named target_* so that transformers' own embed_tokens / lm_head handling never finds them.
+    @property
+    def target_embed_tokens(self) -> nn.Module:
+        if not self._target_modules:
+            raise RuntimeError("call drafter.attach_target(embed_tokens, lm_head) with the target's modules first")
+        return self._target_modules[0]
+
+    @property
+    def target_lm_head(self) -> nn.Module:
+        if not self._target_modules:
+            raise RuntimeError("call drafter.attach_target(embed_tokens, lm_head) with the target's modules first")
+        return self._target_modules[1]
+
+    def fuse_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """[batch, S, len(target_layer_ids) * hidden] -> [batch, S, hidden]: fc, then hidden_norm."""
+        return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
+
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(x, position_ids)  # 2 x [batch, T, head_dim]
+
+    def forward(
+        self,
+        context_features: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+        attention_backend: str = "sdpa",
+    ) -> torch.Tensor:
+        """Training forward: every anchor's block in one pass, under the DESIGN §2 mask.
+
+        Args:
+            context_features: [batch, S, len(target_layer_ids) * hidden], the target's layer
+                outputs at every position (any float dtype; cast to the drafter's).
+            input_ids: [batch, S] int64, the tokens the features belong to.
+            anchors, anchor_valid: [batch, N] from `sample_anchors`.
+            attention_backend: "flex" (compiled flex_attention with a BlockMask; GPU) or "sdpa"
+                (a dense bool mask; CPU and small sizes). Both compute the same function.
+        Returns:
+            [batch, N, B, hidden]: final hidden states (after `norm`) at every block position;
+            position 0 holds the anchor, positions 1..B-1 are the drafted tokens.
+        """
+        block_size = self.config.block_size
+        batch, seq_len = input_ids.shape
+        num_anchors = anchors.shape[1]
+        context = self.fuse_context(context_features)  # [batch, S, hidden]
+        x = self.target_embed_tokens(block_input_ids(input_ids, anchors, self.config.mask_token_id, block_size))
+        x = x.to(context.dtype)  # [batch, N*B, hidden]
+        context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
+        context_cos, context_sin = self._rope(context, context_positions)  # [batch, S, head_dim]
+        cos, sin = self._rope(x, block_position_ids(anchors, block_size))  # [batch, N*B, head_dim]
+        if attention_backend == "flex":
+            mask = create_anchor_block_mask(anchors, anchor_valid, seq_len, block_size)
+        elif attention_backend == "sdpa":
+            mask = dense_anchor_block_mask(anchors, anchor_valid, seq_len, block_size)
+        else:
+            raise ValueError(f"attention_backend must be 'flex' or 'sdpa', got {attention_backend!r}")
+        for layer in self.layers:
+            context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
+            x = layer(x, cos, sin, context_k, context_v, mask)
+        return self.norm(x).view(batch, num_anchors, block_size, -1)  # [batch, N, B, hidden]
+
+    # ---- inference ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def extend_context(self, cache: DFlashContextCache | None, context_features: torch.Tensor) -> DFlashContextCache:
+        """Append new context positions to the drafter's cache.
+
+        Args:
+            cache: the cache so far, or None to start one.
+            context_features: [batch, s_new, len(target_layer_ids) * hidden], the target's layer
+                outputs for the next s_new positions (cache.length .. cache.length + s_new - 1).
+        Returns:
+            The extended cache.
+        """
+        cache = cache or DFlashContextCache(keys=[], values=[])
+        start = cache.length
+        context = self.fuse_context(context_features)  # [batch, s_new, hidden]
+        batch, s_new, _ = context.shape
+        positions = torch.arange(start, start + s_new, device=context.device).expand(batch, s_new)
+        cos, sin = self._rope(context, positions)
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(context, cos, sin)
+            keys.append(k if start == 0 else torch.cat([cache.keys[i], k], dim=2))
+            values.append(v if start == 0 else torch.cat([cache.values[i], v], dim=2))
+        return DFlashContextCache(keys=keys, values=values)
+
+    @torch.no_grad()
+    def draft_block(self, cache: DFlashContextCache, anchor_token: torch.Tensor) -> torch.Tensor:
+        """One draft pass: greedy tokens for block positions 1..B-1.
+
+        The anchor is the last committed token, at position `cache.length` (the context holds the
+        target features of every token before it, exactly as in training where a block sees
+        `kv < anchor`). The block sees all cached context and is bidirectional inside itself.
+        The cache is not written, so it stays cut back to the context.
+
+        Args:
+            cache: the drafter's context cache, length S.
+            anchor_token: [batch] int64.
+        Returns:
+            [batch, B-1] int64 drafted tokens (argmax).
+        """
+        block_size = self.config.block_size
+        batch = anchor_token.shape[0]
+        block = torch.full((batch, block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_token.device)
+        block[:, 0] = anchor_token
+        x = self.target_embed_tokens(block).to(self.fc.weight.dtype)  # [batch, B, hidden]
+        positions = torch.arange(cache.length, cache.length + block_size, device=x.device).expand(batch, block_size)
+        cos, sin = self._rope(x, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], None)
+        logits = self.target_lm_head(self.norm(x[:, 1:]))  # [batch, B-1, vocab]
+        return logits.argmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss and metrics
+
+
+def loss_weights(block_size: int, gamma: float | None = None, device=None) -> torch.Tensor:
+    """Per-position loss weights `w_k = exp(-(k - 1) / gamma)` for k = 1..B-1 (DESIGN §2).
+
+    Early positions matter most: a draft is accepted only up to its first miss. Worked example,
+    B = 16, gamma = 7: w_1 = 1.0, w_2 = 0.867, w_8 = 0.368, w_15 = 0.135.
+
+    Args:
+        gamma: decay; default 7 for B = 16, 5 for B = 10, 4 for B = 8.
+    Returns:
+        [B-1] float32.
+    Raises:
+        ValueError: if gamma is not given and B has no default.
+    """
+    if gamma is None:
+        if block_size not in DEFAULT_LOSS_GAMMA:
+            raise ValueError(
+                f"no default loss decay for block_size {block_size} (known: {sorted(DEFAULT_LOSS_GAMMA)}); "
+                "pass --loss_decay_gamma"
+            )
+        gamma = DEFAULT_LOSS_GAMMA[block_size]
+    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def _weighted_ce_chunk(hidden, head_weight, labels, weights):
+    """LM head + cross-entropy on one chunk of rows: returns (sum of w * CE, argmax == label)."""
+    logits = (hidden @ head_weight.t()).float()  # [rows, vocab]
+    ce = F.cross_entropy(logits, labels, reduction="none")  # [rows]
+    return (ce * weights).sum(), logits.argmax(dim=-1) == labels
+
+
+def dflash_loss(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_valid: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position-weighted cross-entropy through the target's LM head, in chunks (DESIGN §2).
+
+    Only valid label positions go through the head (padding and block position 0 never cost a
+    vocab-sized matmul). Each chunk's logits are rebuilt during backward (activation
+    checkpointing), so at most `chunk_size x vocab` fp32 logits exist at once instead of
+    `N*(B-1) x vocab`. Non-reentrant checkpointing: the reentrant form runs the chunk under
+    no_grad and recomputes it in autograd's backward threads, where anything compiled inside
+    would compile a second time (DESIGN §3); non-reentrant recomputes in the same code path.
+
+    loss = sum_i w_k(i) * CE_i / sum_i w_k(i) over valid positions i of the micro-batch, never a
+    plain mean over padded positions.
+
+    Args:
+        hidden: [batch, N, B-1, hidden], drafter output at block positions 1..B-1.
+        head_weight: [vocab, hidden], the target's LM head weight (frozen).
+        labels, label_valid: [batch, N, B-1] from `block_labels`.
+        weights: [B-1] float32 from `loss_weights`.
+        chunk_size: rows per chunk.
+    Returns:
+        loss: scalar float32 (0 with a graph, if nothing is valid).
+        accuracy: [B-1] float32, argmax accuracy per block position k = 1..B-1 (NaN where no label).
+    """
+    positions = label_valid.shape[-1]
+    k_index = torch.arange(positions, device=labels.device).expand_as(labels)[label_valid]  # [T]
+    rows = hidden[label_valid]  # [T, hidden]
+    targets = labels[label_valid]  # [T]
+    row_weights = weights.to(rows.device)[k_index]  # [T]
+    if rows.shape[0] == 0:
+        return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
+    weighted_ce = rows.new_zeros((), dtype=torch.float32)
+    correct = []
+    for start in range(0, rows.shape[0], chunk_size):
+        end = start + chunk_size
+        ce_sum, hit = checkpoint(
+            _weighted_ce_chunk, rows[start:end], head_weight, targets[start:end], row_weights[start:end], use_reentrant=False
+        )
+        weighted_ce = weighted_ce + ce_sum
+        correct.append(hit)
+    loss = weighted_ce / row_weights.sum()
+    hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.cat(correct).float())
+    counts = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.ones_like(row_weights))
+    return loss, hits / counts
+
+
+def estimate_acceptance_length(accuracy: torch.Tensor) -> float:
+    """Acceptance length tau predicted from per-position accuracy: `1 + sum_k prod_{j<=k} acc_j`.
+
+    A draft token counts only if every earlier one was accepted; the 1 is the target's bonus
+    token. E.g. accuracy [0.9, 0.8, 0.5] -> 1 + 0.9 + 0.72 + 0.36 = 2.98.
+
+    Args:
+        accuracy: [B-1] float, NaN where a position had no label (treated as 0).
+    """
+    return 1.0 + torch.cumprod(torch.nan_to_num(accuracy.float(), nan=0.0), dim=0).sum().item()
