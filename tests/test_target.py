@@ -1,0 +1,183 @@
+"""Target side: loading, hook-captured context features, truncation, mask token resolution."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dflash_target import TargetFeatureExtractor, load_target, resolve_mask_token_id
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _batch(vocab_size: int, lengths=(12, 7)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded random batch: input_ids [batch, S] long, attention_mask [batch, S]."""
+    S = max(lengths)
+    input_ids = torch.randint(0, vocab_size, (len(lengths), S))
+    attention_mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        attention_mask[row, :length] = 1
+    return input_ids, attention_mask
+
+
+def _raw_hidden_states(target, input_ids, attention_mask) -> tuple[torch.Tensor, ...]:
+    """Hook-free reference: HF `output_hidden_states` on a copy of the target whose final norm is the
+    identity, so entry i + 1 is the raw output of decoder layer i for EVERY layer, the last included."""
+    reference = copy.deepcopy(target)
+    reference.model.norm = nn.Identity()
+    with torch.no_grad():
+        out = reference(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    return out.hidden_states
+
+
+def test_load_target_tiny_qwen3(tiny_qwen3_target):
+    target, tokenizer = load_target(str(tiny_qwen3_target))
+    assert type(target).__name__ == "Qwen3ForCausalLM"
+    assert target.dtype == torch.float32  # CPU default
+    assert not target.training
+    assert all(not p.requires_grad for p in target.parameters())
+    assert len(tokenizer) == 151669 and tokenizer.pad_token is not None
+
+    target_bf16, _ = load_target(str(tiny_qwen3_target), dtype=torch.bfloat16)
+    extractor = TargetFeatureExtractor(target_bf16, [1, 3])
+    features = extractor(*_batch(extractor.vocab_size))
+    assert features.dtype == torch.bfloat16 and features.shape == (2, 12, 2 * 64)
+
+
+def test_last_layer_is_raw_output_not_final_norm(tiny_qwen3_target):
+    target, _ = load_target(str(tiny_qwen3_target))
+    input_ids, attention_mask = _batch(target.config.vocab_size)
+    with torch.no_grad():
+        hf = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    raw = _raw_hidden_states(target, input_ids, attention_mask)
+    assert len(hf.hidden_states) == 5 and len(raw) == 5
+    # Layers before the last: HF's hidden_states[id + 1] is the raw layer output.
+    for i in range(4):
+        torch.testing.assert_close(hf.hidden_states[i], raw[i], rtol=0, atol=0)
+    # The last entry is the final-norm output, far from the raw layer-3 output...
+    assert (hf.hidden_states[4] - raw[4]).abs().max() > 0.1
+    torch.testing.assert_close(hf.hidden_states[4], target.model.norm(raw[4]), **TOL)
+
+    # ...and the extractor hands the drafter the raw one, in list order.
+    ids = [3, 0, 2]
+    extractor = TargetFeatureExtractor(target, ids, truncate=False)
+    features = extractor(input_ids, attention_mask)
+    assert features.shape == (2, 12, 3 * 64)
+    expected = torch.cat([raw[i + 1] for i in ids], dim=-1)  # [batch, S, 3 * hidden]
+    torch.testing.assert_close(features, expected, **TOL)
+    last = features[..., :64]
+    assert (last - hf.hidden_states[4]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("ids", [[0, 2], [1, 3], [2]])
+def test_truncation(tiny_qwen3_target, ids):
+    full_target, _ = load_target(str(tiny_qwen3_target))
+    full = TargetFeatureExtractor(full_target, ids, truncate=False)
+    target, _ = load_target(str(tiny_qwen3_target))
+    lm_head = target.lm_head
+    truncated = TargetFeatureExtractor(target, ids, truncate=True)
+
+    assert len(target.model.layers) == max(ids) + 1
+    assert len(full_target.model.layers) == 4
+    assert truncated.num_target_layers == full.num_target_layers == 4
+    assert truncated.lm_head is lm_head and truncated.lm_head is target.get_output_embeddings()
+    assert truncated.embed_tokens is target.model.embed_tokens
+    assert truncated.hidden_size == 64 and truncated.vocab_size == 151936
+
+    calls = []
+    lm_head.register_forward_hook(lambda *args: calls.append(1))
+    input_ids, attention_mask = _batch(truncated.vocab_size)
+    features = truncated(input_ids, attention_mask)
+    torch.testing.assert_close(features, full(input_ids, attention_mask), rtol=0, atol=0)
+    assert calls == []  # the LM head never runs in the feature pass
+    assert not features.requires_grad
+    # The borrowed head still works after truncation: [batch, S, hidden] -> [batch, S, vocab].
+    assert lm_head(features[..., :64]).shape == (2, 12, 151936)
+
+
+def test_layer_id_validation(tiny_qwen3_target):
+    target, _ = load_target(str(tiny_qwen3_target))
+    for ids in ([0, 4], [-1], [1, 1], []):
+        with pytest.raises(ValueError, match="target_layer_ids"):
+            TargetFeatureExtractor(target, ids)
+    assert len(target.model.layers) == 4  # a rejected config leaves the target alone
+
+
+def test_smollm2_gguf_tied_head(smollm2_target):
+    target, tokenizer = smollm2_target
+    assert type(target).__name__ == "LlamaForCausalLM"
+    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+    assert target.lm_head.weight is target.model.embed_tokens.weight  # tied
+    assert all(not p.requires_grad for p in target.parameters()) and not target.training
+    assert tokenizer.pad_token is not None
+
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, tokenize=False
+    )
+    enc = tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        logits = target(**enc, use_cache=False).logits  # [1, S, vocab]
+    assert tokenizer.decode(logits[0, -1].argmax()).strip() != ""
+
+    # A truncated copy (deepcopy keeps the tie); the session target stays untouched.
+    truncated_target = copy.deepcopy(target)
+    extractor = TargetFeatureExtractor(truncated_target, [5, 29])
+    assert extractor.lm_head.weight is extractor.embed_tokens.weight
+    assert extractor.vocab_size == 49152 and extractor.num_target_layers == 30
+    features = extractor(enc["input_ids"], enc["attention_mask"])  # [1, S, 2 * 576]
+    assert features.shape == (1, enc["input_ids"].shape[1], 2 * 576)
+    # Final norm + borrowed tied head on the captured last layer reproduces the target's logits.
+    with torch.no_grad():
+        head_logits = extractor.lm_head(truncated_target.model.norm(features[..., 576:]))
+    torch.testing.assert_close(head_logits, logits, rtol=1e-4, atol=1e-3)
+    assert len(target.model.layers) == 30
+
+
+def test_mask_token_qwen3(qwen3_tokenizer):
+    assert resolve_mask_token_id(qwen3_tokenizer, 151936) == 151669
+    assert resolve_mask_token_id(qwen3_tokenizer, 151936, mask_token_id=151700) == 151700
+    assert resolve_mask_token_id(qwen3_tokenizer, 151936, mask_token="<|im_end|>") == 151645
+    with_mask = copy.deepcopy(qwen3_tokenizer)
+    with_mask.add_special_tokens({"additional_special_tokens": ["<|MASK|>"]})
+    assert len(with_mask) == 151670
+    assert resolve_mask_token_id(with_mask, 151936) == with_mask.convert_tokens_to_ids("<|MASK|>") == 151669
+    with pytest.raises(ValueError, match="--mask_token_id"):
+        resolve_mask_token_id(qwen3_tokenizer, 151936, mask_token_id=151936)
+    with pytest.raises(ValueError, match="--mask_token"):
+        resolve_mask_token_id(qwen3_tokenizer, 151936, mask_token="<|no such token|>")
+
+
+def test_mask_token_smollm2(smollm2_tokenizer):
+    assert len(smollm2_tokenizer) == 49152
+    with pytest.raises(ValueError, match="no spare embedding row.*--mask_token_id"):
+        resolve_mask_token_id(smollm2_tokenizer, 49152)
+    assert resolve_mask_token_id(smollm2_tokenizer, 49152, mask_token_id=16) == 16
+    assert resolve_mask_token_id(smollm2_tokenizer, 49152, mask_token="<empty_output>") == 16
+    with pytest.raises(ValueError, match="--mask_token_id 49152"):
+        resolve_mask_token_id(smollm2_tokenizer, 49152, mask_token_id=49152)
+    with pytest.raises(ValueError, match="--mask_token_id"):
+        resolve_mask_token_id(smollm2_tokenizer, 49152, mask_token_id=-1)
+
+
+def test_load_target_errors(tmp_path, smollm2_gguf):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(ValueError, match="--target_model") as err:
+        load_target(str(missing))
+    assert str(missing) in str(err.value)
+
+    directory, _ = smollm2_gguf
+    with pytest.raises(ValueError, match="--target_gguf_file 'nope.gguf'"):
+        load_target(directory, gguf_file="nope.gguf")
+
+    from transformers import ViTConfig
+
+    not_causal = tmp_path / "vit"
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(not_causal)
+    with pytest.raises(ValueError, match="causal LM"):
+        load_target(str(not_causal))
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="--target_model"):
+        load_target(str(empty))
