@@ -1,0 +1,686 @@
+"""Data for DFlash training and evaluation: conversations -> (input_ids, loss_mask).
+
+Used by train_dflash.py (`build_train_dataset`, `collate_batch`, `length_grouped_batches`)
+and by eval_dflash.py / regenerate_data.py (`load_prompts`).
+
+Input formats, one record per JSONL line (or a JSON file holding a list of records, or a
+HF dataset: a `save_to_disk` folder, a folder of json/jsonl/parquet files, or a Hub id):
+
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+    {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}
+    {"question": "...", "answer": "..."}
+
+All three are normalised to OpenAI `messages`, formatted with the target tokenizer's chat
+template, and tokenized once with `datasets.map` (cached on disk by datasets' fingerprints).
+
+Loss mask: 1 on tokens the assistant writes, 0 elsewhere (system, user, template headers,
+padding). The assistant's end-of-turn token (`<|im_end|>` for Qwen3 and SmolLM2) IS
+trained: the drafter has to propose it so that generation can stop inside a drafted
+block. Two ways to compute it, see `tokenize_conversation`:
+  * templates with `{% generation %}` blocks: transformers' `return_assistant_tokens_mask`;
+  * every other template: character offsets (render the text once, locate each assistant
+    turn in it, map characters to tokens with `return_offsets_mapping`).
+"""
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import datasets
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Why a sample was bad; `skip_bad_samples=True` counts skipped samples per reason.
+BAD_SAMPLE_REASONS = (
+    "invalid_json",  # not JSON, not a JSON object, or not UTF-8
+    "unknown_format",  # none of messages / conversations / question+answer
+    "bad_message",  # a message without role or content, an unknown role, non-text content
+    "missing_roles",  # no user turn or no assistant turn
+    "empty_assistant_turn",  # an assistant message with empty (or whitespace) content
+    "template_error",  # the chat template refused the conversation
+    "no_trainable_token",  # fewer than 2 assistant tokens left after truncation
+)
+
+# ShareGPT `from` values -> OpenAI roles.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+}
+MESSAGE_ROLES = ("system", "user", "assistant")
+
+# A marker that cannot occur in template text (Unicode private-use characters); used to
+# find what the template writes right after an assistant message.
+_PROBE = "\ue000dflash-probe\ue001"
+# datasets keys its cache on a hash of the map function, but hashes module-level functions
+# by name only; mixing this file's hash into the key makes an edit here invalidate it.
+_CODE_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_RAW_FEATURES = datasets.Features(
+    {
+        "record": datasets.Value("string"),  # one record as JSON text (raw line for JSONL)
+        "error": datasets.Value("string"),  # set when the reader already knows the line is bad
+        "where": datasets.Value("string"),  # "file.jsonl:17", "file.json[record 3]", "dir[row 5]"
+        "source_index": datasets.Value("int64"),  # position of the file in the input list
+        "line": datasets.Value("int64"),  # line (JSONL) or record/row index, for error order
+    }
+)
+
+
+class DataFormatError(ValueError):
+    """A bad data record. The message names the file and line; `reason` is one of
+    BAD_SAMPLE_REASONS."""
+
+    def __init__(self, message: str, reason: str = "unknown_format"):
+        super().__init__(message)
+        self.reason = reason
+
+
+# ----------------------------------------------------------------------------------------
+# Records -> messages
+
+
+def _text_content(content, where: str) -> str:
+    """Message content as a string: plain strings pass, OpenAI content parts
+    ([{"type": "text", "text": ...}]) are joined, None becomes ""."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text") or "") for p in content)
+    raise DataFormatError(f"{where}: only text content is supported, got {type(content).__name__}", "bad_message")
+
+
+def _parse_messages(record, where: str) -> list[dict]:
+    """Any of the three formats -> messages, checking each message but not the roles' mix."""
+    if not isinstance(record, dict):
+        raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}", "invalid_json")
+    if "messages" in record:
+        key, role_key, content_key, role_map = "messages", "role", "content", None
+        raw_messages = record[key]
+    elif "conversations" in record:
+        key, role_key, content_key, role_map = "conversations", "from", "value", SHAREGPT_ROLES
+        raw_messages = record[key]
+    elif "question" in record and "answer" in record:
+        key, role_key, content_key, role_map = "question", "role", "content", None
+        raw_messages = [{"role": "user", "content": record["question"]}, {"role": "assistant", "content": record["answer"]}]
+    else:
+        raise DataFormatError(
+            f"{where}: unknown format, keys {sorted(record)}; expected 'messages' (role/content), "
+            "'conversations' (from/value) or 'question' + 'answer'",
+            "unknown_format",
+        )
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise DataFormatError(f"{where}: '{key}' must be a non-empty list of messages", "bad_message")
+
+    messages = []
+    for i, message in enumerate(raw_messages):
+        if not isinstance(message, dict) or message.get(role_key) is None or content_key not in message:
+            raise DataFormatError(f"{where}: message {i} needs '{role_key}' and '{content_key}'", "bad_message")
+        role = role_map.get(str(message[role_key]).lower()) if role_map else message[role_key]
+        if role not in MESSAGE_ROLES:
+            supported = sorted(role_map) if role_map else list(MESSAGE_ROLES)
+            raise DataFormatError(
+                f"{where}: message {i} has unsupported role {message[role_key]!r} (supported: {supported})", "bad_message"
+            )
+        normalized = {"role": role, "content": _text_content(message[content_key], f"{where}: message {i}")}
+        # Qwen3-style templates render a separate reasoning field of the last assistant turn.
+        if role == "assistant" and isinstance(message.get("reasoning_content"), str) and message["reasoning_content"]:
+            normalized["reasoning_content"] = message["reasoning_content"]
+        messages.append(normalized)
+    return messages
+
+
+def normalize_record(record: dict, where: str = "record") -> list[dict]:
+    """One data record -> OpenAI messages [{"role", "content"}, ...].
+
+    Accepts `messages` (role/content), ShareGPT `conversations` (from/value; from in
+    human/user, gpt/assistant/chatgpt, system) and GSM8K-style `question`/`answer`.
+    Raises DataFormatError (message starts with `where`) for an unknown format, a malformed
+    message, no user or no assistant turn, or an empty assistant turn.
+    """
+    messages = _parse_messages(record, where)
+    roles = [m["role"] for m in messages]
+    if "user" not in roles or "assistant" not in roles:
+        raise DataFormatError(f"{where}: needs at least one user and one assistant turn, got roles {roles}", "missing_roles")
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant" and not message["content"].strip():
+            raise DataFormatError(f"{where}: message {i} is an empty assistant turn", "empty_assistant_turn")
+    return messages
+
+
+# ----------------------------------------------------------------------------------------
+# Chat template -> input_ids and loss mask
+
+
+def require_chat_template(tokenizer) -> None:
+    """Raise ValueError when `tokenizer` has no chat template (a base model's tokenizer)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"The tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat template, so "
+            "conversations cannot be formatted the way the target sees them. Pass a target model (or tokenizer) "
+            "that has one, e.g. an instruct/chat checkpoint whose tokenizer_config.json or chat_template.jinja "
+            "defines `chat_template`."
+        )
+
+
+def _render(tokenizer, messages, add_generation_prompt, chat_template_kwargs) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+    )
+
+
+def find_end_of_turn(tokenizer, chat_template_kwargs: dict | None = None) -> tuple[str, str]:
+    """What the template writes right after an assistant message's content.
+
+    Returns (text_before, end_of_turn): `end_of_turn` is the first added/special token in
+    that footer (`<|im_end|>` for Qwen3 and SmolLM2, `<|eot_id|>` for Llama 3) and
+    `text_before` whatever precedes it (usually ""). ("", "") when the footer holds no
+    special token; the mask then ends with the content.
+    """
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = _render(tokenizer, probe, False, chat_template_kwargs)
+    except Exception:  # a template that refuses the probe: fall back to content-only spans
+        return "", ""
+    if _PROBE not in text:
+        return "", ""
+    footer = text[text.index(_PROBE) + len(_PROBE) :]
+    candidates = [
+        (footer.find(token.content), -len(token.content), token.content)
+        for token in tokenizer.added_tokens_decoder.values()
+        if token.content.strip() and token.content in footer
+    ]
+    if not candidates:
+        return "", ""
+    position, _, end_of_turn = min(candidates)  # earliest, then longest
+    return footer[:position], end_of_turn
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _assistant_char_spans(tokenizer, messages, text, chat_template_kwargs, footer) -> list[tuple[int, int]]:
+    """Character spans [start, end) of the assistant turns in `text` (the rendered chat).
+
+    start: where the text stops matching the conversation-so-far rendered with
+    `add_generation_prompt=True`, i.e. right after the header the target sees before it
+    starts writing (with Qwen3 and enable_thinking=False that header includes the empty
+    `<think></think>` block, which is then not trained).
+    end: after the content and the end-of-turn token. The content is searched together
+    with the footer, so a copy of the answer inside a reasoning block cannot match.
+    Templates may rewrite content (strip it, drop earlier turns' `<think>` sections), so the
+    search tries the content as is, stripped, and the part after `</think>`.
+    """
+    text_before_eot, end_of_turn = footer
+    tail = text_before_eot + end_of_turn
+    spans, cursor = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], True, chat_template_kwargs)
+        start = max(_common_prefix_length(prompt, text), cursor)
+        content = message["content"]
+        needles = dict.fromkeys(n for n in (content, content.strip(), content.split("</think>")[-1].strip()) if n)
+        for needle in needles:
+            position = text.find(needle + tail, start)
+            if position >= 0:
+                end = position + len(needle) + len(tail)
+                break
+        else:
+            raise DataFormatError(f"assistant message {i} not found in the text rendered by the chat template", "template_error")
+        spans.append((start, end))
+        cursor = end
+    return spans
+
+
+def tokenize_conversation(
+    messages: list[dict],
+    tokenizer,
+    *,
+    max_seq_length: int,
+    chat_template_kwargs: dict | None = None,
+    footer: tuple[str, str] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Messages -> (input_ids, loss_mask), both lists of length <= max_seq_length.
+
+    loss_mask[t] = 1 for tokens of assistant turns (content and the end-of-turn token),
+    0 for everything else. A token that straddles a span edge counts as assistant.
+    `footer` is `find_end_of_turn(tokenizer, chat_template_kwargs)` (pass it to avoid
+    recomputing it per sample). Raises DataFormatError("template_error") when the template
+    rejects the conversation, ValueError for a tokenizer without offsets support.
+    """
+    kwargs = chat_template_kwargs or {}
+    footer = footer if footer is not None else find_end_of_turn(tokenizer, kwargs)
+    try:
+        if _GENERATION_TAG.search(tokenizer.chat_template):
+            encoded = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+            )
+            input_ids, loss_mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
+            # Templates differ on whether {% generation %} covers the end-of-turn token; we
+            # always train it (the drafter must propose it), so extend each span by it.
+            end_of_turn_ids = tokenizer.encode(footer[1], add_special_tokens=False) if footer[1] else []
+            if len(end_of_turn_ids) == 1:
+                for t in range(len(input_ids) - 1):
+                    if loss_mask[t] and not loss_mask[t + 1] and input_ids[t + 1] == end_of_turn_ids[0]:
+                        loss_mask[t + 1] = 1
+        else:
+            text = _render(tokenizer, messages, False, kwargs)
+            spans = _assistant_char_spans(tokenizer, messages, text, kwargs, footer)
+            if not getattr(tokenizer, "is_fast", True):
+                raise ValueError("the loss mask needs a fast tokenizer (character offsets); load it with use_fast=True")
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            input_ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+            loss_mask = [0] * len(input_ids)
+            span_index = 0
+            for t, (token_start, token_end) in enumerate(offsets):  # tokens and spans are both in order
+                while span_index < len(spans) and token_start >= spans[span_index][1]:
+                    span_index += 1
+                if span_index == len(spans):
+                    break
+                if token_end > spans[span_index][0]:
+                    loss_mask[t] = 1
+    except DataFormatError:
+        raise
+    except ValueError as error:
+        if "fast tokenizer" in str(error):
+            raise
+        raise DataFormatError(f"chat template error: {error}", "template_error") from error
+    except Exception as error:  # jinja2 errors (raise_exception in the template) and friends
+        raise DataFormatError(f"chat template error: {type(error).__name__}: {error}", "template_error") from error
+    return input_ids[:max_seq_length], loss_mask[:max_seq_length]
+
+
+def _has_anchor(loss_mask: list[int]) -> bool:
+    """DFlash anchors need two consecutive trainable tokens (the anchor and its first label)."""
+    return any(a and b for a, b in zip(loss_mask, loss_mask[1:]))
+
+
+def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer, code_version=None):
+    """datasets.map function (batched): raw records -> input_ids, loss_mask, num_tokens,
+    plus `reason`/`error` ("" for good rows) so bad rows can be reported or counted."""
+    out = {"input_ids": [], "loss_mask": [], "num_tokens": [], "reason": [], "error": []}
+    for record_text, read_error, where in zip(rows["record"], rows["error"], rows["where"]):
+        input_ids, loss_mask, reason, error = [], [], "", ""
+        try:
+            if read_error:
+                raise DataFormatError(f"{where}: {read_error}", "invalid_json")
+            try:
+                record = json.loads(record_text)
+            except json.JSONDecodeError as json_error:
+                raise DataFormatError(f"{where}: invalid JSON ({json_error})", "invalid_json") from json_error
+            messages = normalize_record(record, where)
+            try:
+                input_ids, loss_mask = tokenize_conversation(
+                    messages, tokenizer, max_seq_length=max_seq_length, chat_template_kwargs=chat_template_kwargs, footer=footer
+                )
+            except DataFormatError as template_error:
+                raise DataFormatError(f"{where}: {template_error}", template_error.reason) from template_error
+            if not _has_anchor(loss_mask):
+                raise DataFormatError(
+                    f"{where}: fewer than 2 assistant tokens left after truncation to max_seq_length={max_seq_length} "
+                    "(nothing to train on)",
+                    "no_trainable_token",
+                )
+        except DataFormatError as bad:
+            input_ids, loss_mask, reason, error = [], [], bad.reason, str(bad)
+        out["input_ids"].append(input_ids)
+        out["loss_mask"].append(loss_mask)
+        out["num_tokens"].append(len(input_ids))
+        out["reason"].append(reason)
+        out["error"].append(error)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Files and datasets -> raw records
+
+
+def _file_stamp(path: str) -> tuple[str, int, int]:
+    stat = os.stat(path)
+    return (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+def _read_json_files(files: list[tuple[int, str]], stamps=None, code_version=None):
+    """datasets generator over JSON/JSONL files -> _RAW_FEATURES rows. JSON is parsed later
+    (in the map) so every bad line is reported the same way. `stamps` (size, mtime) and
+    `code_version` only feed datasets' cache key, so an edited file is read again."""
+    for source_index, path in files:
+        if path.endswith(".json"):
+            with open(path, "rb") as f:
+                raw = f.read()
+            try:
+                records = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                where = f"{path}:{getattr(error, 'lineno', 1)}"
+                yield {"record": "", "error": f"invalid JSON file ({error})", "where": where, "source_index": source_index, "line": 0}
+                continue
+            if not isinstance(records, list):
+                records = [records]  # a single record; normalize_record rejects non-objects
+            for i, record in enumerate(records):
+                where = f"{path}[record {i}]"
+                yield {"record": json.dumps(record, ensure_ascii=False), "error": "", "where": where, "source_index": source_index, "line": i}
+            continue
+        # JSONL: read bytes and split on b"\n" only (str.splitlines would also split on
+        # U+2028 inside JSON strings and shift the line numbers).
+        with open(path, "rb") as f:
+            for line_number, line in enumerate(f, start=1):
+                where = f"{path}:{line_number}"
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    yield {"record": "", "error": f"not UTF-8 ({error})", "where": where, "source_index": source_index, "line": line_number}
+                    continue
+                if text.strip():  # blank lines (e.g. a trailing one) are not records
+                    yield {"record": text, "error": "", "where": where, "source_index": source_index, "line": line_number}
+
+
+def _hf_rows_to_raw(rows, indices, name, source_index, code_version=None):
+    """datasets.map function: rows of a HF dataset -> _RAW_FEATURES rows."""
+    columns = list(rows)
+    out = {"record": [], "error": [], "where": [], "source_index": [], "line": []}
+    for j, index in enumerate(indices):
+        record = {column: rows[column][j] for column in columns}
+        out["record"].append(json.dumps(record, ensure_ascii=False, default=str))
+        out["error"].append("")
+        out["where"].append(f"{name}[row {index}]")
+        out["source_index"].append(source_index)
+        out["line"].append(index)
+    return out
+
+
+def _load_hf_dataset(path: str) -> datasets.Dataset:
+    """A `save_to_disk` folder, a parquet file or folder, or a Hub id -> the train split."""
+    try:
+        if os.path.isdir(path) and any(
+            os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")
+        ):
+            loaded = datasets.load_from_disk(path)
+        elif os.path.isdir(path) or path.endswith(".parquet"):
+            files = sorted(str(p) for p in Path(path).rglob("*.parquet")) if os.path.isdir(path) else [path]
+            loaded = datasets.load_dataset("parquet", data_files=files, split="train")
+        else:
+            loaded = datasets.load_dataset(path, split="train")
+    except Exception as error:
+        raise ValueError(
+            f"{path}: not a data file, and loading it as a HF dataset (save_to_disk folder, parquet folder or "
+            f"Hub id; Hub ids need network access) failed: {type(error).__name__}: {error}"
+        ) from error
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise ValueError(f"{path}: dataset has splits {list(loaded)} but no 'train' split")
+        loaded = loaded["train"]
+    return loaded
+
+
+def _is_hf_dataset_dir(path: str) -> bool:
+    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    return any(os.path.exists(os.path.join(path, m)) for m in markers) or any(Path(path).rglob("*.parquet"))
+
+
+def _expand_paths(paths: list[str]) -> tuple[list[str], list[str]]:
+    """Input paths -> (JSON/JSONL files, HF dataset paths). A folder of json/jsonl files
+    contributes its files (sorted); a parquet file, a folder with parquet files, a saved
+    dataset, and anything that is not a local path (a Hub id) are HF datasets."""
+    json_files, hf_paths = [], []
+    for path in paths:
+        if os.path.isfile(path) and path.endswith((".json", ".jsonl")):
+            json_files.append(path)
+        elif os.path.isfile(path) and not path.endswith(".parquet"):
+            raise ValueError(f"{path}: unsupported data file type; use .jsonl, .json, .parquet or a dataset folder")
+        elif os.path.isdir(path) and not _is_hf_dataset_dir(path):
+            found = sorted(str(p) for p in Path(path).rglob("*") if p.suffix in (".json", ".jsonl"))
+            if not found:
+                raise ValueError(f"{path}: folder has no .jsonl/.json/.parquet files and is not a saved dataset")
+            json_files.extend(found)
+        else:
+            hf_paths.append(path)
+    return json_files, hf_paths
+
+
+def _load_raw_records(paths: list[str], num_proc: int) -> datasets.Dataset:
+    """All inputs as one dataset of raw records (_RAW_FEATURES), in input order."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [str(paths)]
+    if not paths:
+        raise ValueError("no training data given; pass one or more files or datasets (--train_data)")
+    json_files, hf_paths = _expand_paths([str(p) for p in paths])
+    parts = []
+    if json_files:
+        files = list(enumerate(json_files))
+        parts.append(
+            datasets.Dataset.from_generator(
+                _read_json_files,
+                features=_RAW_FEATURES,
+                gen_kwargs={"files": files, "stamps": [_file_stamp(p) for p in json_files], "code_version": _CODE_VERSION},
+            )
+        )
+    for k, path in enumerate(hf_paths):
+        dataset = _load_hf_dataset(path)
+        parts.append(
+            dataset.map(
+                _hf_rows_to_raw,
+                batched=True,
+                with_indices=True,
+                remove_columns=dataset.column_names,
+                features=_RAW_FEATURES,
+                fn_kwargs={"name": path, "source_index": len(json_files) + k, "code_version": _CODE_VERSION},
+                num_proc=num_proc if len(dataset) >= 1000 * num_proc else None,
+                desc=f"Reading {path}",
+            )
+        )
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+# ----------------------------------------------------------------------------------------
+# Public API
+
+
+def build_train_dataset(
+    paths: list[str],
+    tokenizer,
+    *,
+    max_seq_length: int,
+    chat_template_kwargs: dict | None = None,
+    num_proc: int = 1,
+    seed: int = 0,
+    skip_bad_samples: bool = False,
+    max_samples: int | None = None,
+) -> datasets.Dataset:
+    """Conversations from `paths` -> tokenized training samples, shuffled by `seed`.
+
+    Columns: `input_ids` (list[int], length <= max_seq_length), `loss_mask` (list[int] of
+    0/1, same length; 1 on assistant tokens incl. the end-of-turn token) and `num_tokens`
+    (int, = len(input_ids)). Every sample has at least one DFlash anchor (two consecutive
+    assistant tokens).
+
+    `chat_template_kwargs` are passed to the template (e.g. {"enable_thinking": False} for
+    Qwen3). `max_samples` keeps the first `max_samples` records of the shuffled order,
+    before tokenization (cheap demos and tests; bad records among them are then dropped
+    or reported, records outside are never looked at). Tokenization runs once per
+    (data, tokenizer, settings): datasets caches the result on disk. In multi-process
+    training call this on the main process first (accelerator.main_process_first()).
+
+    Raises:
+        ValueError: the tokenizer has no chat template; a path is neither a data file nor a
+            dataset; nothing usable is left.
+        DataFormatError: a bad record (message names file and line and the reason), unless
+            `skip_bad_samples`, which drops bad records and logs the count per reason.
+    """
+    require_chat_template(tokenizer)
+    if max_seq_length < 2:
+        raise ValueError(f"max_seq_length={max_seq_length} is too short; DFlash needs at least 2 tokens per sample")
+    raw = _load_raw_records(paths, num_proc).shuffle(seed=seed)
+    if max_samples is not None:
+        raw = raw.select(range(min(max_samples, len(raw))))
+    footer = find_end_of_turn(tokenizer, chat_template_kwargs)
+    tokenized = raw.map(
+        _tokenize_rows,
+        batched=True,
+        batch_size=256,
+        remove_columns=["record", "error"],
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "max_seq_length": max_seq_length,
+            "chat_template_kwargs": chat_template_kwargs or {},
+            "footer": footer,
+            "code_version": _CODE_VERSION,
+        },
+        num_proc=num_proc if num_proc > 1 and len(raw) >= 64 * num_proc else None,
+        desc="Tokenizing",
+    )
+
+    reasons = tokenized["reason"]
+    bad = [i for i, reason in enumerate(reasons) if reason]
+    if bad:
+        bad_rows = tokenized.select(bad).select_columns(["reason", "error", "source_index", "line"]).to_list()
+        bad_rows.sort(key=lambda row: (row["source_index"], row["line"]))  # report in file order
+        if not skip_bad_samples:
+            more = f" ({len(bad) - 1} more bad samples)" if len(bad) > 1 else ""
+            raise DataFormatError(
+                f"{bad_rows[0]['error']}{more}. Fix or remove the record, or pass skip_bad_samples=True "
+                "(--skip_bad_samples) to skip bad records.",
+                bad_rows[0]["reason"],
+            )
+        counts = collections.Counter(row["reason"] for row in bad_rows)
+        summary = ", ".join(f"{reason}: {counts[reason]}" for reason in BAD_SAMPLE_REASONS if counts[reason])
+        logger.warning(
+            "Skipped %d of %d samples (%s). First: %s", len(bad), len(reasons), summary, bad_rows[0]["error"]
+        )
+        tokenized = tokenized.filter(lambda reason: not reason, input_columns="reason", desc="Dropping bad samples")
+    if len(tokenized) == 0:
+        raise ValueError(f"no usable training samples in {paths}")
+    tokenized = tokenized.select_columns(["input_ids", "loss_mask", "num_tokens"])
+    logger.info(
+        "Training data: %d samples, %d tokens, %d assistant (trained) tokens",
+        len(tokenized),
+        sum(tokenized["num_tokens"]),
+        sum(sum(mask) for mask in tokenized["loss_mask"]),
+    )
+    return tokenized
+
+
+def collate_batch(samples: list[dict], pad_token_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """Right-pad samples to one batch.
+
+    samples: dicts with `input_ids` and `loss_mask` (lists of equal length; other keys ignored).
+    Returns `input_ids` LongTensor [batch, S], `loss_mask` BoolTensor [batch, S] (False on
+    padding) and `attention_mask` LongTensor [batch, S] (1 = real token), where S is the
+    longest sample rounded up to a multiple of `pad_to_multiple_of`.
+    """
+    longest = max(len(sample["input_ids"]) for sample in samples)
+    seq_len = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((len(samples), seq_len), pad_token_id, dtype=torch.long)  # [batch, S]
+    loss_mask = torch.zeros((len(samples), seq_len), dtype=torch.bool)  # [batch, S]
+    attention_mask = torch.zeros((len(samples), seq_len), dtype=torch.long)  # [batch, S]
+    for row, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        assert len(sample["loss_mask"]) == n, f"sample {row}: input_ids and loss_mask lengths differ"
+        input_ids[row, :n] = torch.as_tensor(sample["input_ids"], dtype=torch.long)
+        loss_mask[row, :n] = torch.as_tensor(sample["loss_mask"], dtype=torch.bool)
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+
+
+def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Batches of dataset indices with similar lengths, so padding wastes little.
+
+    transformers' megabatch scheme (LengthGroupedSampler): a random permutation, cut into
+    megabatches of ~50 batches, each sorted by length; we cut it into batches and then
+    shuffle the batch order, keeping the batch with the longest sample first (an OOM shows
+    up at step 1, not hours in). Deterministic in (seed, epoch); every index appears
+    exactly once; only the last batch may be smaller than `batch_size`.
+    """
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    indices = get_length_grouped_indices(list(lengths), batch_size, generator=generator)
+    batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    order = torch.randperm(len(batches) - 1, generator=generator).tolist() if len(batches) > 1 else []
+    return batches[:1] + [batches[1 + k] for k in order]
+
+
+def prompt_hash(messages: list[dict]) -> str:
+    """Short stable hash of a prompt (regenerate_data.py checks resumed output with it)."""
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def _prompt_messages(record, where: str) -> list[dict]:
+    """One prompt record -> messages up to and including the last user turn."""
+    if isinstance(record, dict) and any(key in record for key in ("prompt", "question", "turns")):
+        key = next(key for key in ("prompt", "question", "turns") if key in record)
+        value = record[key]
+        if key == "turns":  # MT-Bench: a list of user turns; the first one opens the chat
+            value = value[0] if isinstance(value, list) and value else None
+        if not isinstance(value, str) or not value.strip():
+            raise DataFormatError(f"{where}: '{key}' must be a non-empty string", "bad_message")
+        return [{"role": "user", "content": value}]
+    if isinstance(record, dict) and not any(key in record for key in ("messages", "conversations")):
+        raise DataFormatError(
+            f"{where}: unknown prompt format, keys {sorted(record)}; expected 'prompt', 'question', "
+            "'turns' (MT-Bench), 'messages' or 'conversations'",
+            "unknown_format",
+        )
+    messages = _parse_messages(record, where)
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise DataFormatError(f"{where}: no user turn to use as a prompt", "missing_roles")
+    return messages[: users[-1] + 1]
+
+
+def load_prompts(path: str, tokenizer=None, *, num_prompts: int | None = None) -> list[list[dict]]:
+    """Prompts as message lists (each ends with a user turn), in file order.
+
+    Reads JSONL (or a JSON list) with one of: `{"prompt": str}`, GSM8K `{"question": str}`,
+    MT-Bench `{"turns": [str, ...]}` (first turn), `{"messages": [...]}` /
+    `{"conversations": [...]}` (everything up to and including the last user turn).
+    Blank lines are skipped; the i-th returned prompt is the i-th record. With a
+    `tokenizer`, checks that it has a chat template and that each prompt renders.
+    `num_prompts` keeps the first N.
+
+    Raises ValueError (no chat template, missing file) and DataFormatError naming file and
+    line for a bad record.
+    """
+    if tokenizer is not None:
+        require_chat_template(tokenizer)
+    if not os.path.isfile(path):
+        raise ValueError(f"prompt file {path} does not exist")
+    prompts = []
+    for row in _read_json_files([(0, str(path))], None):
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        where = row["where"]
+        if row["error"]:
+            raise DataFormatError(f"{where}: {row['error']}", "invalid_json")
+        try:
+            record = json.loads(row["record"])
+        except json.JSONDecodeError as error:
+            raise DataFormatError(f"{where}: invalid JSON ({error})", "invalid_json") from error
+        messages = _prompt_messages(record, where)
+        if tokenizer is not None:
+            try:
+                _render(tokenizer, messages, True, None)
+            except Exception as error:
+                raise DataFormatError(f"{where}: chat template error: {error}", "template_error") from error
+        prompts.append(messages)
+    if not prompts:
+        raise ValueError(f"prompt file {path} has no prompts")
+    return prompts
