@@ -1,0 +1,313 @@
+"""The drafter against slow, hand-built references: mask, labels, loss, flex vs SDPA, export, draft pass."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import LlamaConfig, Qwen3Config
+
+from dflash_model import (
+    DFlashConfig,
+    DFlashDraftModel,
+    block_input_ids,
+    block_labels,
+    block_position_ids,
+    create_anchor_block_mask,
+    default_target_layer_ids,
+    dense_anchor_block_mask,
+    dflash_loss,
+    estimate_acceptance_length,
+    loss_weights,
+    sample_anchors,
+)
+
+VOCAB = 64
+MASK_ID = 63
+
+
+def tiny_drafter(block_size=4, num_draft_layers=2, seed=0):
+    """A drafter at hidden 16 over a tiny Qwen3 target config, with random target tables attached."""
+    torch.manual_seed(seed)
+    target_config = Qwen3Config(
+        hidden_size=16, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=32, vocab_size=VOCAB,
+    )
+    config = DFlashConfig.from_target_config(
+        target_config, mask_token_id=MASK_ID, num_draft_layers=num_draft_layers, block_size=block_size
+    )
+    drafter = DFlashDraftModel(config).eval()
+    drafter.attach_target(nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB, bias=False))
+    return drafter
+
+
+def reference_mask(anchors, anchor_valid, seq_len, block_size):
+    """Element-by-element mask, written from DESIGN §2 with plain loops."""
+    batch, num_anchors = anchors.shape
+    q_len = num_anchors * block_size
+    mask = torch.zeros(batch, 1, q_len, seq_len + q_len, dtype=torch.bool)
+    for b in range(batch):
+        for j in range(num_anchors):
+            for q in range(j * block_size, (j + 1) * block_size):
+                if anchor_valid[b, j]:
+                    for kv in range(seq_len):
+                        mask[b, 0, q, kv] = kv < anchors[b, j]  # strictly before the anchor
+                for kv in range(seq_len + j * block_size, seq_len + (j + 1) * block_size):
+                    mask[b, 0, q, kv] = True  # own block, bidirectional
+    return mask
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_mask_equals_hand_built_reference(block_size):
+    seq_len = 20
+    # Overlapping anchors (3 and 4), an anchor at the last eligible position (18), an anchor at 0,
+    # and padded slots in the second row.
+    anchors = torch.tensor([[0, 3, 4, 18], [5, 9, 0, 0]])
+    anchor_valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    expected = reference_mask(anchors, anchor_valid, seq_len, block_size)
+    assert torch.equal(dense_anchor_block_mask(anchors, anchor_valid, seq_len, block_size), expected)
+    # The flex BlockMask encodes the same rule.
+    block_mask = create_anchor_block_mask(anchors, anchor_valid, seq_len, block_size)
+    q_len = anchors.shape[1] * block_size
+    assert block_mask.shape == (2, 1, q_len, seq_len + q_len)
+    b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(q_len), torch.arange(seq_len + q_len), indexing="ij")
+    assert torch.equal(block_mask.mask_mod(b, 0, q, kv), expected[:, 0])
+
+
+def test_mask_semantics_spelled_out():
+    seq_len, block_size = 10, 4
+    anchors, valid = torch.tensor([[3, 4]]), torch.tensor([[True, True]])
+    mask = dense_anchor_block_mask(anchors, valid, seq_len, block_size)[0, 0]
+    # Block 0 (anchor 3): context 0, 1, 2 visible; context 3 (the anchor itself) is not.
+    assert mask[0, :3].all() and not mask[0, 3:seq_len].any()
+    # Block 1 (anchor 4) overlaps block 0 in positions but never sees its keys.
+    assert mask[4, :4].all() and not mask[4, 4:seq_len].any()
+    assert not mask[4:8, seq_len : seq_len + 4].any() and not mask[0:4, seq_len + 4 :].any()
+    # Bidirectional inside a block: the first query sees the last key of its block.
+    assert mask[0, seq_len + 3] and mask[3, seq_len]
+
+
+def test_padded_anchor_slot_sees_only_its_own_block():
+    anchors, valid = torch.tensor([[5, 0]]), torch.tensor([[True, False]])
+    mask = dense_anchor_block_mask(anchors, valid, 8, 2)[0, 0]
+    assert not mask[2:4, :8].any() and mask[2:4, 8 + 2 : 8 + 4].all()
+    assert mask.any(dim=-1).all(), "no fully masked query row (softmax would be NaN)"
+
+
+def test_blocks_labels_and_positions():
+    block_size, seq_len = 4, 12
+    input_ids = torch.arange(100, 100 + seq_len)[None]
+    loss_mask = torch.ones(1, seq_len, dtype=torch.bool)
+    loss_mask[0, 7] = False  # one untrained token inside a block
+    anchors, valid = torch.tensor([[2, 5, 10, 0]]), torch.tensor([[True, True, True, False]])
+    ids = block_input_ids(input_ids, anchors, MASK_ID, block_size).view(4, block_size)
+    assert ids[:, 0].tolist() == [102, 105, 110, 100] and (ids[:, 1:] == MASK_ID).all()
+    positions = block_position_ids(anchors, block_size).view(4, block_size)
+    assert positions[0].tolist() == [2, 3, 4, 5] and positions[2].tolist() == [10, 11, 12, 13]
+    labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, block_size)
+    # The block at anchor a predicts tokens a+1 .. a+B-1, sitting at positions a+1 .. a+B-1.
+    assert labels[0, 0].tolist() == [103, 104, 105]
+    assert labels[0, 0].tolist() == (100 + positions[0, 1:]).tolist()
+    assert label_valid[0, 0].tolist() == [True, True, True]
+    assert label_valid[0, 1].tolist() == [True, False, True]  # token 7 is outside the loss mask
+    assert label_valid[0, 2].tolist() == [True, False, False]  # past the sequence end
+    assert not label_valid[0, 3].any()  # padded slot
+
+
+def test_sample_anchors_eligibility_and_determinism():
+    loss_mask = torch.zeros(3, 30, dtype=torch.bool)
+    loss_mask[0, 5:25] = True
+    loss_mask[1, 10:13] = True  # only 10 and 11 are eligible
+    draw = lambda: sample_anchors(loss_mask, 8, torch.Generator().manual_seed(7))
+    anchors, valid = draw()
+    assert anchors.shape == (3, 8) and valid.shape == (3, 8)
+    row0 = anchors[0][valid[0]]
+    assert len(row0) == 8 and len(set(row0.tolist())) == 8  # without replacement
+    assert ((row0 >= 5) & (row0 <= 23)).all() and torch.equal(row0, row0.sort().values)
+    assert anchors[1][valid[1]].tolist() == [10, 11] and valid[1].tolist() == [True] * 2 + [False] * 6
+    assert not valid[2].any()
+    again, _ = draw()
+    assert torch.equal(anchors, again)
+    other, _ = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(8))
+    assert not torch.equal(anchors[0], other[0])
+    # More slots than positions: padded to a static shape.
+    short, short_valid = sample_anchors(torch.ones(1, 5, dtype=torch.bool), 16)
+    assert short.shape == (1, 16) and short_valid.sum() == 4
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, DESIGN §1
+    assert default_target_layer_ids(28, 5) == [1, 7, 13, 19, 25]
+    assert default_target_layer_ids(6, 2) == [1, 3]
+
+
+def test_loss_weights_worked_example():
+    w = loss_weights(16)
+    assert w.shape == (15,) and w[0] == 1.0
+    torch.testing.assert_close(w[7], torch.tensor(math.exp(-1.0)), rtol=0, atol=1e-7)
+    torch.testing.assert_close(loss_weights(8)[4], torch.tensor(math.exp(-1.0)), rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="--loss_decay_gamma"):
+        loss_weights(12)
+
+
+def test_weighted_loss_equals_hand_computed_value():
+    # One row, two anchors, B = 3: four label positions, one of them invalid.
+    head = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # vocab 3, hidden 2
+    hidden = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]], [[1.0, 1.0], [5.0, 5.0]]]])  # [1, 2, 2, 2]
+    labels = torch.tensor([[[0, 1], [2, 0]]])
+    valid = torch.tensor([[[True, True], [True, False]]])
+    weights = torch.tensor([1.0, 0.5])
+    loss, acc = dflash_loss(hidden, head, labels, valid, weights, chunk_size=2)
+
+    def ce(h, y):
+        logits = [h[0] * head[v, 0] + h[1] * head[v, 1] for v in range(3)]
+        return math.log(sum(math.exp(z) for z in logits)) - logits[y]
+
+    expected = (1.0 * ce([2, 0], 0) + 0.5 * ce([0, 1], 1) + 1.0 * ce([1, 1], 2)) / (1.0 + 0.5 + 1.0)
+    assert abs(loss.item() - expected) < 1e-6
+    # argmax: [2,0] -> logits [2,0,2] picks 0 (first max) = label 0; [0,1] -> [0,1,1] picks 1 = label 1;
+    # [1,1] -> [1,1,2] picks 2 = label 2. The invalid position never counts.
+    assert acc.tolist() == [1.0, 1.0]
+
+
+def test_padding_never_counts_and_chunking_is_exact():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 3, 5, 8, requires_grad=True)
+    head = torch.randn(40, 8)
+    labels = torch.randint(0, 40, (2, 3, 5))
+    valid = torch.rand(2, 3, 5) > 0.3
+    weights = loss_weights(6, gamma=2.0)
+    loss_a, acc_a = dflash_loss(hidden, head, labels, valid, weights, chunk_size=4)
+    (grad_a,) = torch.autograd.grad(loss_a, hidden)
+    # Reference: full logits, plain loops.
+    num, den = 0.0, 0.0
+    for idx in valid.nonzero().tolist():
+        b, n, k = idx
+        num += weights[k] * F.cross_entropy(hidden[b, n, k] @ head.t(), labels[b, n, k])
+        den += weights[k]
+    torch.testing.assert_close(loss_a, num / den, rtol=1e-6, atol=1e-6)
+    (grad_ref,) = torch.autograd.grad(num / den, hidden)
+    torch.testing.assert_close(grad_a, grad_ref, rtol=1e-5, atol=1e-7)
+    assert (grad_a[~valid] == 0).all()
+    # Changing labels and hidden at invalid positions changes nothing.
+    hidden2 = hidden.detach().clone()
+    hidden2[~valid] = 1e3
+    labels2 = labels.masked_fill(~valid, 0)
+    loss_b, acc_b = dflash_loss(hidden2, head, labels2, valid, weights, chunk_size=1000)
+    torch.testing.assert_close(loss_b, loss_a.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(acc_b, acc_a, equal_nan=True)
+
+
+def test_loss_with_no_valid_label_is_zero_with_a_graph():
+    hidden = torch.randn(1, 2, 3, 4, requires_grad=True)
+    loss, acc = dflash_loss(hidden, torch.randn(10, 4), torch.zeros(1, 2, 3, dtype=torch.long),
+                            torch.zeros(1, 2, 3, dtype=torch.bool), loss_weights(4, 2.0))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isnan(acc).all() and (hidden.grad == 0).all()
+
+
+def test_estimate_acceptance_length():
+    assert abs(estimate_acceptance_length(torch.tensor([0.9, 0.8, 0.5])) - 2.98) < 1e-6
+    assert estimate_acceptance_length(torch.tensor([1.0] * 15)) == 16.0
+    assert estimate_acceptance_length(torch.tensor([float("nan"), 1.0])) == 1.0
+
+
+def _batch(seq_len=24, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, MASK_ID, (batch, seq_len), generator=g)
+    loss_mask = torch.ones(batch, seq_len, dtype=torch.bool)
+    loss_mask[:, :4] = False
+    loss_mask[-1, seq_len - 6 :] = False  # a right-padded row
+    return input_ids, loss_mask
+
+
+def test_compiled_flex_forward_equals_sdpa_on_cpu():
+    drafter = tiny_drafter(block_size=4)
+    input_ids, loss_mask = _batch()
+    features = torch.randn(2, input_ids.shape[1], 2 * 16)
+    anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
+    valid[0, -1] = False  # a padded slot too
+    with torch.no_grad():
+        sdpa = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
+        flex = drafter(features, input_ids, anchors, valid, attention_backend="flex")
+    assert sdpa.shape == (2, 6, 4, 16)
+    torch.testing.assert_close(flex, sdpa, rtol=1e-4, atol=1e-5)
+
+
+def test_draft_pass_matches_training_forward():
+    """Inference (cached context, one block, no mask) computes what training computes for that anchor."""
+    drafter = tiny_drafter(block_size=4)
+    input_ids, _ = _batch(batch=1)
+    features = torch.randn(1, input_ids.shape[1], 2 * 16)
+    anchor = 13
+    with torch.no_grad():
+        hidden = drafter(features, input_ids, torch.tensor([[anchor]]), torch.tensor([[True]]))
+        expected = drafter.target_lm_head(hidden[0, 0, 1:]).argmax(-1)
+        # Context arrives in two pieces, as it does during speculative decoding.
+        cache = drafter.extend_context(None, features[:, :9])
+        cache = drafter.extend_context(cache, features[:, 9:anchor])
+        assert cache.length == anchor
+        draft = drafter.draft_block(cache, input_ids[:, anchor])
+    assert cache.length == anchor, "a draft pass leaves the cache at the context"
+    assert torch.equal(draft[0], expected)
+    cache.crop(5)
+    assert cache.length == 5 and cache.keys[0].shape[2] == 5
+
+
+def test_loss_falls_on_a_fixed_batch():
+    drafter = tiny_drafter(block_size=4).train()
+    input_ids, loss_mask = _batch(seq_len=32)
+    features = torch.randn(2, 32, 2 * 16)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    weights = loss_weights(4, gamma=2.0)
+    losses = []
+    for step in range(40):
+        anchors, valid = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(step))
+        hidden = drafter(features, input_ids, anchors, valid)
+        labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
+        loss, _ = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, weights)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
+
+
+def test_export_round_trip_is_bit_identical(tmp_path):
+    drafter = tiny_drafter(block_size=16, num_draft_layers=3)
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == 16 and config["num_target_layers"] == 6 and config["num_hidden_layers"] == 3
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2, 3]}
+    assert config["tie_word_embeddings"] is False and config["vocab_size"] == VOCAB
+    assert len(config["layer_types"]) == 3
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "rope_theta", "max_position_embeddings"):
+        assert config[key] is not None, key
+    weights = load_file(tmp_path / "model.safetensors")
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= set(weights)
+    assert all(k.startswith(("layers.", "fc.", "hidden_norm.", "norm.")) for k in weights), sorted(weights)
+    assert not any("embed_tokens" in k or "lm_head" in k for k in weights)
+    assert "layers.2.self_attn.q_norm.weight" in weights and "layers.0.mlp.gate_proj.weight" in weights
+    reloaded = DFlashDraftModel.from_pretrained(tmp_path)
+    original = drafter.state_dict()
+    assert set(reloaded.state_dict()) == set(original)
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+    assert reloaded.config.target_layer_ids == [1, 2, 3] and reloaded.config.mask_token_id == MASK_ID
+
+
+def test_config_from_llama_target_and_errors():
+    llama = LlamaConfig(hidden_size=32, num_hidden_layers=30, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=64, vocab_size=100, rope_theta=1e5)
+    config = DFlashConfig.from_target_config(llama, mask_token_id=7)
+    assert config.head_dim == 8 and config.num_hidden_layers == 5 and config.num_target_layers == 30
+    assert config.target_layer_ids == default_target_layer_ids(30, 5) and config.rope_theta == 1e5
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashConfig.from_target_config(llama, mask_token_id=100)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DFlashConfig.from_target_config(llama, mask_token_id=7, target_layer_ids=[1, 30])
