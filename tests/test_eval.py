@@ -1,0 +1,314 @@
+"""eval_dflash.py against plain greedy decoding: lossless output, exact tau for oracle and always-wrong
+drafts, the drafter's context equals the target's layer outputs, and the results.json / plot of the CLI."""
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+import eval_dflash
+from dflash_model import DFlashConfig, DFlashDraftModel
+from eval_dflash import (
+    check_drafter_matches_target,
+    evaluate_acceptance,
+    greedy_generate,
+    prompt_lookup_generate,
+    speculative_generate,
+    summarize_speculative,
+)
+
+VOCAB = 256
+MASK_ID = 255
+TRAINED_BLOCK = 8
+LAYER_IDS = [0, 2]  # two features, so concatenation order is checked too
+
+
+def tiny_target(vocab_size=VOCAB, hidden=64, seed=0, **extra):
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=1024, **extra,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def tiny_drafter(target, mask_token_id=MASK_ID, block_size=TRAINED_BLOCK, seed=1):
+    torch.manual_seed(seed)
+    config = DFlashConfig.from_target_config(
+        target.config, mask_token_id=mask_token_id, num_draft_layers=2, block_size=block_size, target_layer_ids=LAYER_IDS
+    )
+    drafter = DFlashDraftModel(config).eval()
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    return drafter
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models: thread start-up costs more than the matmuls, and CI machines have few, shared cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return tiny_drafter(target)
+
+
+def random_prompts(count, seed=0):
+    rng = random.Random(seed)
+    return [torch.tensor([[rng.randrange(VOCAB - 1) for _ in range(rng.randrange(3, 30))]]) for _ in range(count)]
+
+
+class ScriptedDrafter:
+    """Stands in for the drafter with drafts derived from the target's own greedy continuation.
+
+    mode "oracle": the true continuation, each token replaced by a wrong one with probability
+    `corrupt`; mode "wrong": always a wrong token. It also checks the protocol: every anchor must
+    be the token at position cache.length of the reference, and it records the context features
+    it is given, in order.
+    """
+
+    def __init__(self, config, sequence, mode="oracle", corrupt=0.0, seed=0):
+        self.config = config
+        self.sequence = sequence  # prompt + greedy continuation, long enough for every draft
+        self.mode, self.corrupt, self.rng = mode, corrupt, random.Random(seed)
+        self.features = []
+
+    def extend_context(self, cache, context_features):
+        self.features.append(context_features)
+        return SimpleNamespace(length=(cache.length if cache else 0) + context_features.shape[1])
+
+    def draft_block(self, cache, anchor_token):
+        position = cache.length
+        assert self.sequence[position] == anchor_token.item(), f"anchor at position {position} is not the committed token"
+        drafts = []
+        for p in range(position + 1, position + self.config.block_size):
+            truth = self.sequence[p]
+            wrong = self.mode == "wrong" or self.rng.random() < self.corrupt
+            drafts.append((truth + 1) % VOCAB if wrong else truth)
+        return torch.tensor([drafts])  # [1, B-1]
+
+
+def scripted(drafter, target, input_ids, max_new_tokens, **kwargs):
+    """A ScriptedDrafter over the reference greedy continuation (no EOS), long enough for any block."""
+    reference = greedy_generate(target, input_ids, max_new_tokens + TRAINED_BLOCK)
+    return ScriptedDrafter(drafter.config, input_ids[0].tolist() + reference, **kwargs)
+
+
+def first_new_token_index(tokens, start):
+    """Index >= start of a token that does not occur earlier: as EOS, greedy stops exactly there."""
+    return next((i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i]), None)
+
+
+def test_greedy_reference_matches_transformers_generate(target):
+    for input_ids in random_prompts(3, seed=5):
+        reference = target.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=25, do_sample=False, pad_token_id=0
+        )[0, input_ids.shape[1] :].tolist()
+        assert greedy_generate(target, input_ids, 25) == reference
+    ours = greedy_generate(target, input_ids, 25)
+    eos = ours[first_new_token_index(ours, 4)]
+    assert greedy_generate(target, input_ids, 25, [eos]) == ours[: ours.index(eos) + 1]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "noisy_oracle"])
+def test_lossless_on_many_prompts(target, drafter, kind):
+    """Speculative output == greedy output, with EOS inside blocks and limits that end inside blocks."""
+    eos_inside_block = truncated_at_limit = 0
+    for i, input_ids in enumerate(random_prompts(12, seed=1)):
+        max_new_tokens = [13, 21, 30, 27][i % 4]  # none is 1 + a multiple of the block size
+        eos = []
+        if i % 2 == 0:  # half the prompts stop at an EOS the greedy target actually produces
+            free = greedy_generate(target, input_ids, max_new_tokens)
+            index = first_new_token_index(free, 3 + i % 5)
+            eos = [free[index]] if index is not None else []
+        reference = greedy_generate(target, input_ids, max_new_tokens, eos)
+        block_size = [TRAINED_BLOCK, 5][i % 2]
+        draft_model = drafter if kind == "dflash" else scripted(drafter, target, input_ids, max_new_tokens, corrupt=0.25, seed=i)
+        tokens, stats = speculative_generate(target, draft_model, input_ids, max_new_tokens, block_size, eos)
+        assert tokens == reference, f"prompt {i}"
+        assert sum(stats["committed"]) == len(tokens) - 1, "every token but the prefill one is committed by a verify forward"
+        assert all(1 <= c <= block_size for c in stats["committed"])
+        last_committed, last_accepted = stats["committed"][-1], stats["accepted_drafts"][-1]
+        if eos and tokens[-1] == eos[0] and last_committed < last_accepted + 1:
+            eos_inside_block += 1  # accepted drafts after the EOS were dropped
+        if len(tokens) == max_new_tokens and last_committed < last_accepted + 1:
+            truncated_at_limit += 1
+    if kind == "noisy_oracle":
+        assert eos_inside_block >= 1 and truncated_at_limit >= 1, (eos_inside_block, truncated_at_limit)
+
+
+@pytest.mark.parametrize("block_size", [TRAINED_BLOCK, 4, 2])
+def test_oracle_draft_gives_tau_equal_block_size(target, drafter, block_size):
+    blocks = 3
+    max_new_tokens = 1 + blocks * block_size  # the prefill token, then full blocks only
+    stats_list = []
+    for input_ids in random_prompts(3, seed=2):
+        oracle = scripted(drafter, target, input_ids, max_new_tokens)
+        tokens, stats = speculative_generate(target, oracle, input_ids, max_new_tokens, block_size, eos_token_ids=[])
+        assert tokens == greedy_generate(target, input_ids, max_new_tokens)
+        assert stats["verify_forwards"] == blocks and stats["committed"] == [block_size] * blocks
+        stats_list.append(stats)
+    summary = summarize_speculative(stats_list, block_size)
+    assert summary["acceptance_length"] == block_size
+    assert summary["acceptance_rate_by_position"] == [1.0] * (block_size - 1)
+    assert summary["accepted_drafts_histogram"] == [0] * (block_size - 1) + [3 * blocks]
+
+
+def test_always_wrong_draft_gives_tau_one(target, drafter):
+    stats_list = []
+    for input_ids in random_prompts(3, seed=3):
+        wrong = scripted(drafter, target, input_ids, 17, mode="wrong")
+        tokens, stats = speculative_generate(target, wrong, input_ids, 17, eos_token_ids=[])
+        assert tokens == greedy_generate(target, input_ids, 17)
+        assert stats["verify_forwards"] == 16 and stats["accepted_drafts"] == [0] * 16
+        stats_list.append(stats)
+    summary = summarize_speculative(stats_list, TRAINED_BLOCK)
+    assert summary["acceptance_length"] == 1.0
+    assert summary["acceptance_rate_by_position"] == [0.0] * (TRAINED_BLOCK - 1)
+
+
+def test_drafter_context_is_the_targets_layer_outputs(target, drafter):
+    """The drafter is fed hidden_states[i + 1] (i in target_layer_ids, list order) of exactly the tokens
+    before the current anchor, whatever the number of tokens each step accepted."""
+    input_ids = random_prompts(1, seed=4)[0]
+    spy = scripted(drafter, target, input_ids, 40, corrupt=0.3, seed=4)
+    tokens, stats = speculative_generate(target, spy, input_ids, 40, eos_token_ids=[])
+    assert len(set(stats["committed"])) > 2, "want steps that committed different numbers of tokens"
+    fed = torch.cat(spy.features, dim=1)  # [1, P + N - 1, 2 * hidden]
+    # Everything but the last token: it is the next anchor, whose features come with the next verify.
+    sequence = torch.cat([input_ids, torch.tensor([tokens[:-1]])], dim=1)
+    with torch.no_grad():
+        hidden_states = target(sequence, output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden_states[i + 1] for i in LAYER_IDS], dim=-1)
+    assert fed.shape == expected.shape
+    torch.testing.assert_close(fed, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_prompt_lookup_counts_forwards(target):
+    # A prompt that repeats itself, so prompt lookup has n-grams to copy.
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 4])
+    reference = greedy_generate(target, input_ids, 30)
+    tokens, stats = prompt_lookup_generate(target, input_ids, 30, eos_token_ids=[VOCAB - 2], pad_token_id=0, num_tokens=6)
+    assert tokens == reference
+    assert stats["generated_tokens"] == 30 and stats["verify_forwards"] == stats["target_forwards"] - 1
+    assert 1 <= stats["committed_after_first"] / stats["verify_forwards"] <= 7
+    assert stats["committed_after_first"] <= 29
+
+
+def test_mismatched_drafter_is_refused(target):
+    other = tiny_drafter(tiny_target(hidden=32, seed=2))
+    with pytest.raises(ValueError, match="hidden_size 32.*has 64"):
+        check_drafter_matches_target(target, other)
+    other_vocab = tiny_drafter(tiny_target(vocab_size=300, seed=2))
+    with pytest.raises(ValueError, match="vocab_size 300.*256 rows"):
+        check_drafter_matches_target(target, other_vocab)
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="block_size 9"):
+        speculative_generate(target, drafter, random_prompts(1)[0], 5, block_size=9)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI and evaluate_acceptance, with a tiny target that has the real Qwen3 tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen3_dirs(tmp_path_factory):
+    """(target dir, drafter dir, prompts file, tokenizer): a tiny random Qwen3 target with the Qwen3
+    tokenizer (151,936 rows), and a random drafter for it with block size 6."""
+    from dflash_target import find_qwen3_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(find_qwen3_tokenizer_dir())
+    root = tmp_path_factory.mktemp("eval_cli")
+    target = tiny_target(vocab_size=151936, seed=7, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id)
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    drafter = tiny_drafter(target, mask_token_id=151669, block_size=6)
+    drafter.save_pretrained(root / "drafter")
+    records = [
+        {"prompt": "What is 17 + 26?"},
+        {"question": "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                      {"role": "user", "content": "Count to five."}]},
+        {"turns": ["Write a haiku about rain.", "Now one about snow."]},
+    ]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root / "target", root / "drafter", prompts, tokenizer
+
+
+def test_cli_writes_consistent_results_and_plot(qwen3_dirs, tmp_path):
+    target_dir, drafter_dir, prompts, _ = qwen3_dirs
+    output = tmp_path / "out" / "results.json"
+    eval_dflash.main([
+        "--target_model", str(target_dir), "--draft_model", str(drafter_dir), "--data", str(prompts),
+        "--max_new_tokens", "19", "--block_size", "4", "--output", str(output), "--baseline", "prompt_lookup",
+        "--prompt_lookup_num_tokens", "5", "--device", "cpu",
+    ])
+    results = json.loads(output.read_text())
+    assert (tmp_path / "out" / "results_acceptance.png").stat().st_size > 1000
+    assert results["lossless"] is True and results["mismatches"] == []
+    assert results["num_prompts"] == 4 and len(results["per_prompt"]) == 4
+    assert all(row["lossless"] and row["prompt_lookup_lossless"] for row in results["per_prompt"])
+    tau, forwards = results["acceptance_length"], results["verify_forwards"]
+    assert tau == pytest.approx((results["generated_tokens"] - results["num_prompts"]) / forwards)
+    assert 1.0 <= tau <= 4.0 and forwards > 0
+    rates = results["acceptance_rate_by_position"]
+    assert len(rates) == 3 and all(0 <= r <= 1 for r in rates) and rates == sorted(rates, reverse=True)
+    assert sum(results["accepted_drafts_histogram"]) == forwards
+    assert results["generated_tokens"] == results["target_only_tokens"] == sum(r["generated_tokens"] for r in results["per_prompt"])
+    assert results["speedup"] == pytest.approx(results["speculative_tokens_per_s"] / results["target_tokens_per_s"])
+    baseline = results["baseline"]
+    assert baseline["method"] == "prompt_lookup" and baseline["lossless"] is True
+    assert baseline["generated_tokens"] == results["generated_tokens"]
+    assert baseline["acceptance_length"] == pytest.approx(baseline["verify_committed_tokens"] / baseline["verify_forwards"])
+    assert baseline["tokens_per_s"] > 0 and baseline["prompt_lookup_num_tokens"] == 5
+    settings = results["settings"]
+    assert settings["block_size"] == 4 and settings["drafter_block_size"] == 6 and settings["max_new_tokens"] == 19
+    assert settings["target_layer_ids"] == LAYER_IDS and settings["mask_token_id"] == 151669 and settings["dtype"] == "float32"
+    assert set(results["versions"]) >= {"torch", "transformers"} and results["device"].startswith("cpu")
+
+
+def test_evaluate_acceptance_restores_training_mode(qwen3_dirs):
+    from dflash_data import load_prompts
+    from dflash_target import load_target
+
+    target_dir, drafter_dir, prompts_path, _ = qwen3_dirs
+    target, tokenizer = load_target(str(target_dir), device="cpu")
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir)
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    prompts = load_prompts(str(prompts_path), tokenizer)
+    drafter.train()
+    summary = evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12)
+    assert drafter.training, "evaluate_acceptance must give the drafter back in training mode"
+    assert summary["num_prompts"] == 4
+    assert summary["acceptance_length"] * summary["verify_forwards"] == pytest.approx(summary["generated_tokens"] - 4)
+    assert summary["speculative_tokens_per_s"] > 0
+    drafter.eval()
+    assert evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12, block_size=3)["acceptance_rate_by_position"].__len__() == 2
+    assert not drafter.training
+
+
+def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path):
+    target_dir, drafter_dir, prompts, _ = qwen3_dirs
+    base = ["--target_model", str(target_dir), "--data", str(prompts), "--max_new_tokens", "8",
+            "--output", str(tmp_path / "r.json"), "--device", "cpu"]
+    not_dflash = tmp_path / "plain_qwen3"
+    tiny_target(seed=3).config.save_pretrained(not_dflash)
+    with pytest.raises(ValueError, match="dflash_config"):
+        eval_dflash.main(base + ["--draft_model", str(not_dflash)])
+    with pytest.raises(ValueError, match="temperature"):
+        eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "0.7"])
+    with pytest.raises(ValueError, match="block_size 7"):
+        eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--block_size", "7", "--baseline", "none"])
