@@ -93,8 +93,8 @@ def load_target(
         )
 
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **load_kwargs)
-    target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, **load_kwargs)
-    target.to(device)
+    # device_map loads the weights straight onto the device: no full host-RAM copy per rank.
+    target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, device_map=device, **load_kwargs)
     target.requires_grad_(False)
     target.eval()
 
@@ -172,7 +172,9 @@ class TargetFeatureExtractor:
 
     def __init__(self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True):
         decoder, layers_name, layers = _decoder_and_layers(target)
-        self.num_target_layers = len(layers)  # before truncation: the drafter config needs the full count
+        # The untruncated count (the drafter config needs it). The config keeps it even when an
+        # earlier extractor already truncated this target's layer list.
+        self.num_target_layers = getattr(target.config.get_text_config(), "num_hidden_layers", None) or len(layers)
         target_layer_ids = [int(i) for i in target_layer_ids]
         if not target_layer_ids:
             raise ValueError("target_layer_ids is empty: give at least one target decoder layer index.")
@@ -181,6 +183,11 @@ class TargetFeatureExtractor:
             raise ValueError(
                 f"target_layer_ids {target_layer_ids} has {bad} outside [0, {self.num_target_layers - 1}]: the target "
                 f"has {self.num_target_layers} decoder layers and the ids are 0-based (id i = hidden_states[i + 1])."
+            )
+        if max(target_layer_ids) >= len(layers):
+            raise ValueError(
+                f"target_layer_ids {target_layer_ids} needs layer {max(target_layer_ids)}, but this target was already "
+                f"truncated to {len(layers)} layers by an earlier TargetFeatureExtractor; load the target again."
             )
         if len(set(target_layer_ids)) != len(target_layer_ids):
             raise ValueError(f"target_layer_ids {target_layer_ids} contains duplicates; each layer may appear once.")

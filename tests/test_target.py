@@ -102,6 +102,10 @@ def test_layer_id_validation(tiny_qwen3_target):
         with pytest.raises(ValueError, match="target_layer_ids"):
             TargetFeatureExtractor(target, ids)
     assert len(target.model.layers) == 4  # a rejected config leaves the target alone
+    TargetFeatureExtractor(target, [1])  # truncates to 2 layers
+    with pytest.raises(ValueError, match="already truncated"):
+        TargetFeatureExtractor(target, [3])
+    assert TargetFeatureExtractor(target, [0, 1]).num_target_layers == 4
 
 
 def test_smollm2_gguf_tied_head(smollm2_target):
