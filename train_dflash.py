@@ -33,6 +33,11 @@ if not torch.cuda.is_available():
 
 import deepspeed
 import yaml
+
+if not torch.cuda.is_available():
+    # On CPU DeepSpeed JIT-builds a shared-memory all-reduce op with g++ (minutes on 2 cores) that
+    # only its inference path uses; mark it unavailable so training never builds it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DeepSpeedPlugin, set_seed
 from tqdm.auto import tqdm
@@ -148,15 +153,18 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
 
 
 def init_distributed(on_cuda: bool, settings: TrainSettings) -> Accelerator:
-    """Accelerate's process state first (gloo on CPU), so DeepSpeed finds torch.distributed ready."""
-    if "RANK" not in os.environ:
+    """Process group first (gloo on CPU), then accelerate's state, so DeepSpeed finds both ready."""
+    backend = "nccl" if on_cuda else "gloo"
+    if "WORLD_SIZE" not in os.environ:
         # One process started without a launcher (python train_dflash.py, or accelerate launch with
-        # no config): DeepSpeed still needs a process group, so make it a world of one.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-    PartialState(backend="nccl" if on_cuda else "gloo")
+        # no config): DeepSpeed still needs a process group (and asserts LOCAL_RANK), so make a
+        # world of one; an in-memory store needs no port.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+    # cpu=True matters: without it accelerate treats several CPU processes as not distributed.
+    PartialState(cpu=not on_cuda, backend=backend)
     log_with = None if settings.report_to == "none" else settings.report_to
-    return Accelerator(log_with=log_with, project_dir=settings.output_dir)
+    return Accelerator(cpu=not on_cuda, log_with=log_with, project_dir=settings.output_dir)
 
 
 def resolve_deepspeed_config(settings: TrainSettings, world_size: int, bf16: bool) -> dict:
