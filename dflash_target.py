@@ -43,6 +43,7 @@ def load_target(
     gguf_file: str | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    random_init: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen causal-LM target and its tokenizer.
 
@@ -51,6 +52,9 @@ def load_target(
         model and tokenizer are both read from it (transformers de-quantises the weights).
     dtype: default bf16 on CUDA, fp32 on CPU.
     device: default the current CUDA device when CUDA is available, else CPU.
+    random_init: build the model from its config.json with random weights instead of loading
+        weights (`--target_random_init`; benchmarks and smoke tests at real shapes, e.g. a
+        Qwen3-8B config without its 16 GB of weights).
     Returns (target, tokenizer); the target is in eval mode with requires_grad False
     everywhere, and the tokenizer always has a pad token.
     """
@@ -94,7 +98,11 @@ def load_target(
 
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **load_kwargs)
     # device_map loads the weights straight onto the device: no full host-RAM copy per rank.
-    target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, device_map=device, **load_kwargs)
+    if random_init:
+        with device:  # allocate on the device directly: an 8B model never sits in host RAM
+            target = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, device_map=device, **load_kwargs)
     target.requires_grad_(False)
     target.eval()
 

@@ -50,8 +50,11 @@ from dflash_model import (
     block_labels,
     dflash_loss,
     estimate_acceptance_length,
+    flex_compile_stats,
     loss_weights,
     sample_anchors,
+    setup_compile_cache,
+    warm_up_flex_attention,
 )
 from dflash_target import TargetFeatureExtractor, find_smollm2_gguf, load_target, resolve_mask_token_id
 
@@ -69,6 +72,7 @@ class TrainSettings:
     # target
     target_model: str | None = field(default=None, metadata={"help": f"Target: local dir or hub id; '{SMOLLM2_PACKAGE}' = the SmolLM2-135M-Instruct GGUF from that pip package"})
     target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target_model (model and tokenizer are read from it)"})
+    target_random_init: bool = field(default=False, metadata={"help": "Random target weights from --target_model's config.json (benchmarks and smoke tests only)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "Block mask token id: an existing row of the target's embedding (default: <|MASK|> or the first spare row)"})
     mask_token: str | None = field(default=None, metadata={"help": "Block mask token as a string of the target tokenizer (alternative to --mask_token_id)"})
     # drafter
@@ -87,6 +91,9 @@ class TrainSettings:
     loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
+    compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
+    compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
+    compile_threads: int | None = field(default=None, metadata={"help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
     # optimisation
     output_dir: str = field(default="outputs/dflash", metadata={"help": "Checkpoints, final export and logs go here"})
     num_train_epochs: int = field(default=6, metadata={"help": "Epochs over the training data"})
@@ -220,6 +227,12 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings: TrainSetti
 def main(argv: list[str]) -> None:
     settings, config_path = parse_settings(argv)
     on_cuda = torch.cuda.is_available()
+    # Compile caches and the node-wide compile lock are fixed before anything compiles (DESIGN §3).
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    setup_compile_cache(
+        settings.compile_cache, settings.compile_cache_dir, int(os.environ.get("LOCAL_RANK", "0")),
+        compile_threads=settings.compile_threads or max(1, (os.cpu_count() or 1) // ranks_per_node),
+    )
     accelerator = init_distributed(on_cuda, settings)
     rank, world = accelerator.process_index, accelerator.num_processes
     is_main = accelerator.is_main_process
@@ -243,7 +256,11 @@ def main(argv: list[str]) -> None:
     if target_path == SMOLLM2_PACKAGE:
         target_path, gguf_file = find_smollm2_gguf()
     dtype = torch.bfloat16 if on_cuda else torch.float32
-    target, tokenizer = load_target(target_path, gguf_file=gguf_file, dtype=dtype, device=device)
+    target, tokenizer = load_target(
+        target_path, gguf_file=gguf_file, dtype=dtype, device=device, random_init=settings.target_random_init
+    )
+    if settings.target_random_init:
+        logger.warning("--target_random_init: the target has RANDOM weights; the drafter learns nothing useful")
 
     # ---- drafter config (sizes from the target) ----
     vocab_rows = target.get_input_embeddings().weight.shape[0]
@@ -334,6 +351,17 @@ def main(argv: list[str]) -> None:
             logger.info("Saved %s", final_dir)
         accelerator.wait_for_everyone()
 
+    # ---- compile (flex): the first batch's shape, in the main thread, under the compile lock ----
+    if backend == "flex":
+        first_batch = rank_batches(lengths, settings, start_epoch, rank, world)[0] or [0]
+        seconds = warm_up_flex_attention(
+            device, batch=len(first_batch), heads=draft_config.num_attention_heads,
+            kv_heads=draft_config.num_key_value_heads, head_dim=draft_config.head_dim,
+            context_len=-(-max(lengths[i] for i in first_batch) // pad_multiple) * pad_multiple,
+            num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=engine.module.fc.weight.dtype,
+        )
+        logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
+
     # ---- loop ----
     if is_main:
         os.makedirs(settings.output_dir, exist_ok=True)
@@ -394,9 +422,14 @@ def main(argv: list[str]) -> None:
                     "acc_first": acc[0].item(),
                     "tau_estimate": estimate_acceptance_length(acc),
                     "tokens_per_s": stats[2].item() / elapsed,
+                    "step_time_s": elapsed / (stats[1].item() / world / settings.gradient_accumulation_steps),
                     "lr": scheduler.get_last_lr()[0],
                     "epoch": epoch,
                 }
+                if backend == "flex":
+                    scalars["flex_compiles"] = flex_compile_stats()["compiles"]
+                if device.type == "cuda":
+                    scalars["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
                 bar.set_postfix(loss=f"{scalars['loss']:.3f}", acc=f"{scalars['acc_first']:.3f}",
                                 tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
                 accelerator.log(scalars, step=global_step)
