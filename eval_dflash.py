@@ -108,7 +108,8 @@ def check_drafter_matches_target(target, drafter) -> None:
     if config.num_target_layers is not None and config.num_target_layers != target_layers:
         raise ValueError(
             f"layer count mismatch: the drafter was trained on a target with {config.num_target_layers} decoder layers, "
-            f"this target has {target_layers}. Pass the matching --target_model."
+            f"this target has {target_layers}. Pass the matching --target_model; a target truncated by "
+            f"TargetFeatureExtractor(truncate=True) cannot verify drafts (no logits): pass the full target."
         )
     if any(not 0 <= i < target_layers for i in config.target_layer_ids):
         raise ValueError(f"drafter target_layer_ids {config.target_layer_ids} are outside the target's {target_layers} layers")
@@ -295,7 +296,7 @@ def speculative_generate(
     eos = set(eos_token_ids)
     device = input_ids.device
     committed, accepted_drafts = [], []
-    with eval_mode(drafter), LayerOutputCapture(target, drafter.config.target_layer_ids) as capture:
+    with eval_mode(drafter, target), LayerOutputCapture(target, drafter.config.target_layer_ids) as capture:
         # Prefill: not a verify forward. Its features cover every prompt position, i.e. every token
         # before the first anchor.
         cache = DynamicCache(config=target.config)
@@ -718,7 +719,10 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    results["device"] = str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    if device.type == "cuda":
+        results["device"] = f"{device} ({torch.cuda.get_device_name(device)})"
+    else:
+        results["device"] = f"{device} ({platform.machine()}, {torch.get_num_threads()} threads)"
 
     # Written to a temp file, then renamed: a crash never leaves a half-written results.json.
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

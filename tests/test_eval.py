@@ -213,6 +213,13 @@ def test_mismatched_drafter_is_refused(target):
     other_vocab = tiny_drafter(tiny_target(vocab_size=300, seed=2))
     with pytest.raises(ValueError, match="vocab_size 300.*256 rows"):
         check_drafter_matches_target(target, other_vocab)
+    # A target truncated for training (TargetFeatureExtractor(truncate=True)) has no usable logits.
+    truncated = tiny_target()
+    truncated.model.layers = truncated.model.layers[:3]
+    with pytest.raises(ValueError, match="4 decoder layers, this target has 3.*truncate=True"):
+        check_drafter_matches_target(truncated, tiny_drafter(truncated))
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        check_drafter_matches_target(target, tiny_drafter(target).to(torch.bfloat16))
     drafter = tiny_drafter(target)
     with pytest.raises(ValueError, match="block_size 9"):
         speculative_generate(target, drafter, random_prompts(1)[0], 5, block_size=9)
