@@ -43,7 +43,7 @@ from accelerate.utils import DeepSpeedPlugin, set_seed
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser, get_cosine_schedule_with_warmup
 
-from dflash_data import build_train_dataset, collate_batch, length_grouped_batches
+from dflash_data import build_train_dataset, collate_batch, length_grouped_batches, load_prompts
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
@@ -57,6 +57,7 @@ from dflash_model import (
     warm_up_flex_attention,
 )
 from dflash_target import TargetFeatureExtractor, find_smollm2_gguf, load_target, resolve_mask_token_id
+from eval_dflash import evaluate_acceptance
 
 logger = logging.getLogger("train_dflash")
 REPO_DIR = Path(__file__).resolve().parent
@@ -94,6 +95,11 @@ class TrainSettings:
     compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
     compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
     compile_threads: int | None = field(default=None, metadata={"help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
+    # held-out acceptance length (real speculative decoding with the full target)
+    eval_data: str | None = field(default=None, metadata={"help": "Prompt file for tau evaluation (question / messages / turns / prompt JSONL); never trained on"})
+    eval_steps: int = field(default=0, metadata={"help": "Measure tau on --eval_data every N optimizer steps (0 = only at the end)"})
+    eval_num_prompts: int = field(default=20, metadata={"help": "Prompts used for each tau evaluation"})
+    eval_max_new_tokens: int = field(default=256, metadata={"help": "Tokens generated per prompt in tau evaluation"})
     # optimisation
     output_dir: str = field(default="outputs/dflash", metadata={"help": "Checkpoints, final export and logs go here"})
     num_train_epochs: int = field(default=6, metadata={"help": "Epochs over the training data"})
@@ -221,6 +227,32 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings: TrainSetti
     os.replace(tmp, directory)
 
 
+def plot_training_curves(output_dir: Path) -> None:
+    """{output_dir}/training_curves.png: loss, and tau (estimated and held-out) over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log_file = output_dir / "train_log.jsonl"
+    rows = [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.is_file() else []
+    train = [r for r in rows if "loss" in r]
+    if not train:
+        return
+    held_out = [r for r in rows if "eval_tau" in r]
+    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
+    ax_loss.set(xlabel="optimizer step", ylabel="weighted CE loss", title="loss")
+    ax_tau.plot([r["step"] for r in train], [r["tau_estimate"] for r in train], label="estimate from accuracy")
+    if held_out:
+        ax_tau.plot([r["step"] for r in held_out], [r["eval_tau"] for r in held_out], "o-", label="held-out, speculative decoding")
+    ax_tau.set(xlabel="optimizer step", ylabel="acceptance length tau", title="tau")
+    ax_tau.legend()
+    fig.tight_layout()
+    fig.savefig(output_dir / "training_curves.png", dpi=100)
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -273,7 +305,9 @@ def main(argv: list[str]) -> None:
         target_layer_ids=settings.target_layer_ids,
         vocab_size=vocab_rows,
     )
-    extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=True)
+    # Truncating the target after its deepest captured layer saves compute and memory, but tau
+    # evaluation verifies drafts with the target's logits, so it needs the full model.
+    extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=settings.eval_data is None)
     logger.info(
         "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, backend %s",
         settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
@@ -350,6 +384,18 @@ def main(argv: list[str]) -> None:
                     shutil.rmtree(old, ignore_errors=True)
             logger.info("Saved %s", final_dir)
         accelerator.wait_for_everyone()
+
+    eval_prompts = None
+    if settings.eval_data:
+        eval_file = settings.eval_data if os.path.exists(settings.eval_data) else str(REPO_DIR / settings.eval_data)
+        eval_prompts = load_prompts(eval_file, tokenizer, num_prompts=settings.eval_num_prompts)
+
+    def evaluate_tau() -> dict:
+        """tau on the held-out prompts, on the main rank (the others wait at the next barrier)."""
+        result = evaluate_acceptance(
+            target, drafter, tokenizer, eval_prompts, settings.eval_max_new_tokens, chat_template_kwargs=chat_kwargs
+        )
+        return {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
 
     # ---- compile (flex): the first batch's shape, in the main thread, under the compile lock ----
     if backend == "flex":
@@ -438,6 +484,14 @@ def main(argv: list[str]) -> None:
                         f.write(json.dumps({"step": global_step, **scalars}) + "\n")
                 window = {"loss": 0.0, "acc": torch.zeros_like(window["acc"]), "micro": 0, "tokens": 0}
                 window_start = time.perf_counter()
+            if eval_prompts and settings.eval_steps > 0 and global_step % settings.eval_steps == 0:
+                if is_main:
+                    scalars = {"step": global_step, **evaluate_tau()}
+                    bar.write(f"step {global_step}: held-out tau {scalars['eval_tau']:.2f}")
+                    accelerator.log(scalars, step=global_step)
+                    with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
+                        f.write(json.dumps(scalars) + "\n")
+                accelerator.wait_for_everyone()
             if settings.save_steps > 0 and global_step % settings.save_steps == 0:
                 save_checkpoint(epoch, micro_step + 1)
             if global_step >= total_steps:
@@ -445,9 +499,16 @@ def main(argv: list[str]) -> None:
                 break
     bar.close()
 
-    # ---- export ----
+    # ---- final evaluation, curves, export ----
     final_dir = Path(settings.output_dir) / "final"
     if is_main:
+        if eval_prompts and (settings.eval_steps <= 0 or global_step % settings.eval_steps != 0):
+            scalars = {"step": global_step, **evaluate_tau()}
+            logger.info("Held-out tau at step %d: %.2f", global_step, scalars["eval_tau"])
+            accelerator.log(scalars, step=global_step)
+            with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
+                f.write(json.dumps(scalars) + "\n")
+        plot_training_curves(Path(settings.output_dir))
         save_export(drafter, final_dir, settings)
         logger.info("Exported the drafter to %s (serve it with SGLang or vLLM, see README)", final_dir)
         if settings.push_to_hub:

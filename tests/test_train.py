@@ -114,12 +114,19 @@ def test_resume_is_bit_identical(tiny_qwen3_target, gsm8k_path, train_env, tmp_p
 def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     out = tmp_path / "ddp"
     args = tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=4, logging_steps=2, max_samples=32,
-                     target_layer_ids="1 3", per_device_batch_size=2, save_steps=4)
+                     target_layer_ids="1 3", per_device_batch_size=2, save_steps=4,
+                     eval_data=gsm8k_path, eval_steps=2, eval_num_prompts=2, eval_max_new_tokens=12)
     result = run(args, train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2 ranks" in result.stderr
     log = read_log(out)
-    assert [row["step"] for row in log] == [2, 4] and all(row["loss"] > 0 for row in log)
+    train_rows = [row for row in log if "loss" in row]
+    assert [row["step"] for row in train_rows] == [2, 4] and all(row["loss"] > 0 for row in train_rows)
+    # Held-out tau by real speculative decoding on the main rank, every 2 steps; a random drafter
+    # is accepted rarely, so tau sits at (or just above) 1.
+    eval_rows = [row for row in log if "eval_tau" in row]
+    assert [row["step"] for row in eval_rows] == [2, 4] and all(1.0 <= row["eval_tau"] <= 8 for row in eval_rows)
+    assert (out / "training_curves.png").stat().st_size > 1000
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
     assert (out / "checkpoint-4" / "rng_state_1.pt").is_file()
