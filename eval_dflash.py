@@ -292,6 +292,8 @@ def speculative_generate(
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one prompt at a time; got a batch of {input_ids.shape[0]}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     block_size = resolve_block_size(drafter, block_size)
     eos = set(eos_token_ids)
     device = input_ids.device
@@ -307,8 +309,8 @@ def speculative_generate(
 
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             anchor = torch.tensor([tokens[-1]], device=device)  # [1]
-            drafts = drafter.draft_block(draft_cache, anchor)[:, : block_size - 1]  # [1, b-1]
-            block = torch.cat([anchor[:, None], drafts.to(device)], dim=1)  # [1, b] at positions L..L+b-1
+            drafts = drafter.draft_block(draft_cache, anchor)[:, : block_size - 1].to(device)  # [1, b-1]
+            block = torch.cat([anchor[:, None], drafts], dim=1)  # [1, b] at positions L..L+b-1
             logits = _cached_forward(target, block, cache)  # [1, b, vocab]
             predicted = logits[0].argmax(dim=-1)  # [b]
             matches = (drafts[0] == predicted[:-1]).long()  # [b-1]
