@@ -1,0 +1,397 @@
+"""dflash_data: formats, chat-template loss masks, bad lines, truncation, batching, prompts.
+
+Uses the session fixtures of conftest.py (qwen3_tokenizer, smollm2_tokenizer, gsm8k_path);
+never mutates them (copies before changing a template).
+"""
+
+import copy
+import json
+import logging
+
+import datasets
+import pytest
+import torch
+
+import dflash_data
+from dflash_data import (
+    DataFormatError,
+    build_train_dataset,
+    collate_batch,
+    length_grouped_batches,
+    load_prompts,
+    normalize_record,
+    tokenize_conversation,
+)
+
+IM_END = "<|im_end|>"
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    """Keep datasets' cache files of these tests in tmp_path, not ~/.cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+def write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write((record if isinstance(record, str) else json.dumps(record)) + "\n")
+    return str(path)
+
+
+def masked_runs(tokenizer, input_ids, loss_mask) -> list[str]:
+    """Decoded runs of consecutive masked tokens."""
+    runs, current = [], []
+    for token, masked in zip(input_ids, loss_mask):
+        if masked:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def unmasked_text(tokenizer, input_ids, loss_mask) -> str:
+    return tokenizer.decode([t for t, m in zip(input_ids, loss_mask) if not m])
+
+
+MULTI_TURN = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "What is 12 + 30?"},
+    {"role": "assistant", "content": "12 + 30 = 42."},
+    {"role": "user", "content": "Now double it."},
+    {"role": "assistant", "content": "Doubling 42 gives 84.\n\nDone."},
+]
+
+
+# ----------------------------------------------------------------------------------------
+# Formats
+
+
+def test_three_formats_normalize_to_the_same_messages():
+    expected = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]
+    assert normalize_record({"messages": expected}) == expected
+    assert normalize_record({"conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A."}]}) == expected
+    assert normalize_record({"question": "Q?", "answer": "A."}) == expected
+    # ShareGPT role aliases and OpenAI content parts
+    sharegpt = {"conversations": [{"from": "system", "value": "S"}, {"from": "user", "value": "Q?"}, {"from": "chatgpt", "value": "A."}]}
+    assert normalize_record(sharegpt) == [{"role": "system", "content": "S"}] + expected
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q?"}]}, {"role": "assistant", "content": "A."}]}
+    assert normalize_record(parts) == expected
+
+
+def test_files_and_hf_datasets_give_identical_samples(tmp_path, qwen3_tokenizer):
+    messages = [{"role": "user", "content": f"Add {i} and {i}."} for i in range(6)]
+    records = [{"messages": [m, {"role": "assistant", "content": f"The sum is {2 * i}."}]} for i, m in enumerate(messages)]
+    sharegpt = [{"conversations": [{"from": "human", "value": r["messages"][0]["content"]}, {"from": "gpt", "value": r["messages"][1]["content"]}]} for r in records]
+    gsm8k = [{"question": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in records]
+
+    jsonl = write_jsonl(tmp_path / "openai.jsonl", records)
+    json_file = tmp_path / "sharegpt.json"
+    json_file.write_text(json.dumps(sharegpt))
+    saved = tmp_path / "saved_dataset"
+    datasets.Dataset.from_list(gsm8k).save_to_disk(str(saved))
+    parquet_dir = tmp_path / "parquet"
+    parquet_dir.mkdir()
+    datasets.Dataset.from_list(records).to_parquet(str(parquet_dir / "part-0.parquet"))
+
+    def samples(path):
+        dataset = build_train_dataset([path], qwen3_tokenizer, max_seq_length=128, seed=3)
+        assert dataset.column_names == ["input_ids", "loss_mask", "num_tokens"]
+        return sorted((tuple(s["input_ids"]), tuple(s["loss_mask"]), s["num_tokens"]) for s in dataset)
+
+    reference = samples(jsonl)
+    assert len(reference) == 6
+    for path in (str(json_file), str(saved), str(parquet_dir)):
+        assert samples(path) == reference, path
+    # Several inputs concatenate.
+    both = build_train_dataset([jsonl, str(saved)], qwen3_tokenizer, max_seq_length=128)
+    assert len(both) == 12
+
+
+# ----------------------------------------------------------------------------------------
+# Loss masks on real chat templates
+
+
+def test_loss_mask_qwen3_multi_turn(qwen3_tokenizer):
+    input_ids, loss_mask = tokenize_conversation(MULTI_TURN, qwen3_tokenizer, max_seq_length=4096)
+    assert len(input_ids) == len(loss_mask)
+    # Hand-checked: Qwen3 writes an empty think block into the LAST assistant turn; the
+    # target would write it itself (thinking on), so it is trained. End-of-turn is trained.
+    assert masked_runs(qwen3_tokenizer, input_ids, loss_mask) == [
+        "12 + 30 = 42." + IM_END,
+        "<think>\n\n</think>\n\nDoubling 42 gives 84.\n\nDone." + IM_END,
+    ]
+    assert unmasked_text(qwen3_tokenizer, input_ids, loss_mask) == (
+        "<|im_start|>system\nYou answer in one line.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n\n"
+        "<|im_start|>user\nNow double it.<|im_end|>\n<|im_start|>assistant\n\n"
+    )
+    # Every trained token is an assistant token: the last masked token of each run is <|im_end|>.
+    im_end = qwen3_tokenizer.convert_tokens_to_ids(IM_END)
+    ends = [t for t in range(len(input_ids)) if loss_mask[t] and (t + 1 == len(input_ids) or not loss_mask[t + 1])]
+    assert [input_ids[t] for t in ends] == [im_end, im_end]
+
+
+def test_loss_mask_qwen3_thinking_off_and_reasoning(qwen3_tokenizer):
+    # enable_thinking=False: the empty think block is part of the generation prompt, not trained.
+    input_ids, loss_mask = tokenize_conversation(
+        MULTI_TURN, qwen3_tokenizer, max_seq_length=4096, chat_template_kwargs={"enable_thinking": False}
+    )
+    assert masked_runs(qwen3_tokenizer, input_ids, loss_mask) == [
+        "12 + 30 = 42." + IM_END,
+        "Doubling 42 gives 84.\n\nDone." + IM_END,
+    ]
+    # Reasoning: an earlier turn's <think> is dropped by the template; the last turn's is
+    # trained. The answer "42" also occurs inside the reasoning; the span must still be right.
+    messages = [
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": "<think>\n6 * 7 is 42\n</think>\n\n42"},
+        {"role": "user", "content": "And 40 + 2?"},
+        {"role": "assistant", "content": "<think>\n40 + 2 = 42\n</think>\n\n42"},
+    ]
+    input_ids, loss_mask = tokenize_conversation(messages, qwen3_tokenizer, max_seq_length=4096)
+    assert masked_runs(qwen3_tokenizer, input_ids, loss_mask) == [
+        "42" + IM_END,
+        "<think>\n40 + 2 = 42\n</think>\n\n42" + IM_END,
+    ]
+
+
+def test_loss_mask_smollm2_multi_turn(smollm2_tokenizer):
+    input_ids, loss_mask = tokenize_conversation(MULTI_TURN, smollm2_tokenizer, max_seq_length=4096)
+    assert masked_runs(smollm2_tokenizer, input_ids, loss_mask) == [
+        "12 + 30 = 42." + IM_END,
+        "Doubling 42 gives 84.\n\nDone." + IM_END,
+    ]
+    assert unmasked_text(smollm2_tokenizer, input_ids, loss_mask) == (
+        "<|im_start|>system\nYou answer in one line.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n\n"
+        "<|im_start|>user\nNow double it.<|im_end|>\n<|im_start|>assistant\n\n"
+    )
+    # Without a system message SmolLM2's template inserts its default one: never trained.
+    input_ids, loss_mask = tokenize_conversation(MULTI_TURN[1:3], smollm2_tokenizer, max_seq_length=4096)
+    assert masked_runs(smollm2_tokenizer, input_ids, loss_mask) == ["12 + 30 = 42." + IM_END]
+    assert "You are a helpful AI assistant named SmolLM" in unmasked_text(smollm2_tokenizer, input_ids, loss_mask)
+
+
+def test_generation_tag_template_matches_offset_method(smollm2_tokenizer):
+    """A template with {% generation %} goes through transformers' assistant mask; the end-of-turn
+    token (left outside the tag here) is added, so both methods agree token for token."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+        "{% else %}{{ message['content'] }}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tagged = tokenize_conversation(MULTI_TURN, tokenizer, max_seq_length=4096)
+    offsets = tokenize_conversation(MULTI_TURN, plain, max_seq_length=4096)
+    assert tagged == offsets
+    assert masked_runs(tokenizer, *tagged) == ["12 + 30 = 42." + IM_END, "Doubling 42 gives 84.\n\nDone." + IM_END]
+
+
+def test_tokenizer_without_chat_template_is_a_clear_error(tmp_path, smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = None
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "Q", "answer": "A"}])
+    with pytest.raises(ValueError, match="has no chat template.*Pass a target model"):
+        build_train_dataset([path], tokenizer, max_seq_length=64)
+    with pytest.raises(ValueError, match="has no chat template"):
+        load_prompts(path, tokenizer)
+
+
+# ----------------------------------------------------------------------------------------
+# Bad lines
+
+GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there, nice to meet you!"}]}
+BAD_LINES = {
+    "invalid_json": '{"messages": [',
+    "unknown_format": {"text": "just text"},
+    "bad_message": {"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]},
+    "missing_roles": {"messages": [{"role": "user", "content": "only a question"}]},
+    "empty_assistant_turn": {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "  "}]},
+}
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_LINES))
+def test_bad_line_names_file_and_line(tmp_path, qwen3_tokenizer, reason):
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, GOOD, BAD_LINES[reason], GOOD])
+    with pytest.raises(DataFormatError) as error:
+        build_train_dataset([path], qwen3_tokenizer, max_seq_length=128)
+    assert error.value.reason == reason
+    assert f"{path}:3: " in str(error.value)
+    assert "skip_bad_samples" in str(error.value)
+
+
+def test_no_trainable_token_after_truncation(tmp_path, qwen3_tokenizer):
+    long_user = {"messages": [{"role": "user", "content": "word " * 100}, {"role": "assistant", "content": "ok fine"}]}
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_user])
+    with pytest.raises(DataFormatError, match=rf"{path}:2: fewer than 2 assistant tokens left after truncation") as error:
+        build_train_dataset([path], qwen3_tokenizer, max_seq_length=40)
+    assert error.value.reason == "no_trainable_token"
+
+
+def test_json_file_errors_name_the_record(tmp_path, qwen3_tokenizer):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([GOOD, {"question": "no answer"}]))
+    with pytest.raises(DataFormatError, match=rf"{path}\[record 1\]: unknown format"):
+        build_train_dataset([str(path)], qwen3_tokenizer, max_seq_length=128)
+    path.write_text('[{"question": "Q",\n "answer": }]')
+    with pytest.raises(DataFormatError, match=rf"{path}:2: invalid JSON file"):
+        build_train_dataset([str(path)], qwen3_tokenizer, max_seq_length=128)
+
+
+def test_skip_bad_samples_counts_per_reason(tmp_path, qwen3_tokenizer, caplog):
+    lines = [GOOD, BAD_LINES["invalid_json"], GOOD, BAD_LINES["invalid_json"], BAD_LINES["empty_assistant_turn"], "", GOOD]
+    path = write_jsonl(tmp_path / "data.jsonl", lines + [BAD_LINES["unknown_format"]])
+    with caplog.at_level(logging.WARNING, logger="dflash_data"):
+        dataset = build_train_dataset([path], qwen3_tokenizer, max_seq_length=128, skip_bad_samples=True)
+    assert len(dataset) == 3  # the blank line is not a record
+    summary = [r.getMessage() for r in caplog.records if "Skipped" in r.getMessage()]
+    assert len(summary) == 1
+    assert summary[0].startswith("Skipped 4 of 7 samples (invalid_json: 2, unknown_format: 1, empty_assistant_turn: 1)")
+    assert f"First: {path}:2: invalid JSON" in summary[0]
+
+
+# ----------------------------------------------------------------------------------------
+# Truncation, shuffling, collate, batching
+
+
+def test_truncation_and_shuffle(tmp_path, smollm2_tokenizer):
+    records = [{"question": f"Count to {n}.", "answer": " ".join(str(i) for i in range(1, n + 1))} for n in range(1, 40)]
+    path = write_jsonl(tmp_path / "count.jsonl", records)
+    full = build_train_dataset([path], smollm2_tokenizer, max_seq_length=4096, seed=0)
+    cut = build_train_dataset([path], smollm2_tokenizer, max_seq_length=48, seed=0)
+    assert max(full["num_tokens"]) > 48
+    assert max(cut["num_tokens"]) == 48
+    for a, b in zip(full, cut):  # same seed, same order: each cut sample is a prefix
+        assert b["num_tokens"] == len(b["input_ids"]) == len(b["loss_mask"]) == min(a["num_tokens"], 48)
+        assert b["input_ids"] == a["input_ids"][:48] and b["loss_mask"] == a["loss_mask"][:48]
+    # Deterministic shuffle by seed; max_samples caps the count.
+    assert build_train_dataset([path], smollm2_tokenizer, max_seq_length=4096, seed=0)["input_ids"] == full["input_ids"]
+    other = build_train_dataset([path], smollm2_tokenizer, max_seq_length=4096, seed=1)
+    assert other["input_ids"] != full["input_ids"] and sorted(other["input_ids"]) == sorted(full["input_ids"])
+    assert len(build_train_dataset([path], smollm2_tokenizer, max_seq_length=4096, max_samples=5)) == 5
+
+
+def test_num_proc_gives_the_same_dataset(tmp_path, smollm2_tokenizer):
+    records = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}."} for i in range(140)]
+    path = write_jsonl(tmp_path / "add.jsonl", records)
+    one = build_train_dataset([path], smollm2_tokenizer, max_seq_length=64, num_proc=1)
+    two = build_train_dataset([path], smollm2_tokenizer, max_seq_length=64, num_proc=2)
+    assert one.to_dict() == two.to_dict()
+
+
+def test_collate_batch_pads_right():
+    samples = [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "num_tokens": 3},
+        {"input_ids": [8, 9, 10, 11, 12], "loss_mask": [0, 0, 1, 1, 1], "num_tokens": 5},
+    ]
+    batch = collate_batch(samples, pad_token_id=0, pad_to_multiple_of=4)
+    assert batch["input_ids"].dtype == torch.long and batch["attention_mask"].dtype == torch.long
+    assert batch["loss_mask"].dtype == torch.bool
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0, 0, 0], [8, 9, 10, 11, 12, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[False, True, True] + [False] * 5, [False, False, True, True, True] + [False] * 3]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]]
+    assert collate_batch(samples, pad_token_id=99)["input_ids"].tolist()[0] == [5, 6, 7, 99, 99]
+
+
+def test_length_grouped_batches():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 3000, (1000,), generator=generator).tolist()
+    batches = length_grouped_batches(lengths, batch_size=8, seed=0, epoch=0)
+    flat = [i for batch in batches for i in batch]
+    assert sorted(flat) == list(range(1000))  # every index exactly once
+    assert all(len(b) == 8 for b in batches)
+    assert lengths[batches[0][0]] == max(lengths)  # longest first: an OOM shows up at step 1
+    assert batches == length_grouped_batches(lengths, batch_size=8, seed=0, epoch=0)
+    assert batches != length_grouped_batches(lengths, batch_size=8, seed=0, epoch=1)
+    assert batches != length_grouped_batches(lengths, batch_size=8, seed=1, epoch=0)
+
+    def padding_fraction(groups):
+        padded = sum(max(lengths[i] for i in g) * len(g) for g in groups)
+        return 1 - sum(lengths) / padded
+
+    random_batches = [list(range(i, i + 8)) for i in range(0, 1000, 8)]
+    assert padding_fraction(random_batches) > 0.4
+    assert padding_fraction(batches) < 0.05
+    odd = length_grouped_batches(lengths[:13], batch_size=4, seed=0, epoch=0)
+    assert sorted(i for b in odd for i in b) == list(range(13)) and sorted(len(b) for b in odd) == [1, 4, 4, 4]
+
+
+# ----------------------------------------------------------------------------------------
+# Prompts
+
+
+def test_load_prompts_formats_and_errors(tmp_path, qwen3_tokenizer):
+    path = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {"prompt": "P1"},
+            {"question": "Q2", "answer": "ignored"},
+            {"turns": ["T3", "second turn"]},
+            "",
+            {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                          {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"},
+                          {"role": "assistant", "content": "A2"}]},
+            {"conversations": [{"from": "human", "value": "H"}]},
+        ],
+    )
+    prompts = load_prompts(path, qwen3_tokenizer)
+    assert prompts == [
+        [{"role": "user", "content": "P1"}],
+        [{"role": "user", "content": "Q2"}],
+        [{"role": "user", "content": "T3"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+         {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}],
+        [{"role": "user", "content": "H"}],
+    ]
+    assert load_prompts(path, num_prompts=2) == prompts[:2]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"answer": "no prompt"}])
+    with pytest.raises(DataFormatError, match=rf"{bad}:2: unknown prompt format"):
+        load_prompts(bad)
+    bad = write_jsonl(tmp_path / "bad2.jsonl", [{"prompt": "ok"}, "{not json"])
+    with pytest.raises(DataFormatError, match=rf"{bad}:2: invalid JSON"):
+        load_prompts(bad)
+
+
+def test_demo_prompts_load(repo_root, smollm2_tokenizer):
+    prompts = load_prompts(str(repo_root / "data" / "demo_prompts.jsonl"), smollm2_tokenizer)
+    assert 150 <= len(prompts) <= 300
+    assert len({p[0]["content"] for p in prompts}) == len(prompts)  # no duplicates
+
+
+# ----------------------------------------------------------------------------------------
+# Real data
+
+
+def test_gsm8k_masks_are_the_answers(gsm8k_path, smollm2_tokenizer):
+    dataset = build_train_dataset([str(gsm8k_path)], smollm2_tokenizer, max_seq_length=512, max_samples=64, seed=0)
+    assert len(dataset) == 64
+    answers = {json.loads(line)["answer"] for line in open(gsm8k_path)}
+    for sample in dataset:
+        runs = masked_runs(smollm2_tokenizer, sample["input_ids"], sample["loss_mask"])
+        assert len(runs) == 1 and runs[0].endswith(IM_END)
+        if sample["num_tokens"] < 512:  # untruncated: the masked text is exactly one GSM8K answer
+            assert runs[0][: -len(IM_END)] in answers
+
+
+def test_cache_follows_the_tokenizer_and_settings(tmp_path, smollm2_tokenizer):
+    """The tokenized dataset is cached; a changed template or max_seq_length must not reuse it."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "Name a colour.", "answer": "Blue is a colour."}])
+    first = build_train_dataset([path], smollm2_tokenizer, max_seq_length=64)
+    again = build_train_dataset([path], smollm2_tokenizer, max_seq_length=64)
+    assert again.cache_files and again["input_ids"] == first["input_ids"]
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = tokenizer.chat_template.replace("named SmolLM", "named Bob")
+    changed = build_train_dataset([path], tokenizer, max_seq_length=64)
+    assert "named Bob" in tokenizer.decode(changed[0]["input_ids"])
+    shorter = first[0]["num_tokens"] - 2  # cuts "<|im_end|>\n", keeps the answer
+    assert build_train_dataset([path], smollm2_tokenizer, max_seq_length=shorter)[0]["num_tokens"] == shorter
+    # An edited file is read again (datasets keys the raw records on size and mtime).
+    write_jsonl(tmp_path / "d.jsonl", [{"question": "Name a shape.", "answer": "A circle is a shape."}])
+    assert "circle" in smollm2_tokenizer.decode(build_train_dataset([path], smollm2_tokenizer, max_seq_length=64)[0]["input_ids"])
