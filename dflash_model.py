@@ -336,8 +336,9 @@ def create_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, 
 #   2. The first call of compiled flex at each new shape signature (`flex_shape_key`) compiles
 #      and warms up (forward, and backward on CUDA) under `compile_lock`: an in-process lock for
 #      threads, then a file lock shared by all ranks of the node. One compiler at a time; the
-#      other ranks wait, then load the warm cache. New length buckets take the same path, so they
-#      never reopen the race and never fall back to dense.
+#      other ranks wait, then load the warm cache. While it compiles, the process's other compiled
+#      flex calls wait (`_flex_gate`). New length buckets take the same path, so they never reopen
+#      the race and never fall back to dense.
 #   3. `warm_up_flex_attention` does that for the training shapes in the main thread, before any
 #      worker thread starts, so the threaded phase of training finds every graph compiled.
 #   4. On a GPU, flex never runs uncompiled: `DenseAttentionFallbackError` instead of an OOM.
@@ -466,7 +467,7 @@ def _describe_lock_holder(holder_path: Path) -> str:
     try:
         holder = json.loads(holder_path.read_text())
     except (OSError, ValueError):
-        return f"an unknown holder (no readable {holder_path})"
+        return f"a holder not named yet (no readable {holder_path})"
     return (
         f"pid {holder['pid']} on {holder['host']} (thread {holder['thread']}, {holder['what']}, "
         f"since {time.strftime('%H:%M:%S', time.localtime(holder['since']))})"
@@ -655,6 +656,48 @@ _compiled_flex: dict[str, Callable] = {}  # device -> flex(q, k, v, block_mask),
 _compiled_flex_lock = threading.Lock()
 _warm_flex_keys: set[tuple] = set()  # flex_shape_key()s compiled and warmed in this process
 _flex_compile_seconds: list[float] = []  # one entry per locked compile + warm-up
+_flex_gate = threading.Condition()  # compiled flex calls (shared) vs a flex compile (exclusive), in this process
+_flex_calls_running = 0
+_flex_compiling = False
+
+
+@contextlib.contextmanager
+def _running_compiled_flex():
+    """The shared side of the gate: a compiled flex call waits while this process compiles flex.
+
+    On torch <= 2.11 a thread that calls compiled code while another thread compiles dies with
+    'Detected that you are using FX to symbolically trace a dynamo-optimized function' (the FX
+    tracing flag is process-wide). The compile lock serialises compiles; this gate also keeps calls
+    out of a compile, so a new shape compiled lazily in one thread cannot break another thread.
+    """
+    global _flex_calls_running
+    with _flex_gate:
+        _flex_gate.wait_for(lambda: not _flex_compiling)
+        _flex_calls_running += 1
+    try:
+        yield
+    finally:
+        with _flex_gate:
+            _flex_calls_running -= 1
+            _flex_gate.notify_all()
+
+
+@contextlib.contextmanager
+def _compiling_flex():
+    """The exclusive side: wait for running compiled calls to return, keep new ones out until the end.
+
+    Only entered under `compile_lock`, so there is one compiler at a time.
+    """
+    global _flex_compiling
+    with _flex_gate:
+        _flex_compiling = True
+        _flex_gate.wait_for(lambda: _flex_calls_running == 0)
+    try:
+        yield
+    finally:
+        with _flex_gate:
+            _flex_compiling = False
+            _flex_gate.notify_all()
 
 
 def get_compiled_flex_attention(device: torch.device | str) -> Callable:
@@ -687,7 +730,7 @@ def get_compiled_flex_attention(device: torch.device | str) -> Callable:
 
 
 def _run_compiled_flex(compiled: Callable, q, k, v, block_mask: BlockMask) -> torch.Tensor:
-    """One call of compiled flex: the dense guard, then (first time at this shape) the locked warm-up, then the graph."""
+    """One call of compiled flex: the dense guard, the locked warm-up (first time at this shape), then the graph."""
     if torch.compiler.is_dynamo_compiling():  # inside an outer torch.compile region: traced into its graph
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     batch, heads, q_len, _ = q.shape  # [batch, heads, Q, head_dim]
@@ -698,7 +741,8 @@ def _run_compiled_flex(compiled: Callable, q, k, v, block_mask: BlockMask) -> to
     key = flex_shape_key(q, k, v, block_mask)
     if key not in _warm_flex_keys:
         _compile_and_warm_up(compiled, key, q, k, v, block_mask)
-    return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+    with _running_compiled_flex():
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def _compile_and_warm_up(compiled: Callable, key: tuple, q, k, v, block_mask: BlockMask) -> None:
@@ -720,13 +764,14 @@ def _compile_and_warm_up(compiled: Callable, key: tuple, q, k, v, block_mask: Bl
         if key in _warm_flex_keys:
             return  # another thread compiled it while this one waited
         start = time.perf_counter()
-        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, v)]
-        assert all(a.stride() == t.stride() for a, t in zip(inputs, (q, k, v))), "clones must keep the strides"
-        out = compiled(*inputs, block_mask=block_mask, enable_gqa=True)
-        if backward:
-            torch.autograd.grad(out, [t for t in inputs if t.requires_grad], torch.ones_like(out))
-        if q.device.type == "cuda":
-            torch.cuda.synchronize(q.device)
+        with _compiling_flex():
+            inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, v)]
+            assert all(a.stride() == t.stride() for a, t in zip(inputs, (q, k, v))), "clones must keep the strides"
+            out = compiled(*inputs, block_mask=block_mask, enable_gqa=True)
+            if backward:
+                torch.autograd.grad(out, [t for t in inputs if t.requires_grad], torch.ones_like(out))
+            if q.device.type == "cuda":
+                torch.cuda.synchronize(q.device)
         seconds = time.perf_counter() - start
         _warm_flex_keys.add(key)
         _flex_compile_seconds.append(seconds)

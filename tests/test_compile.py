@@ -183,6 +183,35 @@ def test_four_threads_on_first_use_compile_once(fresh_flex_state):
     assert stats["compiles"] == 1 and stats["dynamo_graphs"] == 1, stats
 
 
+def test_compiled_calls_and_a_compile_exclude_each_other():
+    # torch <= 2.11: a thread calling compiled code while another compiles dies (DESIGN §3).
+    entered, leave = threading.Event(), threading.Event()
+
+    def call():
+        with dm._running_compiled_flex():
+            entered.set()
+            leave.wait(10)
+
+    with dm._compiling_flex():
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert not entered.wait(0.3), "a compiled call ran during a compile"
+    assert entered.wait(5)  # released when the compile ends
+    compiled = threading.Event()
+
+    def compile_():
+        with dm._compiling_flex():
+            compiled.set()
+
+    compiler = threading.Thread(target=compile_)
+    compiler.start()
+    assert not compiled.wait(0.3), "a compile started while a compiled call was running"
+    leave.set()
+    assert compiled.wait(5)
+    caller.join()
+    compiler.join()
+
+
 def test_shape_key_tracks_what_dynamo_specialises_on():
     q, k, v, block_mask, _ = attention_inputs(seed=0)
     q2, k2, v2, block_mask2, _ = attention_inputs(seed=1)  # same shapes, other anchors and values
