@@ -343,13 +343,12 @@ def create_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, 
 #      worker thread starts, so the threaded phase of training finds every graph compiled.
 #   4. On a GPU, flex never runs uncompiled: `DenseAttentionFallbackError` instead of an OOM.
 #
-# `create_anchor_block_mask` stays eager on purpose. It runs once per step (not per layer), its
-# transient memory is a few [batch, Q, KV] bool tensors (~0.4 GB per row at 512 anchors x 16 and a
-# 3072 context, freed before the drafter forward; the dense scores would be 4 bytes x heads per
-# element), and measured on CPU at that size it takes 2.2 s eager vs 0.35 s compiled after a
-# 29 s compile: small next to a GPU step once on the GPU (bench_compile_race.py mask measures it
-# there). Eager, it is one compiled function less to race on and to warm, and it can run in any
-# thread (a prefetch thread may build masks) without touching dynamo.
+# `create_anchor_block_mask` stays eager on purpose. It runs once per step, not per layer, and its
+# cost is a few transient [batch, Q, KV] bool tensors, freed before the drafter forward. Measured on
+# CPU at one row, 512 anchors x 16 and a 3072 context (Q 8192, KV 11264): eager 2.2 s and ~0.8 GB
+# peak, compiled 0.35 s after a 29 s compile; on a GPU both should take milliseconds
+# (`bench_compile_race.py mask` measures them there). Eager, it is one compiled function less to
+# race on and to warm, and any thread (a prefetch thread) may build masks without touching dynamo.
 
 log = logging.getLogger(__name__)
 
@@ -707,8 +706,8 @@ def get_compiled_flex_attention(device: torch.device | str) -> Callable:
     signature; fullgraph=True: no graph break can leave part of it eager), and the dynamo limits
     are set then. Dynamo compiles on a call, not here: the first call at each new
     `flex_shape_key` compiles and warms up under `compile_lock` (`_compile_and_warm_up`), later
-    calls at a warm key run the compiled graph directly. Every call first checks that it will run
-    compiled (`check_flex_is_compiled`).
+    calls at a warm key run the compiled graph directly. Every call (and every warm-up) first checks
+    that it will run compiled (`check_flex_is_compiled`).
 
     The returned function takes q: [batch, heads, Q, head_dim]; k, v: [batch, kv_heads, KV, head_dim]
     (heads a multiple of kv_heads); block_mask: a BlockMask of shape [batch, 1, Q, KV]; and returns
@@ -730,19 +729,24 @@ def get_compiled_flex_attention(device: torch.device | str) -> Callable:
 
 
 def _run_compiled_flex(compiled: Callable, q, k, v, block_mask: BlockMask) -> torch.Tensor:
-    """One call of compiled flex: the dense guard, the locked warm-up (first time at this shape), then the graph."""
+    """One call of compiled flex: the locked warm-up (first time at this shape), then, inside the gate, the dense guard and the graph."""
     if torch.compiler.is_dynamo_compiling():  # inside an outer torch.compile region: traced into its graph
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    batch, heads, q_len, _ = q.shape  # [batch, heads, Q, head_dim]
+    key = flex_shape_key(q, k, v, block_mask)
+    if key not in _warm_flex_keys:
+        _compile_and_warm_up(compiled, key, q, k, v, block_mask)
+    with _running_compiled_flex():  # the guard inside the gate: a compile elsewhere is waited for, not an error
+        _check_runs_compiled(compiled, q, k)
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _check_runs_compiled(compiled: Callable, q: torch.Tensor, k: torch.Tensor) -> None:
+    """`check_flex_is_compiled` for a call of `compiled` on q [batch, heads, Q, head_dim], k [batch, kv_heads, KV, head_dim]."""
+    batch, heads, q_len, _ = q.shape
     reasons = flex_eager_reasons(compiled)
     check_flex_is_compiled(
         q.device.type, not reasons, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[2], reason="; ".join(reasons)
     )
-    key = flex_shape_key(q, k, v, block_mask)
-    if key not in _warm_flex_keys:
-        _compile_and_warm_up(compiled, key, q, k, v, block_mask)
-    with _running_compiled_flex():
-        return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def _compile_and_warm_up(compiled: Callable, key: tuple, q, k, v, block_mask: BlockMask) -> None:
@@ -765,6 +769,7 @@ def _compile_and_warm_up(compiled: Callable, key: tuple, q, k, v, block_mask: Bl
             return  # another thread compiled it while this one waited
         start = time.perf_counter()
         with _compiling_flex():
+            _check_runs_compiled(compiled, q, k)  # before anything runs: a dense warm-up would OOM
             inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, v)]
             assert all(a.stride() == t.stride() for a, t in zip(inputs, (q, k, v))), "clones must keep the strides"
             out = compiled(*inputs, block_mask=block_mask, enable_gqa=True)

@@ -256,9 +256,10 @@ def test_eager_reasons_name_each_dense_path(monkeypatch):
     assert flex_eager_reasons(compiled) == []
 
 
-def test_attention_refuses_uncompiled_flex_off_cpu(monkeypatch):
+def test_attention_refuses_uncompiled_flex_off_cpu(monkeypatch, tmp_path):
     # TORCHDYNAMO_DISABLE makes torch.compile return flex_attention itself. Meta tensors stand in for a
-    # GPU at full size (no memory): the guard must fire before anything runs.
+    # GPU at full size (no memory): the guard must fire before anything runs, warm-up included.
+    monkeypatch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     _, _, _, block_mask, _ = attention_inputs()
     q = torch.empty(2, 32, 8192, 128, device="meta")
@@ -268,6 +269,7 @@ def test_attention_refuses_uncompiled_flex_off_cpu(monkeypatch):
             dm.attention(q, k, v, block_mask)
     finally:
         dm._compiled_flex.pop("meta", None)  # drop the uncompiled wrapper built under TORCHDYNAMO_DISABLE
+    assert not (tmp_path / "flex_compile.lock.holder").exists()  # the lock was released on the error
 
 
 # ---- lock timeouts and cache setup ---------------------------------------------------------------
