@@ -173,9 +173,20 @@ def require_chat_template(tokenizer) -> None:
         )
 
 
+def _apply_template(tokenizer, messages, **kwargs):
+    """apply_chat_template, with the template's own errors (jinja2 errors, its
+    raise_exception() calls, type errors on odd content) turned into DataFormatError."""
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as error:
+        raise DataFormatError(f"chat template error: {type(error).__name__}: {error}", "template_error") from error
+
+
 def _render(tokenizer, messages, add_generation_prompt, chat_template_kwargs) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+    if not messages:
+        return ""
+    return _apply_template(
+        tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
     )
 
 
@@ -190,7 +201,7 @@ def find_end_of_turn(tokenizer, chat_template_kwargs: dict | None = None) -> tup
     probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
     try:
         text = _render(tokenizer, probe, False, chat_template_kwargs)
-    except Exception:  # a template that refuses the probe: fall back to content-only spans
+    except DataFormatError:  # a template that refuses the probe: fall back to content-only spans
         return "", ""
     if _PROBE not in text:
         return "", ""
@@ -235,18 +246,20 @@ def _assistant_char_spans(tokenizer, messages, text, chat_template_kwargs, foote
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], True, chat_template_kwargs)
-        start = max(_common_prefix_length(prompt, text), cursor)
+        # A chat that opens with the assistant has no conversation-so-far to render: its
+        # span then starts at the content.
+        prompt_end = _common_prefix_length(_render(tokenizer, messages[:i], True, chat_template_kwargs), text) if i else None
+        search_from = max(prompt_end or 0, cursor)
         content = message["content"]
         needles = dict.fromkeys(n for n in (content, content.strip(), content.split("</think>")[-1].strip()) if n)
         for needle in needles:
-            position = text.find(needle + tail, start)
+            position = text.find(needle + tail, search_from)
             if position >= 0:
                 end = position + len(needle) + len(tail)
                 break
         else:
             raise DataFormatError(f"assistant message {i} not found in the text rendered by the chat template", "template_error")
-        spans.append((start, end))
+        spans.append((search_from if prompt_end is not None else position, end))
         cursor = end
     return spans
 
@@ -262,50 +275,42 @@ def tokenize_conversation(
     """Messages -> (input_ids, loss_mask), both lists of length <= max_seq_length.
 
     loss_mask[t] = 1 for tokens of assistant turns (content and the end-of-turn token),
-    0 for everything else. A token that straddles a span edge counts as assistant.
+    0 for everything else. A token that straddles a span edge counts as assistant (the
+    same rule as transformers' assistant mask).
     `footer` is `find_end_of_turn(tokenizer, chat_template_kwargs)` (pass it to avoid
     recomputing it per sample). Raises DataFormatError("template_error") when the template
     rejects the conversation, ValueError for a tokenizer without offsets support.
     """
     kwargs = chat_template_kwargs or {}
     footer = footer if footer is not None else find_end_of_turn(tokenizer, kwargs)
-    try:
-        if _GENERATION_TAG.search(tokenizer.chat_template):
-            encoded = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
-            )
-            input_ids, loss_mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
-            # Templates differ on whether {% generation %} covers the end-of-turn token; we
-            # always train it (the drafter must propose it), so extend each span by it.
-            end_of_turn_ids = tokenizer.encode(footer[1], add_special_tokens=False) if footer[1] else []
-            if len(end_of_turn_ids) == 1:
-                for t in range(len(input_ids) - 1):
-                    if loss_mask[t] and not loss_mask[t + 1] and input_ids[t + 1] == end_of_turn_ids[0]:
-                        loss_mask[t + 1] = 1
-        else:
-            text = _render(tokenizer, messages, False, kwargs)
-            spans = _assistant_char_spans(tokenizer, messages, text, kwargs, footer)
-            if not getattr(tokenizer, "is_fast", True):
-                raise ValueError("the loss mask needs a fast tokenizer (character offsets); load it with use_fast=True")
-            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            input_ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-            loss_mask = [0] * len(input_ids)
-            span_index = 0
-            for t, (token_start, token_end) in enumerate(offsets):  # tokens and spans are both in order
-                while span_index < len(spans) and token_start >= spans[span_index][1]:
-                    span_index += 1
-                if span_index == len(spans):
-                    break
-                if token_end > spans[span_index][0]:
-                    loss_mask[t] = 1
-    except DataFormatError:
-        raise
-    except ValueError as error:
-        if "fast tokenizer" in str(error):
-            raise
-        raise DataFormatError(f"chat template error: {error}", "template_error") from error
-    except Exception as error:  # jinja2 errors (raise_exception in the template) and friends
-        raise DataFormatError(f"chat template error: {type(error).__name__}: {error}", "template_error") from error
+    if _GENERATION_TAG.search(tokenizer.get_chat_template()):
+        encoded = _apply_template(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs)
+        input_ids, loss_mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
+        # Templates differ on whether {% generation %} covers the end-of-turn token; we
+        # always train it (the drafter must propose it), so extend each span by it.
+        end_of_turn_ids = tokenizer.encode(footer[1], add_special_tokens=False) if footer[1] else []
+        if len(end_of_turn_ids) == 1:
+            for t in range(len(input_ids) - 1):
+                if loss_mask[t] and not loss_mask[t + 1] and input_ids[t + 1] == end_of_turn_ids[0]:
+                    loss_mask[t + 1] = 1
+        return input_ids[:max_seq_length], loss_mask[:max_seq_length]
+
+    if not getattr(tokenizer, "is_fast", True):
+        raise ValueError("the loss mask needs a fast tokenizer (character offsets); load it with use_fast=True")
+    text = _render(tokenizer, messages, False, kwargs)
+    spans = _assistant_char_spans(tokenizer, messages, text, kwargs, footer)
+    # The template already wrote BOS and other special tokens: add none.
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    loss_mask = [0] * len(input_ids)
+    span_index = 0
+    for t, (token_start, token_end) in enumerate(offsets):  # tokens and spans are both in order
+        while span_index < len(spans) and token_start >= spans[span_index][1]:
+            span_index += 1
+        if span_index == len(spans):
+            break
+        if token_end > spans[span_index][0]:  # overlaps the span
+            loss_mask[t] = 1
     return input_ids[:max_seq_length], loss_mask[:max_seq_length]
 
 
@@ -699,8 +704,8 @@ def load_prompts(path: str, tokenizer=None, *, num_prompts: int | None = None) -
         if tokenizer is not None:
             try:
                 _render(tokenizer, messages, True, None)
-            except Exception as error:
-                raise DataFormatError(f"{where}: chat template error: {error}", "template_error") from error
+            except DataFormatError as error:
+                raise DataFormatError(f"{where}: {error}", error.reason) from error
         prompts.append(messages)
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts")

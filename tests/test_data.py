@@ -235,6 +235,26 @@ def test_no_trainable_token_after_truncation(tmp_path, qwen3_tokenizer):
     assert error.value.reason == "no_trainable_token"
 
 
+def test_template_error_names_file_and_line(tmp_path, smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + smollm2_tokenizer.chat_template
+    )
+    with_system = {"messages": [{"role": "system", "content": "S"}] + GOOD["messages"]}
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, with_system])
+    with pytest.raises(DataFormatError, match=rf"{path}:2: chat template error: .*System role not supported") as error:
+        build_train_dataset([path], tokenizer, max_seq_length=128)
+    assert error.value.reason == "template_error"
+
+
+def test_conversation_may_open_with_the_assistant(smollm2_tokenizer):
+    messages = [{"role": "assistant", "content": "Hello! Ask me anything."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "How can I help?"}]
+    input_ids, loss_mask = tokenize_conversation(messages, smollm2_tokenizer, max_seq_length=4096)
+    assert masked_runs(smollm2_tokenizer, input_ids, loss_mask) == ["Hello! Ask me anything." + IM_END, "How can I help?" + IM_END]
+
+
 def test_json_file_errors_name_the_record(tmp_path, qwen3_tokenizer):
     path = tmp_path / "data.json"
     path.write_text(json.dumps([GOOD, {"question": "no answer"}]))
