@@ -336,7 +336,7 @@ def _has_anchor(loss_mask: list[int]) -> bool:
 def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer, code_version=None):
     """datasets.map function (batched): raw records -> input_ids, loss_mask, num_tokens,
     plus `reason`/`error` ("" for good rows) so bad rows can be reported or counted."""
-    out = {"input_ids": [], "loss_mask": [], "num_tokens": [], "reason": [], "error": []}
+    out = {"input_ids": [], "loss_mask": [], "num_tokens": [], "num_loss_tokens": [], "reason": [], "error": []}
     for record_text, read_error, where in zip(rows["record"], rows["error"], rows["where"]):
         input_ids, loss_mask, reason, error = [], [], "", ""
         try:
@@ -364,6 +364,7 @@ def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer
         out["input_ids"].append(input_ids)
         out["loss_mask"].append(loss_mask)
         out["num_tokens"].append(len(input_ids))
+        out["num_loss_tokens"].append(sum(loss_mask))
         out["reason"].append(reason)
         out["error"].append(error)
     return out
@@ -594,14 +595,13 @@ def build_train_dataset(
         tokenized = tokenized.filter(lambda reason: not reason, input_columns="reason", desc="Dropping bad samples")
     if len(tokenized) == 0:
         raise ValueError(f"no usable training samples in {paths}")
-    tokenized = tokenized.select_columns(["input_ids", "loss_mask", "num_tokens"])
     logger.info(
-        "Training data: %d samples, %d tokens, %d assistant (trained) tokens",
+        "Training data: %d samples, %d tokens, %d of them assistant (trained) tokens",
         len(tokenized),
         sum(tokenized["num_tokens"]),
-        sum(sum(mask) for mask in tokenized["loss_mask"]),
+        sum(tokenized["num_loss_tokens"]),
     )
-    return tokenized
+    return tokenized.select_columns(["input_ids", "loss_mask", "num_tokens"])
 
 
 def collate_batch(samples: list[dict], pad_token_id: int, pad_to_multiple_of: int = 1) -> dict:
