@@ -14,8 +14,11 @@ and the backward (on CUDA autograd runs it in its own device thread). Patterns:
 A run that does not finish within --timeout seconds is killed and counted as a timeout (the naive
 pattern hangs on torch 2.11). Results are printed as a table and appended to BENCHMARKS.md.
 
-    # on one H200, torch 2.11 (batch the runs: each is a cold compile, about a minute)
-    python bench_compile_race.py race --pattern ours --runs 5 --log-dir $OUT
+    # on one H200, torch 2.11; each run is a cold compile (a minute or two), so split the runs
+    # over commands that each fit a 10-minute limit. On a machine whose working tree does not come
+    # back, append to a copy: cp BENCHMARKS.md $OUT/; ... --record-to $OUT/BENCHMARKS.md
+    python bench_compile_race.py race --pattern ours --runs 3 --log-dir $OUT
+    python bench_compile_race.py race --pattern ours --runs 2 --log-dir $OUT
     python bench_compile_race.py race --pattern naive --runs 1 --timeout 150 --log-dir $OUT
     python bench_compile_race.py race --pattern ours-lazy --runs 1 --log-dir $OUT
     # checkpoint mode of the chunked loss: step time and peak memory, 8192 rows x 151936 vocab x 4096 hidden, bf16
@@ -78,9 +81,9 @@ def chunked_loss(rows, head_weight, labels, weights, chunk_size: int, checkpoint
     return total / weights.sum()
 
 
-def record(title: str, lines: list[str], environment: str) -> None:
-    """Append a dated section to BENCHMARKS.md (created with a short header if missing)."""
-    path = Path(__file__).resolve().parent / "BENCHMARKS.md"
+def record(title: str, lines: list[str], environment: str, path: str | None) -> None:
+    """Append a dated section to BENCHMARKS.md (default: the repo's; created with a short header if missing)."""
+    path = Path(path) if path else Path(__file__).resolve().parent / "BENCHMARKS.md"
     if not path.exists():
         path.write_text(
             "# Benchmarks\n\nMeasured results, newest last. Each entry names the date, the machine, the torch "
@@ -258,7 +261,7 @@ def race(args) -> None:
     ok = sum(" | ok | " in row for row in rows)
     print(f"{args.pattern}: {ok}/{len(rows)} runs ok (threads {args.threads}, loss checkpoint {args.loss_checkpoint}, timeout {args.timeout} s)")
     if not args.no_record:
-        record(f"compile race, pattern {args.pattern}: {ok}/{len(rows)} ok", table, environment or environment_line(args.device))
+        record(f"compile race, pattern {args.pattern}: {ok}/{len(rows)} ok", table, environment or environment_line(args.device), args.record_to)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +301,7 @@ def checkpoint_modes(args) -> None:
         del rows, loss
     print("\n".join(table))
     if not args.no_record:
-        record("chunked loss checkpoint mode", table, environment_line(device.type))
+        record("chunked loss checkpoint mode", table, environment_line(device.type), args.record_to)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,7 +343,7 @@ def mask(args) -> None:
         print(table[-1], flush=True)
     print("\n".join(table))
     if not args.no_record:
-        record("create_block_mask eager vs compiled", table, environment_line(device.type))
+        record("create_block_mask eager vs compiled", table, environment_line(device.type), args.record_to)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,6 +356,7 @@ def main() -> None:
     def common(p, device_default="cuda"):
         p.add_argument("--device", default=device_default, choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")
         p.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+        p.add_argument("--record-to", default=None, help="the BENCHMARKS.md to append to (default: the repo's)")
 
     for name in ("race", "race-child"):
         p = commands.add_parser(name, help="compile race runs" if name == "race" else argparse.SUPPRESS)

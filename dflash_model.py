@@ -597,7 +597,8 @@ def flex_eager_reasons(compiled_fn) -> list[str]:
     stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
     if stance not in ("default", "fail_on_recompile"):
         reasons.append(f"torch.compiler.set_stance({stance!r}) runs compiled functions eagerly")
-    if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+    fx_trace = torch.fx._symbolic_trace
+    if getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)():  # the check dynamo's wrapper makes
         reasons.append(
             "another thread is compiling: the FX-tracing flag is process-wide, so this call would fail with "
             "'Detected that you are using FX to symbolically trace a dynamo-optimized function' or run eagerly"

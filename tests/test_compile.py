@@ -253,6 +253,9 @@ def test_eager_reasons_name_each_dense_path(monkeypatch):
         assert any("suppress_errors" in r for r in flex_eager_reasons(compiled))
     with torch.compiler.set_stance("force_eager"):
         assert any("force_eager" in r for r in flex_eager_reasons(compiled))
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", True)  # as while another thread compiles
+        assert any("another thread is compiling" in r for r in flex_eager_reasons(compiled))
     assert flex_eager_reasons(compiled) == []
 
 
