@@ -1,0 +1,835 @@
+"""Benchmark DFlash training at Qwen3-8B shapes on one GPU, with random weights (issue 6).
+
+    python bench_dflash.py --quick                     # headline shapes, main variants (< 6 min on an H200, cold compile)
+    python bench_dflash.py                             # + the whole (anchors x seq x batch) grid for baseline (< 10 min)
+    python bench_dflash.py --variant baseline --variant compile_layers+fused_ce_compiled
+    python bench_dflash.py --device cpu --tiny         # CPU smoke test: tiny config, SDPA, 2 timed steps (< 60 s)
+
+Shapes: target Qwen3-8B (hidden 4096, 36 layers, 32 heads / 8 KV heads, head_dim 128,
+intermediate 12288, vocab 151,936, untied head); drafter 5 layers reading target layers
+[1, 9, 17, 25, 33], block B = 16. Every sequence is full length (no padding); its first seq/8
+tokens are prompt (loss mask off), the rest response. Weights, tokens and context features are
+random: speed does not depend on them.
+
+What it measures, in one run:
+  (a) drafter train step, exactly as train_dflash.py does it (sample_anchors -> drafter forward
+      with flex -> block_labels -> dflash_loss on hidden[:, :, 1:] -> backward -> optimizer),
+      with plain torch AdamW (fused) on fp32 master copies of the bf16 weights plus grad clipping
+      (DeepSpeed's bf16 mode without sharding): ms/step, ms/sample, samples/s, useful FLOPs per
+      sample, useful TFLOP/s, MFU against a bf16 matmul rate measured in the same run
+      (8192^3 matmuls, median) and against the 989 TFLOP/s H200 datasheet peak, peak memory, and
+      per-phase medians (forward incl. mask build, loss, backward, optimizer) plus the eager
+      BlockMask build alone. num_anchors {256, 512} x seq {768, 3072} x batch {1, 2, 4}; an OOM is
+      reported as such. Medians of timed steps after warm_up_flex_attention and 3 warm-up steps.
+  (b) target supply: tokens/s of the truncated (34-layer) target forward with hook capture
+      (TargetFeatureExtractor), at batch 16 x 1024 and at the training shapes.
+  (c) colocated on 1 GPU: target forward + drafter step per sample, against
+      1 / (drafter time + target time) with each measured alone in (a) and (b).
+Prints markdown tables and appends them, with date, GPU, versions and the command, to BENCHMARKS.md.
+
+Useful FLOPs (analytic, `drafter_step_flops`): matmul work that the math needs, nothing recomputed.
+fwd = 2 x multiply-accumulates; bwd = 2 x fwd where both the weight and the input gradient are
+needed, 1 x fwd where only one is. Per micro-batch (L drafter layers, T = valid label positions):
+  fc            [ctx tokens, 5*hidden] x [5*hidden, hidden]         bwd 1x (weight grad only: the features need no grad)
+  context_kv    k/v projections of every context token, L layers     bwd 2x (the KV injection)
+  block_qkvo    q/k/v/o projections of the B tokens of every valid anchor's block, L layers   bwd 2x
+  mlp           gate/up/down of the same block tokens, L layers      bwd 2x
+  attention     QK^T and PV over the mask's VISIBLE keys only: a query of block j sees a_j
+                context keys (kv < a_j) plus the B keys of its own block; padded anchor slots
+                count nothing                                       bwd 2x (no score recompute)
+  lm_head       T x hidden x vocab, label positions 1..B-1 only      bwd 1x (frozen head: input grad only)
+Not counted: norms, RoPE, softmax, the loss's elementwise work, the optimizer. Block position 0 of
+the LAST layer goes through q/o/MLP without feeding any label (about 1% of the layer work); it is
+counted, as the model computes it. The checkpointed loss of dflash_loss recomputes the head forward
+in backward (one extra head fwd, ~14% of the useful work at 256 anchors): that is executed but
+not useful, so it is not counted; fused_ce below removes it. tests/test_flops.py checks this
+count against torch's FlopCounterMode.
+
+Variants (--variant, repeatable; join levers with '+'), each with its prediction at
+256 anchors / seq 768 / batch 2 (baseline was 105 ms/sample in the public SpecForge anchor):
+  baseline            train_dflash.py as it is: eager layers, compiled flex, checkpointed fp32-logit CE in 4096-row chunks.
+                      Prediction: 85-100 ms/sample (no head at block position 0 already), ~350 useful TFLOP/s.
+  loss_chunk_2048     same, 2048-row chunks. Prediction: time within +-3%, peak memory about -3 GB.
+  loss_chunk_8192     same, 8192-row chunks. Prediction: time within +-3%, peak memory about +6 GB.
+  fused_ce            LM head + CE with the row gradient computed in the forward, chunk by chunk (Liger's
+                      scheme in plain torch): bf16 logits, fp32 only inside a chunk, no head recompute.
+                      Prediction: -10% ms/sample (one head matmul of three and ~half the vocab-sized passes gone), lower peak memory.
+  fused_ce_compiled   fused_ce with the softmax / gradient / argmax elementwise part in one torch.compile'd function.
+                      Prediction: -14% vs baseline (vocab-sized passes fused into ~2 kernels).
+  compile_layers      torch.compile of each drafter decoder layer (flex is traced into the layer graph).
+                      Prediction: -5 to -8% (RMSNorm, RoPE, SwiGLU and residual adds fused).
+  compile_layers+fused_ce_compiled   both. Prediction: -20%, about 75-80 ms/sample, ~450 TFLOP/s.
+"""
+
+import argparse
+import datetime
+import gc
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from dflash_model import (
+    DFlashConfig,
+    DFlashDraftModel,
+    block_labels,
+    create_anchor_block_mask,
+    dflash_loss,
+    loss_weights,
+    sample_anchors,
+    setup_compile_cache,
+    warm_up_flex_attention,
+)
+from dflash_target import TargetFeatureExtractor
+
+REPO_DIR = Path(__file__).resolve().parent
+H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 datasheet figure (H100/H200 SXM)
+QWEN3_MASK_TOKEN_ID = 151669  # Qwen3's first spare embedding row (<|MASK|>)
+
+# ----------------------------------------------------------------------------------------------
+# Settings
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="headline shapes only: (256 anchors, seq 768, batch 2) and (512, 3072, 1)")
+    p.add_argument("--tiny", action="store_true", help="tiny random config (hidden 64) for smoke tests; implies small grids")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu")
+    p.add_argument("--variant", action="append", default=None, help="variant name(s), levers joined by '+' (see the docstring); repeatable")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per config (default 6, tiny 2)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per config after the flex warm-up (default 3, tiny 1)")
+    p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 320, full 540, tiny 50)")
+    p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
+    p.add_argument("--results", default=str(REPO_DIR / "BENCHMARKS.md"), help="markdown file the tables are appended to")
+    p.add_argument("--no_append", action="store_true", help="print the tables only")
+    args = p.parse_args(argv)
+    if args.device not in ("cuda", "cpu"):
+        raise ValueError(f"--device must be cuda or cpu, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no GPU; use --device cpu --tiny for a smoke run")
+    if args.device == "cpu" and not args.tiny:
+        raise ValueError("--device cpu runs only with --tiny (Qwen3-8B shapes on CPU take hours)")
+    args.backend = args.attention_backend or ("flex" if args.device == "cuda" else "sdpa")
+    if args.backend not in ("flex", "sdpa"):
+        raise ValueError(f"--attention_backend must be flex or sdpa, got {args.backend!r}")
+    if args.backend == "flex" and args.device == "cpu":
+        raise ValueError("--attention_backend flex has no CPU backward; use sdpa on CPU")
+    args.steps = args.steps or (2 if args.tiny else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    args.budget_s = args.budget_s or (50.0 if args.tiny else 320.0 if args.quick else 540.0)
+    default_variants = ["baseline", "fused_ce", "fused_ce_compiled", "compile_layers+fused_ce_compiled"]
+    if args.tiny:
+        default_variants = ["baseline", "loss_chunk_2048", "fused_ce"]  # no inductor C++ compiles on a 2-core CPU
+    elif not args.quick:
+        default_variants += ["compile_layers", "loss_chunk_2048", "loss_chunk_8192"]
+    args.variants = args.variant or default_variants
+    for name in args.variants:
+        parse_variant(name)  # fail early on a typo
+    return args
+
+
+def shapes(args) -> dict:
+    """Target config, drafter sizes and the benchmark grids for the chosen mode."""
+    if args.tiny:
+        target = Qwen3Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=4096,
+        )
+        headline = [(8, 64, 2), (16, 128, 1)]  # (num_anchors, seq, batch)
+        grid = [(n, s, b) for n in (8, 16) for s in (64, 128) for b in (1, 2)]
+        return dict(target=target, draft_layers=2, mask_token_id=255, headline=headline, grid=grid,
+                    target_shapes=[(4, 128), (2, 64), (1, 128)])
+    target = Qwen3Config(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    headline = [(256, 768, 2), (512, 3072, 1)]  # the public anchor's shape; the paper recipe's
+    grid = headline + [(n, s, b) for n in (256, 512) for s in (768, 3072) for b in (1, 2, 4) if (n, s, b) not in headline]
+    target_shapes = [(16, 1024)] + sorted({(b, s) for _, s, b in (headline if args.quick else grid)})
+    return dict(target=target, draft_layers=5, mask_token_id=QWEN3_MASK_TOKEN_ID, headline=headline, grid=grid,
+                target_shapes=target_shapes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Analytic FLOP count (see the module docstring for what is counted)
+
+
+def drafter_step_flops(
+    config: DFlashConfig,
+    seq_len: int,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    label_valid: torch.Tensor,
+    *,
+    dense_attention: bool = False,
+) -> dict[str, tuple[int, int]]:
+    """Useful FLOPs of one drafter training step (forward + backward), by part.
+
+    Args:
+        config: the drafter config (sizes, L layers, B, len(target_layer_ids) context features).
+        seq_len: S, context length of every row.
+        anchors, anchor_valid: [batch, N] from `sample_anchors`.
+        label_valid: [batch, N, B-1] from `block_labels`.
+        dense_attention: count every block slot (padded ones too) and every (query, key) pair of
+            the [N*B, S + N*B] score matrix, as dense SDPA executes it, instead of the useful
+            work (valid blocks, visible keys only). Used to compare with FlopCounterMode.
+    Returns:
+        {part: (forward FLOPs, backward FLOPs)} for fc, context_kv, block_qkvo, mlp, attention, lm_head.
+    """
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    layers, block_size, vocab = config.num_hidden_layers, config.block_size, config.vocab_size
+    features = len(config.target_layer_ids)
+    batch, num_anchors = anchors.shape
+    valid = anchor_valid.bool()
+    if dense_attention:
+        blocks = batch * num_anchors
+        pairs = batch * num_anchors * block_size * (seq_len + num_anchors * block_size)
+    else:
+        blocks = int(valid.sum())
+        pairs = block_size * int(((anchors + block_size) * valid).sum())  # a_j context keys + B block keys, per query
+    block_tokens = blocks * block_size
+    context_tokens = batch * seq_len
+    labels = int(label_valid.sum())
+    fwd = {
+        "fc": 2 * context_tokens * features * hidden * hidden,
+        "context_kv": 2 * layers * context_tokens * hidden * 2 * kv_heads * head_dim,
+        "block_qkvo": 2 * layers * block_tokens * hidden * (2 * heads * head_dim + 2 * kv_heads * head_dim),
+        "mlp": 2 * layers * block_tokens * 3 * hidden * inter,
+        "attention": 2 * layers * pairs * heads * 2 * head_dim,  # QK^T and PV, 2*head_dim MACs per (query, key, head)
+        "lm_head": 2 * labels * hidden * vocab,
+    }
+    bwd_factor = {"fc": 1, "lm_head": 1}  # one of the two gradients only; every other part needs both
+    return {part: (f, bwd_factor.get(part, 2) * f) for part, f in fwd.items()}
+
+
+def target_forward_flops(config: Qwen3Config, num_layers: int, batch: int, seq_len: int) -> int:
+    """Forward FLOPs of `num_layers` decoder layers of a Qwen3 target over [batch, seq_len] tokens, causal attention."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    tokens = batch * seq_len
+    linear = 2 * tokens * (hidden * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 3 * hidden * inter)
+    attention = 2 * batch * (seq_len * (seq_len + 1) // 2) * heads * 2 * head_dim
+    return num_layers * (linear + attention)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss variants: the LM head + weighted CE with the input gradient computed in the forward
+
+
+def _ce_grad_chunk_eager(logits, targets, weights):
+    """One chunk: logits [rows, vocab] (bf16) -> (sum w*CE fp32, dlogits = w*(softmax - onehot) in the logits dtype, hit [rows]).
+
+    In-place on one fp32 copy of the chunk, so eager mode makes few vocab-sized passes.
+    """
+    x = logits.float()  # [rows, vocab] fp32
+    lse = torch.logsumexp(x, dim=-1)  # [rows]
+    ce = lse - x.gather(1, targets[:, None]).squeeze(1)
+    hit = x.argmax(dim=-1) == targets
+    x.sub_(lse[:, None]).exp_().mul_(weights[:, None])  # w * softmax
+    x.scatter_add_(1, targets[:, None], -weights[:, None])  # - w * onehot
+    return (ce * weights).sum(), x.to(logits.dtype), hit
+
+
+def _ce_grad_chunk_functional(logits, targets, weights):
+    """The same as `_ce_grad_chunk_eager`, written for torch.compile (which fuses it into a few kernels)."""
+    x = logits.float()  # [rows, vocab]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [rows, 1]
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]  # [rows, vocab], fused, never stored
+    dlogits = (weights[:, None] * (torch.exp(x - lse) - onehot.float())).to(logits.dtype)
+    ce = lse.squeeze(1) - x.gather(1, targets[:, None]).squeeze(1)
+    return (ce * weights).sum(), dlogits, x.argmax(dim=-1) == targets
+
+
+_compiled_ce_grad_chunk = None
+
+
+def compiled_ce_grad_chunk():
+    global _compiled_ce_grad_chunk
+    if _compiled_ce_grad_chunk is None:
+        _compiled_ce_grad_chunk = torch.compile(_ce_grad_chunk_functional, dynamic=True)  # rows vary per step
+    return _compiled_ce_grad_chunk
+
+
+class FusedLinearWeightedCE(torch.autograd.Function):
+    """sum_i w_i * CE(rows_i @ W^T, t_i), with d/d rows computed in the forward, chunk by chunk.
+
+    Per chunk the head matmul runs twice (logits; dlogits @ W) instead of three times (logits,
+    checkpoint recompute, dlogits @ W); nothing vocab-sized is saved for backward. W is frozen:
+    no weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, targets, row_weights, chunk_size, elementwise):
+        grad_rows = torch.empty_like(rows)  # [T, hidden]
+        hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
+        total = rows.new_zeros((), dtype=torch.float32)
+        for start in range(0, rows.shape[0], chunk_size):
+            end = min(start + chunk_size, rows.shape[0])
+            logits = rows[start:end] @ weight.t()  # [rows, vocab] in bf16 on GPU
+            ce_sum, dlogits, hit = elementwise(logits, targets[start:end], row_weights[start:end])
+            del logits
+            grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
+            total = total + ce_sum
+            hits[start:end] = hit
+        ctx.save_for_backward(grad_rows)
+        ctx.mark_non_differentiable(hits)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_hits):
+        (grad_rows,) = ctx.saved_tensors
+        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None, None
+
+
+def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False):
+    """Drop-in for `dflash_model.dflash_loss` (same arguments, same (loss, accuracy)) on `FusedLinearWeightedCE`."""
+    positions = label_valid.shape[-1]
+    k_index = torch.arange(positions, device=labels.device).expand_as(labels)[label_valid]  # [T]
+    rows = hidden[label_valid]  # [T, hidden]
+    targets = labels[label_valid]  # [T]
+    row_weights = weights.to(rows.device)[k_index]  # [T]
+    if rows.shape[0] == 0:
+        return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
+    elementwise = compiled_ce_grad_chunk() if compiled else _ce_grad_chunk_eager
+    weighted_ce, hit = FusedLinearWeightedCE.apply(rows, head_weight, targets, row_weights, chunk_size, elementwise)
+    loss = weighted_ce / row_weights.sum()
+    hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())
+    counts = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.ones_like(row_weights))
+    return loss, hits / counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    compile_layers: bool = False
+    loss: str = "chunked"  # chunked (dflash_loss) | fused | fused_compiled
+    chunk_size: int = 4096
+
+
+def parse_variant(name: str) -> Variant:
+    """'compile_layers+fused_ce_compiled' -> Variant(...). Levers: baseline, compile_layers, loss_chunk_N, fused_ce, fused_ce_compiled."""
+    fields = {"compile_layers": False, "loss": "chunked", "chunk_size": 4096}
+    for lever in name.split("+"):
+        if lever == "baseline":
+            continue
+        elif lever == "compile_layers":
+            fields["compile_layers"] = True
+        elif lever.startswith("loss_chunk_") and lever[len("loss_chunk_"):].isdigit():
+            fields["chunk_size"] = int(lever[len("loss_chunk_"):])
+        elif lever == "fused_ce":
+            fields["loss"] = "fused"
+        elif lever == "fused_ce_compiled":
+            fields["loss"] = "fused_compiled"
+        else:
+            raise ValueError(
+                f"--variant {name!r}: unknown lever {lever!r}; use baseline, compile_layers, loss_chunk_N, fused_ce, "
+                f"fused_ce_compiled, joined by '+'"
+            )
+    return Variant(name=name, **fields)
+
+
+def loss_fn(variant: Variant):
+    if variant.loss == "chunked":
+        return dflash_loss
+    return lambda *a, chunk_size: fused_dflash_loss(*a, chunk_size=chunk_size, compiled=variant.loss == "fused_compiled")
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer: DeepSpeed's bf16 scheme without sharding
+
+
+class MasterWeightAdamW:
+    """AdamW on fp32 master copies of low-precision params, with grad clipping (DESIGN §2: bf16 params, fp32 master weights).
+
+    fp32 params (CPU) are stepped directly. State per trainable param: fp32 master + fp32 grad +
+    2 fp32 Adam moments = 16 bytes, which ZeRO-2 shards over the drafter ranks.
+    """
+
+    def __init__(self, params, lr: float, max_grad_norm: float, fused: bool):
+        self.params = [p for p in params if p.requires_grad]
+        self.has_master = any(p.dtype != torch.float32 for p in self.params)
+        self.master = [p.detach().float() for p in self.params] if self.has_master else self.params
+        if self.has_master:
+            for m in self.master:
+                m.grad = torch.zeros_like(m)
+        self.max_grad_norm = max_grad_norm
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=0.0, fused=fused)
+
+    def step(self) -> None:
+        if self.has_master:
+            torch._foreach_copy_([m.grad for m in self.master], [p.grad for p in self.params])
+        torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm, foreach=True)
+        self.optimizer.step()
+        if self.has_master:
+            torch._foreach_copy_(self.params, self.master)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing helpers
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PhaseClock:
+    """Marks phase boundaries inside a step: CUDA events on GPU (no sync), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phase_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (call after a sync)."""
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def measured_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, reps: int) -> float:
+    """Median TFLOP/s of [size, size] @ [size, size] matmuls in `dtype`."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    times = []
+    for i in range(reps + 3):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:  # warm-up: cuBLAS heuristics, clocks
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def free_memory(device: torch.device, params=()) -> None:
+    for p in params:
+        p.grad = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Progress:
+    def __init__(self, budget_s: float):
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def __call__(self, message: str) -> None:
+        print(f"[{self.elapsed():6.1f} s] {message}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) drafter train step
+
+
+def make_batch(batch: int, seq_len: int, config: DFlashConfig, device, dtype, with_features: bool = True):
+    """Random full-length rows: input_ids [batch, S], loss_mask [batch, S] (prompt = first S/8), features [batch, S, 5*hidden]."""
+    input_ids = torch.randint(0, config.mask_token_id, (batch, seq_len), device=device)
+    loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+    loss_mask[:, seq_len // 8:] = True
+    features = None
+    if with_features:
+        features = torch.randn(batch, seq_len, len(config.target_layer_ids) * config.hidden_size, device=device, dtype=dtype)
+    return input_ids, loss_mask, features
+
+
+def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensors, num_anchors, backend, generator, clock,
+                 extractor=None):
+    """One training step as train_dflash.py runs it; returns (anchors, anchor_valid, label_valid) for the FLOP count.
+
+    With `extractor`, the target forward runs first (colocated mode) and produces the features.
+    """
+    input_ids, loss_mask, features = batch_tensors
+    block_size = drafter.config.block_size
+    clock.mark()
+    if extractor is not None:
+        features = extractor(input_ids, torch.ones_like(input_ids))  # [batch, S, 5*hidden]
+        clock.mark()
+    anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
+    hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend=backend)  # [batch, N, B, hidden]
+    clock.mark()
+    labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)
+    loss, _ = loss_fn(variant)(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size)
+    clock.mark()
+    loss.backward()
+    clock.mark()
+    optimizer.step()
+    clock.mark()
+    return anchors, anchor_valid, label_valid
+
+
+def set_compiled_layers(drafter: DFlashDraftModel, eager_layers: nn.ModuleList, compiled: bool) -> None:
+    """Swap the drafter's layer list between the eager layers and torch.compile wrappers of them (same parameters)."""
+    if compiled:
+        # dynamic=False: static shapes like the flex graphs. Flex inside a compiled layer is traced
+        # into the layer's graph (dflash_model._run_compiled_flex hands dynamo the plain op).
+        drafter.layers = nn.ModuleList(torch.compile(layer, dynamic=False) for layer in eager_layers)
+    else:
+        drafter.layers = eager_layers
+
+
+def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, batch: int, extractor=None) -> dict:
+    """Warm up and time one (variant, shape); returns a result row (status 'ok', 'OOM' or 'error: ...')."""
+    device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
+    row = dict(variant=variant.name, anchors=num_anchors, seq=seq_len, batch=batch, status="ok")
+    set_compiled_layers(ctx["drafter"], ctx["eager_layers"], variant.compile_layers)
+    free_memory(device, ctx["optimizer"].params)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        batch_tensors = make_batch(batch, seq_len, config, device, dtype, with_features=extractor is None)
+        generator = torch.Generator().manual_seed(0)
+        start = time.perf_counter()
+        if ctx["backend"] == "flex":
+            warm_up_flex_attention(
+                device, batch=batch, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim, context_len=seq_len, num_anchors=num_anchors, block_size=config.block_size,
+                dtype=dtype,
+            )
+        step = lambda clock: drafter_step(  # noqa: E731 - one call site per phase below
+            ctx["drafter"], ctx["optimizer"], ctx["head_weight"], ctx["weights"], variant, batch_tensors, num_anchors,
+            ctx["backend"], generator, clock, extractor,
+        )
+        for _ in range(ctx["warmup"]):
+            step(PhaseClock(device))
+        sync(device)
+        row["warmup_s"] = time.perf_counter() - start
+        step_ms, phases, flops = [], [], []
+        for _ in range(ctx["steps"]):
+            clock = PhaseClock(device)
+            sync(device)
+            t0 = time.perf_counter()
+            anchors, anchor_valid, label_valid = step(clock)
+            sync(device)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            phases.append(clock.phase_ms())
+            flops.append(sum(f + b for f, b in drafter_step_flops(config, seq_len, anchors, anchor_valid, label_valid).values()))
+        row["ms_step"] = statistics.median(step_ms)
+        row["phases_ms"] = [statistics.median(p) for p in zip(*phases)]
+        row["flops_sample"] = statistics.mean(flops) / batch
+        row["peak_gb"] = peak_memory_gb(device)
+        if extractor is None and ctx["backend"] == "flex":
+            anchors, anchor_valid = sample_anchors(batch_tensors[1], num_anchors, generator)
+            mask_ms = []
+            for _ in range(3):
+                sync(device)
+                t0 = time.perf_counter()
+                create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size)
+                sync(device)
+                mask_ms.append((time.perf_counter() - t0) * 1e3)
+            row["mask_ms"] = statistics.median(mask_ms)
+    except torch.cuda.OutOfMemoryError:
+        row["status"] = "OOM"
+    except Exception as e:  # a variant that fails (e.g. a compile error) is reported, the run goes on
+        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        import traceback
+
+        traceback.print_exc()
+    free_memory(device, ctx["optimizer"].params)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) target supply
+
+
+def bench_target(extractor, target_config, num_layers, device, batch, seq_len, steps, warmup) -> dict:
+    """Tokens/s of the truncated target forward with feature capture at [batch, seq_len]."""
+    row = dict(batch=batch, seq=seq_len, status="ok")
+    free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        input_ids = torch.randint(0, target_config.vocab_size, (batch, seq_len), device=device)
+        attention_mask = torch.ones_like(input_ids)
+        times = []
+        for i in range(warmup + steps):
+            sync(device)
+            t0 = time.perf_counter()
+            features = extractor(input_ids, attention_mask)
+            sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            del features
+        seconds = statistics.median(times)
+        row["ms_call"] = seconds * 1e3
+        row["tokens_s"] = batch * seq_len / seconds
+        row["tflops"] = target_forward_flops(target_config, num_layers, batch, seq_len) / seconds / 1e12
+        row["peak_gb"] = peak_memory_gb(device)
+    except torch.cuda.OutOfMemoryError:
+        row["status"] = "OOM"
+    free_memory(device)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+
+def fmt(value, spec=".1f", missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def drafter_table(rows, matmul_tflops, on_cuda, trainable_params) -> str:
+    header = (
+        "| variant | anchors | seq | batch | ms/step | ms/sample | samples/s | useful TFLOP/sample | useful TFLOP/s "
+        "| MFU vs measured | MFU vs 989 | peak GB | proj. GB, 7 ranks | fwd / loss / bwd / opt ms | mask ms | warm-up s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    # ZeRO-2 over 7 drafter ranks keeps 1/7 of the 16 bytes/param of fp32 master, grad and Adam state.
+    sharded_saving_gb = 16 * trainable_params * 6 / 7 / 1e9
+    lines = []
+    for r in rows:
+        shape = f"| {r['variant']} | {r['anchors']} | {r['seq']} | {r['batch']} "
+        if r["status"] != "ok":
+            lines.append(shape + f"| {r['status']} |" + " |" * 11)
+            continue
+        ms_sample = r["ms_step"] / r["batch"]
+        tflops = r["flops_sample"] / (ms_sample / 1e3) / 1e12
+        peak = r["peak_gb"]
+        lines.append(
+            shape + f"| {r['ms_step']:.1f} | {ms_sample:.1f} | {1e3 / ms_sample:.2f} | {r['flops_sample'] / 1e12:.3g} "
+            f"| {tflops:.3g} | {100 * tflops / matmul_tflops:.1f}% "
+            f"| {fmt(100 * tflops / H200_BF16_PEAK_TFLOPS if on_cuda else None)}{'%' if on_cuda else ''} "
+            f"| {fmt(peak)} | {fmt(peak - sharded_saving_gb if peak is not None else None)} "
+            f"| {' / '.join(f'{p:.1f}' for p in r['phases_ms'])} | {fmt(r.get('mask_ms'))} | {r['warmup_s']:.1f} |"
+        )
+    return header + "\n".join(lines) + "\n"
+
+
+def target_table(rows) -> str:
+    header = "| batch | seq | ms/call | tokens/s | TFLOP/s (fwd) | peak GB |\n|---|---|---|---|---|---|\n"
+    lines = []
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['batch']} | {r['seq']} | {r['status']} | | | |")
+        else:
+            lines.append(
+                f"| {r['batch']} | {r['seq']} | {r['ms_call']:.1f} | {r['tokens_s']:,.0f} | {r['tflops']:.3g} | {fmt(r['peak_gb'])} |"
+            )
+    return header + "\n".join(lines) + "\n"
+
+
+def colocated_table(rows) -> str:
+    header = (
+        "| variant | anchors | seq | batch | colocated ms/sample | samples/s | drafter alone ms/sample | target alone ms/sample "
+        "| 1/(drafter+target) samples/s | ratio (goal >= 0.9) | peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        shape = f"| {r['variant']} | {r['anchors']} | {r['seq']} | {r['batch']} "
+        if r["status"] != "ok" or r.get("alone_ms") is None:
+            lines.append(shape + f"| {r['status'] if r['status'] != 'ok' else 'no alone measurement'} |" + " |" * 6)
+            continue
+        ms = r["ms_step"] / r["batch"]
+        drafter_ms, target_ms = r["alone_ms"]
+        ideal = 1e3 / (drafter_ms + target_ms)
+        lines.append(
+            shape + f"| {ms:.1f} | {1e3 / ms:.2f} | {drafter_ms:.1f} | {target_ms:.1f} | {ideal:.2f} "
+            f"| {(1e3 / ms) / ideal:.3f} | {fmt(r['peak_gb'])} |"
+        )
+    return header + "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+
+
+def build_target(target_config: Qwen3Config, device, dtype):
+    with device:  # allocate on the device directly
+        target = AutoModelForCausalLM.from_config(target_config, dtype=dtype, attn_implementation="sdpa")
+    target.requires_grad_(False)
+    return target.eval()
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    progress = Progress(args.budget_s)
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        setup_compile_cache("shared")  # before anything compiles (DESIGN §3)
+    else:
+        torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and a shared CPU loses a lot to them
+    torch.manual_seed(0)
+    s = shapes(args)
+    target_config = s["target"]
+    config = DFlashConfig.from_target_config(target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"])
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    progress(f"{gpu}, torch {torch.__version__}, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")
+
+    # ---- matmul rate (the MFU denominator) ----
+    if device.type == "cuda":
+        matmul_tflops = measured_matmul_tflops(device, torch.bfloat16, 8192, reps=10)
+        matmul_note = f"bf16 8192^3 matmul, median of 10: {matmul_tflops:.1f} TFLOP/s"
+    else:
+        matmul_tflops = measured_matmul_tflops(device, dtype, 256, reps=5)
+        matmul_note = f"fp32 256^3 matmul on CPU, median of 5: {matmul_tflops:.3f} TFLOP/s"
+    progress(matmul_note)
+
+    # ---- drafter + optimizer, with standalone (frozen) embedding and head at the target's shapes ----
+    with device:
+        drafter = DFlashDraftModel(config).to(dtype)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype).requires_grad_(False)
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype).requires_grad_(False)
+    drafter.train()
+    drafter.attach_target(embed, head)
+    optimizer = MasterWeightAdamW(drafter.parameters(), lr=1e-5, max_grad_norm=1.0, fused=device.type == "cuda")
+    trainable = sum(p.numel() for p in optimizer.params)
+    progress(f"drafter: {trainable / 1e6:.1f} M trainable params ({config.num_hidden_layers} layers, block {config.block_size})")
+    ctx = dict(device=device, config=config, dtype=dtype, drafter=drafter, eager_layers=drafter.layers, optimizer=optimizer,
+               head_weight=head.weight, weights=loss_weights(config.block_size, device=device), backend=args.backend,
+               steps=args.steps, warmup=args.warmup)
+
+    def run_drafter(variant_names, configs, rows):
+        for name in variant_names:
+            variant = parse_variant(name)
+            for num_anchors, seq_len, batch in configs:
+                if progress.over_budget():
+                    rows.append(dict(variant=name, anchors=num_anchors, seq=seq_len, batch=batch, status="skipped (time budget)"))
+                    continue
+                progress(f"(a) {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
+                row = bench_drafter_config(ctx, variant, num_anchors, seq_len, batch)
+                rows.append(row)
+                if row["status"] == "ok":
+                    progress(f"    {row['ms_step'] / batch:.1f} ms/sample, {row['flops_sample'] / (row['ms_step'] / batch / 1e3) / 1e12:.3g} "
+                             f"useful TFLOP/s, peak {fmt(row['peak_gb'])} GB, warm-up {row['warmup_s']:.1f} s")
+                else:
+                    progress(f"    {row['status']}")
+
+    drafter_rows = []
+    run_drafter(args.variants, s["headline"], drafter_rows)  # every variant at the headline shapes first
+
+    # ---- (b) target supply: the truncated target with feature capture ----
+    del embed, head
+    drafter.attach_target(None, None)
+    ctx["head_weight"] = None
+    free_memory(device)
+    target_rows, colocated_rows = [], []
+    if progress.over_budget():
+        progress("(b), (c) skipped: time budget")
+    else:
+        progress("(b) building the random target")
+        target = build_target(target_config, device, dtype)
+        extractor = TargetFeatureExtractor(target, config.target_layer_ids, truncate=True)
+        num_layers = max(config.target_layer_ids) + 1
+        for batch, seq_len in s["target_shapes"]:
+            if progress.over_budget():
+                target_rows.append(dict(batch=batch, seq=seq_len, status="skipped (time budget)"))
+                continue
+            row = bench_target(extractor, target_config, num_layers, device, batch, seq_len, args.steps, args.warmup)
+            target_rows.append(row)
+            progress(f"(b) target batch {batch} x {seq_len}: " + (f"{row['tokens_s']:,.0f} tokens/s" if row["status"] == "ok" else row["status"]))
+
+        # ---- (c) colocated: target forward + drafter step, against each alone ----
+        drafter.attach_target(extractor.embed_tokens, extractor.lm_head)
+        ctx["head_weight"] = extractor.lm_head.weight
+        ok = [r for r in drafter_rows if r["status"] == "ok"]
+        for num_anchors, seq_len, batch in s["headline"]:
+            at_shape = [r for r in ok if (r["anchors"], r["seq"], r["batch"]) == (num_anchors, seq_len, batch)]
+            best = min(at_shape, key=lambda r: r["ms_step"], default=None)
+            for name in dict.fromkeys(["baseline"] + ([best["variant"]] if best else [])):
+                if name not in args.variants:
+                    continue
+                if progress.over_budget():
+                    colocated_rows.append(dict(variant=name, anchors=num_anchors, seq=seq_len, batch=batch, status="skipped (time budget)"))
+                    continue
+                progress(f"(c) colocated {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
+                row = bench_drafter_config(ctx, parse_variant(name), num_anchors, seq_len, batch, extractor=extractor)
+                alone = next((r for r in at_shape if r["variant"] == name), None)
+                target_alone = next((r for r in target_rows if (r["batch"], r["seq"]) == (batch, seq_len) and r["status"] == "ok"), None)
+                if alone and target_alone:
+                    row["alone_ms"] = (alone["ms_step"] / batch, target_alone["ms_call"] / batch)
+                colocated_rows.append(row)
+                if row["status"] == "ok":
+                    progress(f"    {row['ms_step'] / batch:.1f} ms/sample colocated")
+        extractor.remove_hooks()
+        drafter.attach_target(None, None)
+        ctx["head_weight"] = None
+        del extractor, target
+        free_memory(device)
+
+    # ---- the rest of the (a) grid, baseline only ----
+    rest = [c for c in s["grid"] if c not in s["headline"]]
+    if not args.quick and rest:
+        with device:
+            embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype).requires_grad_(False)
+            head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype).requires_grad_(False)
+        drafter.attach_target(embed, head)
+        ctx["head_weight"] = head.weight
+        run_drafter([args.variants[0]], rest, drafter_rows)
+
+    # ---- report ----
+    command = "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + argv)
+    flops_parts = drafter_step_flops(config, s["headline"][0][1], *_example_counts(config, *s["headline"][0]))
+    parts = ", ".join(f"{k} {(f + b) / s['headline'][0][2] / 1e12:.3g}" for k, (f, b) in flops_parts.items())
+    report = (
+        f"\n## bench_dflash.py, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, {gpu}, torch {torch.__version__}, "
+        f"transformers {__import__('transformers').__version__}\n\n"
+        f"Command: `{command}` ({'tiny config' if args.tiny else 'Qwen3-8B shapes'}, {args.backend} attention, "
+        f"{args.steps} timed steps after {args.warmup} warm-up steps, medians; total {progress.elapsed():.0f} s)\n\n"
+        f"Matmul rate: {matmul_note}. Drafter: {trainable / 1e6:.1f} M trainable params. Useful TFLOP/sample by part at "
+        f"{s['headline'][0][0]} anchors / seq {s['headline'][0][1]} (all anchors valid): {parts}.\n\n"
+        f"(a) drafter train step (fwd+bwd+AdamW on fp32 masters; proj. GB = peak minus 6/7 of 16 B/param of "
+        f"master/grad/Adam state, i.e. ZeRO-2 over 7 drafter ranks):\n\n{drafter_table(drafter_rows, matmul_tflops, device.type == 'cuda', trainable)}\n"
+        f"(b) target supply ({max(config.target_layer_ids) + 1} of {target_config.num_hidden_layers} layers, hook capture of "
+        f"layers {config.target_layer_ids}):\n\n{target_table(target_rows)}\n"
+        f"(c) colocated on 1 GPU (target forward + drafter step):\n\n{colocated_table(colocated_rows)}"
+    )
+    print(report, flush=True)
+    if not args.no_append:
+        results = Path(args.results)
+        if not results.exists():
+            results.write_text("# Benchmarks (appended by bench_dflash.py)\n")
+        with results.open("a") as f:
+            f.write(report)
+        progress(f"appended to {results}")
+
+
+def _example_counts(config: DFlashConfig, num_anchors: int, seq_len: int, batch: int):
+    """(anchors, anchor_valid, label_valid) with evenly spread, all-valid anchors, for the per-part FLOP line."""
+    anchors = torch.linspace(seq_len // 8, seq_len - 2, num_anchors).long().expand(batch, num_anchors)
+    anchor_valid = torch.ones(batch, num_anchors, dtype=torch.bool)
+    positions = anchors[:, :, None] + torch.arange(1, config.block_size)
+    return anchors, anchor_valid, positions < seq_len
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
