@@ -48,7 +48,8 @@ count against torch's FlopCounterMode.
 Variants (--variant, repeatable; join levers with '+'), each with its prediction at
 256 anchors / seq 768 / batch 2 (baseline was 105 ms/sample in the public SpecForge anchor):
   baseline            train_dflash.py as it is: eager layers, compiled flex, checkpointed fp32-logit CE in 4096-row chunks.
-                      Prediction: 85-100 ms/sample (no head at block position 0 already), ~350 useful TFLOP/s.
+                      Prediction: ~110 ms/sample incl. an unsharded optimizer step (~7 ms/sample), ~310 useful TFLOP/s
+                      (the issue-2 run in BENCHMARKS.md: ~140 ms/sample colocated, ~22 of them target forward).
   loss_chunk_2048     same, 2048-row chunks. Prediction: time within +-3%, peak memory about -3 GB.
   loss_chunk_8192     same, 8192-row chunks. Prediction: time within +-3%, peak memory about +6 GB.
   fused_ce            LM head + CE with the row gradient computed in the forward, chunk by chunk (Liger's
@@ -58,7 +59,9 @@ Variants (--variant, repeatable; join levers with '+'), each with its prediction
                       Prediction: -14% vs baseline (vocab-sized passes fused into ~2 kernels).
   compile_layers      torch.compile of each drafter decoder layer (flex is traced into the layer graph).
                       Prediction: -5 to -8% (RMSNorm, RoPE, SwiGLU and residual adds fused).
-  compile_layers+fused_ce_compiled   both. Prediction: -20%, about 75-80 ms/sample, ~450 TFLOP/s.
+  compile_layers+fused_ce_compiled   both. Prediction: -20%, about 88 ms/sample, ~390 useful TFLOP/s.
+liger-kernel's fused linear CE is not installed on the GPU machine and cannot take per-row weights
+directly, so fused_ce implements the same scheme in plain torch instead.
 """
 
 import argparse
@@ -107,7 +110,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per config after the flex warm-up (default 3, tiny 1)")
     p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 320, full 540, tiny 50)")
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
-    p.add_argument("--results", default=str(REPO_DIR / "BENCHMARKS.md"), help="markdown file the tables are appended to")
+    p.add_argument("--record-to", default=str(REPO_DIR / "BENCHMARKS.md"),
+                   help="markdown file the tables are appended to (on a machine whose tree does not come back: "
+                        "cp BENCHMARKS.md $OUT/ first, then --record-to $OUT/BENCHMARKS.md)")
     p.add_argument("--no_append", action="store_true", help="print the tables only")
     args = p.parse_args(argv)
     if args.device not in ("cuda", "cpu"):
@@ -801,9 +806,8 @@ def main(argv: list[str]) -> None:
     flops_parts = drafter_step_flops(config, s["headline"][0][1], *_example_counts(config, *s["headline"][0]))
     parts = ", ".join(f"{k} {(f + b) / s['headline'][0][2] / 1e12:.3g}" for k, (f, b) in flops_parts.items())
     report = (
-        f"\n## bench_dflash.py, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, {gpu}, torch {torch.__version__}, "
-        f"transformers {__import__('transformers').__version__}\n\n"
-        f"Command: `{command}` ({'tiny config' if args.tiny else 'Qwen3-8B shapes'}, {args.backend} attention, "
+        f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} bench_dflash.py: DFlash training speed\n\n"
+        f"{gpu}, torch {torch.__version__}, transformers {__import__('transformers').__version__}, command: `{command}` ({'tiny config' if args.tiny else 'Qwen3-8B shapes'}, {args.backend} attention, "
         f"{args.steps} timed steps after {args.warmup} warm-up steps, medians; total {progress.elapsed():.0f} s)\n\n"
         f"Matmul rate: {matmul_note}. Drafter: {trainable / 1e6:.1f} M trainable params. Useful TFLOP/sample by part at "
         f"{s['headline'][0][0]} anchors / seq {s['headline'][0][1]} (all anchors valid): {parts}.\n\n"
@@ -815,9 +819,9 @@ def main(argv: list[str]) -> None:
     )
     print(report, flush=True)
     if not args.no_append:
-        results = Path(args.results)
+        results = Path(args.record_to)
         if not results.exists():
-            results.write_text("# Benchmarks (appended by bench_dflash.py)\n")
+            results.write_text("# Benchmarks\n\nMeasured results, newest last; scripts append here themselves.\n")
         with results.open("a") as f:
             f.write(report)
         progress(f"appended to {results}")
