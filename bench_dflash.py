@@ -373,6 +373,7 @@ class MasterWeightAdamW:
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=0.0, fused=fused)
 
+    @torch.no_grad()
     def step(self) -> None:
         if self.has_master:
             torch._foreach_copy_([m.grad for m in self.master], [p.grad for p in self.params])
@@ -500,21 +501,23 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     return anchors, anchor_valid, label_valid
 
 
-def set_compiled_layers(drafter: DFlashDraftModel, eager_layers: nn.ModuleList, compiled: bool) -> None:
-    """Swap the drafter's layer list between the eager layers and torch.compile wrappers of them (same parameters)."""
-    if compiled:
+def set_compiled_layers(ctx, compiled: bool) -> None:
+    """Swap the drafter's layer list between the eager layers and torch.compile wrappers of them (same parameters).
+
+    The wrappers are built once, so every variant that compiles layers reuses the same graphs.
+    """
+    if compiled and "compiled_layers" not in ctx:
         # dynamic=False: static shapes like the flex graphs. Flex inside a compiled layer is traced
         # into the layer's graph (dflash_model._run_compiled_flex hands dynamo the plain op).
-        drafter.layers = nn.ModuleList(torch.compile(layer, dynamic=False) for layer in eager_layers)
-    else:
-        drafter.layers = eager_layers
+        ctx["compiled_layers"] = nn.ModuleList(torch.compile(layer, dynamic=False) for layer in ctx["eager_layers"])
+    ctx["drafter"].layers = ctx["compiled_layers"] if compiled else ctx["eager_layers"]
 
 
 def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, batch: int, extractor=None) -> dict:
     """Warm up and time one (variant, shape); returns a result row (status 'ok', 'OOM' or 'error: ...')."""
     device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
     row = dict(variant=variant.name, anchors=num_anchors, seq=seq_len, batch=batch, status="ok")
-    set_compiled_layers(ctx["drafter"], ctx["eager_layers"], variant.compile_layers)
+    set_compiled_layers(ctx, variant.compile_layers)
     free_memory(device, ctx["optimizer"].params)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -723,11 +726,11 @@ def main(argv: list[str]) -> None:
                head_weight=head.weight, weights=loss_weights(config.block_size, device=device), backend=args.backend,
                steps=args.steps, warmup=args.warmup)
 
-    def run_drafter(variant_names, configs, rows):
+    def run_drafter(variant_names, configs, rows, budget_s):
         for name in variant_names:
             variant = parse_variant(name)
             for num_anchors, seq_len, batch in configs:
-                if progress.over_budget():
+                if progress.elapsed() > budget_s:
                     rows.append(dict(variant=name, anchors=num_anchors, seq=seq_len, batch=batch, status="skipped (time budget)"))
                     continue
                 progress(f"(a) {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
@@ -739,8 +742,14 @@ def main(argv: list[str]) -> None:
                 else:
                     progress(f"    {row['status']}")
 
+    # ---- (a) every variant at the headline shapes, then the rest of the grid for the first variant ----
+    # (a) stops starting configs early enough to leave time for (b) and (c).
+    budget_a = args.budget_s - (0 if args.tiny else 75)
     drafter_rows = []
-    run_drafter(args.variants, s["headline"], drafter_rows)  # every variant at the headline shapes first
+    run_drafter(args.variants, s["headline"], drafter_rows, budget_a)
+    rest = [c for c in s["grid"] if c not in s["headline"]]
+    if not args.quick:
+        run_drafter(args.variants[:1], rest, drafter_rows, budget_a)
 
     # ---- (b) target supply: the truncated target with feature capture ----
     del embed, head
@@ -763,7 +772,7 @@ def main(argv: list[str]) -> None:
             target_rows.append(row)
             progress(f"(b) target batch {batch} x {seq_len}: " + (f"{row['tokens_s']:,.0f} tokens/s" if row["status"] == "ok" else row["status"]))
 
-        # ---- (c) colocated: target forward + drafter step, against each alone ----
+        # ---- (c) colocated: target forward + drafter step, against each alone (baseline and the fastest variant) ----
         drafter.attach_target(extractor.embed_tokens, extractor.lm_head)
         ctx["head_weight"] = extractor.lm_head.weight
         ok = [r for r in drafter_rows if r["status"] == "ok"]
@@ -785,21 +794,6 @@ def main(argv: list[str]) -> None:
                 colocated_rows.append(row)
                 if row["status"] == "ok":
                     progress(f"    {row['ms_step'] / batch:.1f} ms/sample colocated")
-        extractor.remove_hooks()
-        drafter.attach_target(None, None)
-        ctx["head_weight"] = None
-        del extractor, target
-        free_memory(device)
-
-    # ---- the rest of the (a) grid, baseline only ----
-    rest = [c for c in s["grid"] if c not in s["headline"]]
-    if not args.quick and rest:
-        with device:
-            embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype).requires_grad_(False)
-            head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype).requires_grad_(False)
-        drafter.attach_target(embed, head)
-        ctx["head_weight"] = head.weight
-        run_drafter([args.variants[0]], rest, drafter_rows)
 
     # ---- report ----
     command = "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + argv)
