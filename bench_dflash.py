@@ -5,6 +5,9 @@
     python bench_dflash.py --variant baseline --variant compile_layers+fused_ce_compiled
     python bench_dflash.py --device cpu --tiny         # CPU smoke test: tiny config, SDPA, 2 timed steps (< 60 s)
 
+On a machine whose working tree does not come back (the device tool), append to a copy:
+    cp BENCHMARKS.md $OUT/ && python bench_dflash.py --quick --record-to $OUT/BENCHMARKS.md 2>&1 | tee $OUT/bench.log
+
 Shapes: target Qwen3-8B (hidden 4096, 36 layers, 32 heads / 8 KV heads, head_dim 128,
 intermediate 12288, vocab 151,936, untied head); drafter 5 layers reading target layers
 [1, 9, 17, 25, 33], block B = 16. Every sequence is full length (no padding); its first seq/8
@@ -85,6 +88,7 @@ from dflash_model import (
     block_labels,
     create_anchor_block_mask,
     dflash_loss,
+    get_compiled_flex_attention,
     loss_weights,
     sample_anchors,
     setup_compile_cache,
@@ -108,7 +112,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=None, help="variant name(s), levers joined by '+' (see the docstring); repeatable")
     p.add_argument("--steps", type=int, default=None, help="timed steps per config (default 6, tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per config after the flex warm-up (default 3, tiny 1)")
-    p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 320, full 540, tiny 50)")
+    p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 300, full 500, tiny 50); (a) stops 75 s earlier to leave time for (b) and (c)")
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
     p.add_argument("--record-to", default=str(REPO_DIR / "BENCHMARKS.md"),
                    help="markdown file the tables are appended to (on a machine whose tree does not come back: "
@@ -128,7 +132,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ValueError("--attention_backend flex has no CPU backward; use sdpa on CPU")
     args.steps = args.steps or (2 if args.tiny else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    args.budget_s = args.budget_s or (50.0 if args.tiny else 320.0 if args.quick else 540.0)
+    args.budget_s = args.budget_s or (50.0 if args.tiny else 300.0 if args.quick else 500.0)
     default_variants = ["baseline", "fused_ce", "fused_ce_compiled", "compile_layers+fused_ce_compiled"]
     if args.tiny:
         default_variants = ["baseline", "loss_chunk_2048", "fused_ce"]  # no inductor C++ compiles on a 2-core CPU
@@ -513,6 +517,42 @@ def set_compiled_layers(ctx, compiled: bool) -> None:
     ctx["drafter"].layers = ctx["compiled_layers"] if compiled else ctx["eager_layers"]
 
 
+def median_ms(fn, device: torch.device, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def time_mask_and_attention(ctx, loss_mask, num_anchors: int, seq_len: int, generator) -> tuple[float, float]:
+    """(ms of the eager BlockMask build, ms of compiled flex forward+backward for all L layers), alone.
+
+    flex gets inputs laid out as in the drafter (the same shape key as warm_up_flex_attention, so
+    nothing compiles here) and the real mask of sampled anchors.
+    """
+    device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
+    anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
+    mask_ms = median_ms(lambda: create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size), device)
+    block_mask = create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size)
+    batch, q_len = anchors.shape[0], num_anchors * config.block_size
+    q = torch.randn(batch, q_len, config.num_attention_heads, config.head_dim, device=device, dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, config.num_key_value_heads, seq_len + q_len, config.head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    flex = get_compiled_flex_attention(device)
+
+    def forward_backward():
+        out = flex(q, k, v, block_mask)  # [batch, heads, Q, head_dim]
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    return mask_ms, config.num_hidden_layers * median_ms(forward_backward, device)
+
+
 def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, batch: int, extractor=None) -> dict:
     """Warm up and time one (variant, shape); returns a result row (status 'ok', 'OOM' or 'error: ...')."""
     device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
@@ -554,15 +594,7 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
         row["flops_sample"] = statistics.mean(flops) / batch
         row["peak_gb"] = peak_memory_gb(device)
         if extractor is None and ctx["backend"] == "flex":
-            anchors, anchor_valid = sample_anchors(batch_tensors[1], num_anchors, generator)
-            mask_ms = []
-            for _ in range(3):
-                sync(device)
-                t0 = time.perf_counter()
-                create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size)
-                sync(device)
-                mask_ms.append((time.perf_counter() - t0) * 1e3)
-            row["mask_ms"] = statistics.median(mask_ms)
+            row["mask_ms"], row["attn_ms"] = time_mask_and_attention(ctx, batch_tensors[1], num_anchors, seq_len, generator)
     except torch.cuda.OutOfMemoryError:
         row["status"] = "OOM"
     except Exception as e:  # a variant that fails (e.g. a compile error) is reported, the run goes on
@@ -618,8 +650,8 @@ def fmt(value, spec=".1f", missing="-"):
 def drafter_table(rows, matmul_tflops, on_cuda, trainable_params) -> str:
     header = (
         "| variant | anchors | seq | batch | ms/step | ms/sample | samples/s | useful TFLOP/sample | useful TFLOP/s "
-        "| MFU vs measured | MFU vs 989 | peak GB | proj. GB, 7 ranks | fwd / loss / bwd / opt ms | mask ms | warm-up s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| MFU vs measured | MFU vs 989 | peak GB | proj. GB, 7 ranks | fwd / loss / bwd / opt ms | mask ms | flex fwd+bwd ms, all layers | warm-up s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     # ZeRO-2 over 7 drafter ranks keeps 1/7 of the 16 bytes/param of fp32 master, grad and Adam state.
     sharded_saving_gb = 16 * trainable_params * 6 / 7 / 1e9
@@ -627,7 +659,7 @@ def drafter_table(rows, matmul_tflops, on_cuda, trainable_params) -> str:
     for r in rows:
         shape = f"| {r['variant']} | {r['anchors']} | {r['seq']} | {r['batch']} "
         if r["status"] != "ok":
-            lines.append(shape + f"| {r['status']} |" + " |" * 11)
+            lines.append(shape + f"| {r['status']} |" + " |" * 12)
             continue
         ms_sample = r["ms_step"] / r["batch"]
         tflops = r["flops_sample"] / (ms_sample / 1e3) / 1e12
@@ -637,7 +669,7 @@ def drafter_table(rows, matmul_tflops, on_cuda, trainable_params) -> str:
             f"| {tflops:.3g} | {100 * tflops / matmul_tflops:.1f}% "
             f"| {fmt(100 * tflops / H200_BF16_PEAK_TFLOPS if on_cuda else None)}{'%' if on_cuda else ''} "
             f"| {fmt(peak)} | {fmt(peak - sharded_saving_gb if peak is not None else None)} "
-            f"| {' / '.join(f'{p:.1f}' for p in r['phases_ms'])} | {fmt(r.get('mask_ms'))} | {r['warmup_s']:.1f} |"
+            f"| {' / '.join(f'{p:.1f}' for p in r['phases_ms'])} | {fmt(r.get('mask_ms'))} | {fmt(r.get('attn_ms'))} | {r['warmup_s']:.1f} |"
         )
     return header + "\n".join(lines) + "\n"
 
