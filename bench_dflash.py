@@ -746,7 +746,9 @@ def main(argv: list[str]) -> None:
 
     # ---- drafter + optimizer, with standalone (frozen) embedding and head at the target's shapes ----
     with device:
-        drafter = DFlashDraftModel(config).to(dtype)
+        drafter = DFlashDraftModel(config)
+        for param in drafter.parameters():  # params only, like DeepSpeed's bf16 cast: RoPE's inv_freq buffer stays fp32
+            param.data = param.data.to(dtype)
         embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype).requires_grad_(False)
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype).requires_grad_(False)
     drafter.train()
