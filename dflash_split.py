@@ -1,0 +1,586 @@
+"""Split mode (--target_ranks N): target ranks make context features, drafter ranks train on them.
+
+Ranks [0, N) run the frozen target; ranks [N, world) train the drafter under DeepSpeed ZeRO-2
+with the drafter group as its data-parallel group (DESIGN §4). train_dflash.py uses the pieces
+below in the order a run meets them:
+
+- `make_rank_layout`: who does what, and the process groups (created on every rank).
+- `DrafterGroupMPU`: the `mpu` object that points DeepSpeed's data parallelism at the drafter group.
+- `FeatureSender` / `FeatureReceiver`: `(input_ids, loss_mask, context features)` from a target rank
+  to a drafter rank, point to point (NCCL on GPU, gloo on CPU) behind a fixed-size int64 header.
+  A worker thread and a bounded queue on each side let both sides run `depth` batches ahead, so a
+  drafter never waits while the target ranks keep up.
+- `join_deepspeed_save`: the target ranks' part of the whole-world barriers in DeepSpeed's
+  `save_checkpoint`.
+- `Liveness`: a heartbeat per rank in the launcher's TCPStore and a watchdog thread: a rank that
+  dies stops the others with a clear error within a minute instead of a hang. Also used in
+  colocated mode whenever there is more than one rank.
+- `measure_rates` / `choose_target_ranks`: the `--target_ranks auto` calibration.
+"""
+
+import inspect
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from dflash_target import _decoder_and_layers
+
+log = logging.getLogger("dflash_split")
+
+# ----------------------------------------------------------------------------------------------
+# Rank layout and process groups
+
+
+@dataclass
+class RankLayout:
+    """Roles and groups of one rank. Colocated mode (no target ranks) is the special case where
+    every rank is a drafter rank and the drafter group is the whole world."""
+
+    rank: int
+    world: int
+    target_ranks: list[int]  # global ranks [0, N) running the target; empty when colocated
+    drafter_ranks: list[int]  # global ranks [N, world) training the drafter
+    drafter_group: dist.ProcessGroup  # DeepSpeed's data-parallel group; handle is a non-member marker on target ranks
+    self_group: dist.ProcessGroup  # this rank alone: DeepSpeed's (trivial) model-parallel group
+    transport_group: dist.ProcessGroup | None  # all ranks, used only for feature send/recv (split mode)
+
+    @property
+    def split(self) -> bool:
+        return bool(self.target_ranks)
+
+    @property
+    def is_target(self) -> bool:
+        return self.rank in self.target_ranks
+
+    @property
+    def is_lead(self) -> bool:
+        """The first drafter rank logs, checkpoints, evaluates and pushes to the Hub."""
+        return self.rank == self.drafter_ranks[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.drafter_ranks.index(self.rank) if self.rank in self.drafter_ranks else -1
+
+    @property
+    def dp_world(self) -> int:
+        return len(self.drafter_ranks)
+
+
+def make_rank_layout(num_target_ranks: int, rank: int, world: int) -> RankLayout:
+    """Ranks [0, num_target_ranks) run the target, the rest train. Collective: every rank calls it
+    with the same arguments, because `new_group` must be entered by all ranks in the same order."""
+    if not 0 <= num_target_ranks < world:
+        raise ValueError(
+            f"--target_ranks {num_target_ranks} leaves no drafter rank in a world of {world} process(es): use 0 "
+            f"(colocated) to {world - 1}, or launch more processes (accelerate launch --num_processes)."
+        )
+    target_ranks, drafter_ranks = list(range(num_target_ranks)), list(range(num_target_ranks, world))
+    drafter_group = dist.new_group(drafter_ranks)
+    self_group = None
+    for r in range(world):  # one single-rank group per rank, created in the same order everywhere
+        group = dist.new_group([r])
+        if r == rank:
+            self_group = group
+    transport_group = dist.new_group(list(range(world))) if target_ranks else None
+    return RankLayout(rank, world, target_ranks, drafter_ranks, drafter_group, self_group, transport_group)
+
+
+class DrafterGroupMPU:
+    """The `mpu` argument of `deepspeed.initialize`: data parallelism over the drafter group, no
+    model parallelism. DeepSpeed 0.19.8 reads the data-parallel group, size, rank and ranks (engine,
+    ZeRO-2 optimizer, batch-size check in its config) and the model-parallel group, size and rank
+    (gradient-norm reduction, checkpoint names). Without an mpu it uses a copy of the whole world,
+    and a ZeRO-2 step on the drafter ranks alone waits forever for the target ranks.
+    No `initialize_sequence_parallel` attribute: DeepSpeed would take that for a sequence-parallel
+    mpu and fall back to the world group."""
+
+    def __init__(self, layout: RankLayout):
+        self.layout = layout
+
+    def get_data_parallel_group(self):
+        return self.layout.drafter_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.layout.dp_world
+
+    def get_data_parallel_rank(self) -> int:
+        return self.layout.dp_rank
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.layout.drafter_ranks)
+
+    def get_model_parallel_group(self):
+        return self.layout.self_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+def strip_target_layers(target: torch.nn.Module) -> None:
+    """Drop every decoder layer of the target in place: a drafter rank only borrows the target's
+    embedding and LM head (the target ranks compute the features)."""
+    decoder, layers_name, _ = _decoder_and_layers(target)
+    setattr(decoder, layers_name, torch.nn.ModuleList())
+
+
+# ----------------------------------------------------------------------------------------------
+# Feature transport
+#
+# One message per micro-batch, sent in the order all ranks agree on (train_dflash.train_plan):
+#   header    int64 [len(HEADER)]                      what follows, and the sender's counters
+#   tokens    int64 [2, batch, S]                      row 0 input_ids, row 1 loss_mask (0/1)
+#   features  target dtype [batch, S, feature_dim]     context features, sent from the GPU
+# The end of a run is a header of kind END and nothing after it, from every target rank to every
+# drafter rank. Blocking send/recv in one thread per side: every pair sees its messages in the
+# same global order, so no pair can wait on another in a cycle.
+
+HEADER = (
+    "kind",  # BATCH, PADDING (a zero-loss filler step that keeps the drafter ranks in step) or END
+    "epoch",
+    "index",  # position of the micro-batch in the epoch's global batch list
+    "batch",
+    "seq_len",
+    "feature_dim",
+    "dtype",  # index into DTYPES
+    "num_tokens",  # real (unpadded) tokens in the batch
+    "target_busy_us",  # sender's running totals: time in collate + forward,
+    "target_idle_us",  # time blocked because the queue was full (drafters slower than supply),
+    "target_samples",  # samples and tokens produced so far
+    "target_tokens",
+)
+BATCH, PADDING, END = 1, 2, 3
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class TransportError(RuntimeError):
+    pass
+
+
+def _stream_context(stream):
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+class FeatureSender:
+    """Target side: `put` queues a batch (up to `depth` wait); a thread sends them in order.
+
+    On GPU the thread sends on its own CUDA stream after the producer's `ready` event and blocks
+    until each send has completed (the drafter received it), so at most depth + 1 batches of
+    features are held on the target GPU.
+    """
+
+    def __init__(self, transport_group, drafter_ranks: list[int], device: torch.device, depth: int):
+        self.group, self.drafter_ranks, self.device = transport_group, drafter_ranks, device
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.busy_s = self.idle_s = 0.0
+        self.samples = self.tokens = 0
+        self.thread = threading.Thread(target=self._run, name="dflash-feature-sender", daemon=True)
+        self.thread.start()
+
+    def put(self, dest: int, kind: int, epoch: int, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+            features: torch.Tensor, num_tokens: int, busy_s: float) -> None:
+        """Queue one micro-batch for drafter rank `dest`. input_ids, loss_mask [batch, S] and
+        features [batch, S, feature_dim] on the target's device; busy_s: time spent making it."""
+        batch, seq_len, feature_dim = features.shape
+        self.busy_s += busy_s
+        if kind == BATCH:
+            self.samples += batch
+            self.tokens += num_tokens
+        tokens = torch.stack([input_ids, loss_mask.long()])  # [2, batch, S]
+        header = [kind, epoch, index, batch, seq_len, feature_dim, DTYPES.index(features.dtype), num_tokens,
+                  *self._counters()]
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        waited = time.perf_counter()
+        self._put((dest, header, [tokens, features], ready))
+        self.idle_s += time.perf_counter() - waited
+
+    def finish(self) -> None:
+        """END to every drafter rank, then wait until everything queued has been received."""
+        for dest in self.drafter_ranks:
+            self._put((dest, [END, 0, 0, 0, 0, 0, 0, 0, *self._counters()], [], None))
+        self._put(None)
+        while self.thread.is_alive():
+            self.thread.join(timeout=1.0)
+        self._raise_if_failed()
+
+    def _counters(self) -> list[int]:
+        return [int(self.busy_s * 1e6), int(self.idle_s * 1e6), self.samples, self.tokens]
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise TransportError(f"sending context features failed: {self.error!r}") from self.error
+
+    def _put(self, item) -> None:
+        while True:  # in slices, so a failure of the thread surfaces here instead of a silent wait
+            self._raise_if_failed()
+            try:
+                self.queue.put(item, timeout=1.0)
+                return
+            except queue.Full:
+                continue
+
+    def _run(self) -> None:
+        try:
+            stream = None
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the current device is per thread
+                stream = torch.cuda.Stream(self.device)
+            while (item := self.queue.get()) is not None:
+                dest, header, tensors, ready = item
+                with _stream_context(stream):
+                    if ready is not None:
+                        stream.wait_event(ready)  # the forward that made the features is done
+                    dist.send(torch.tensor(header, dtype=torch.long, device=self.device), dest, group=self.group)
+                    for tensor in tensors:
+                        dist.send(tensor, dest, group=self.group)
+                    if stream is not None:
+                        stream.synchronize()  # block until received: bounds the features held on the GPU
+        except BaseException as error:  # handed to the main thread by _put / finish
+            self.error = error
+
+
+class FeatureReceiver:
+    """Drafter side: a thread receives the batches of `schedule` in order (up to `depth` ahead of
+    use), then the END header of every target rank. `get` hands them to the training loop.
+
+    schedule: (source rank, epoch, index) of every micro-batch this drafter rank will train, in order;
+        iterated lazily by the thread (the plan of a long run is long).
+    """
+
+    def __init__(self, transport_group, target_ranks: list[int], device: torch.device, depth: int,
+                 schedule: Iterable[tuple[int, int, int]], feature_dim: int, dtype: torch.dtype):
+        self.group, self.target_ranks, self.device = transport_group, target_ranks, device
+        self.schedule, self.feature_dim, self.dtype = schedule, feature_dim, dtype
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.wait_s = 0.0  # main-thread time blocked in get(): the drafter waiting for supply
+        self.target_counters: dict[int, dict] = {}  # latest counters seen from each target rank
+        self.thread = threading.Thread(target=self._run, name="dflash-feature-receiver", daemon=True)
+        self.thread.start()
+
+    def get(self) -> dict:
+        """The next micro-batch: the header fields plus input_ids [batch, S] int64, loss_mask
+        [batch, S] bool and context_features [batch, S, feature_dim], on this rank's device."""
+        waited = time.perf_counter()
+        while True:
+            if self.error is not None:
+                raise TransportError(f"receiving context features failed: {self.error}") from self.error
+            try:
+                item = self.queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                continue
+        self.wait_s += time.perf_counter() - waited
+        if self.device.type == "cuda":
+            current = torch.cuda.current_stream(self.device)
+            for name in ("input_ids", "loss_mask", "context_features"):
+                # Allocated on the receive stream, used on this one: keep the allocator from reusing
+                # the memory before this stream is done with it.
+                item[name].record_stream(current)
+        return item
+
+    def finish(self) -> None:
+        """Wait until the END header of every target rank has arrived (nothing unexpected after the last batch)."""
+        while self.thread.is_alive():
+            self.thread.join(timeout=1.0)
+        if self.error is not None:
+            raise TransportError(f"receiving context features failed: {self.error}") from self.error
+
+    def _recv_header(self, src: int) -> dict:
+        header = torch.empty(len(HEADER), dtype=torch.long, device=self.device)
+        dist.recv(header, src, group=self.group)
+        fields = dict(zip(HEADER, header.tolist()))  # .tolist() waits for the receive
+        self.target_counters[src] = {k: fields[k] for k in HEADER[8:]}
+        return fields
+
+    def _run(self) -> None:
+        try:
+            stream = None
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                stream = torch.cuda.Stream(self.device)
+            with _stream_context(stream):
+                for src, epoch, index in self.schedule:
+                    item = self._recv_header(src)
+                    if item["kind"] not in (BATCH, PADDING) or (item["epoch"], item["index"]) != (epoch, index):
+                        raise TransportError(
+                            f"expected micro-batch (epoch {epoch}, index {index}) from rank {src}, got header {item}: "
+                            f"target and drafter ranks disagree on the batch plan (same settings and data on every rank?)"
+                        )
+                    if item["feature_dim"] != self.feature_dim or DTYPES[item["dtype"]] != self.dtype:
+                        raise TransportError(
+                            f"rank {src} sends features of width {item['feature_dim']} in {DTYPES[item['dtype']]}, "
+                            f"this rank expects {self.feature_dim} in {self.dtype}"
+                        )
+                    shape = (item["batch"], item["seq_len"])
+                    tokens = torch.empty((2, *shape), dtype=torch.long, device=self.device)  # [2, batch, S]
+                    features = torch.empty((*shape, self.feature_dim), dtype=self.dtype, device=self.device)
+                    dist.recv(tokens, src, group=self.group)
+                    dist.recv(features, src, group=self.group)
+                    if stream is not None:
+                        stream.synchronize()  # queued means arrived: get() time is then the true wait
+                    item.update(input_ids=tokens[0], loss_mask=tokens[1].bool(), context_features=features)
+                    self.queue.put(item)
+                for src in self.target_ranks:
+                    item = self._recv_header(src)
+                    if item["kind"] != END:
+                        raise TransportError(f"rank {src} sent more micro-batches than this drafter rank's plan ({item})")
+        except BaseException as error:  # handed to the main thread by get / finish
+            self.error = error
+
+
+class Stopwatch:
+    """Summed time of code regions on `device`. On GPU it records CUDA events instead of
+    synchronising after every region; `seconds()` waits for them (call it when logging)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list = []
+        self.total = 0.0
+
+    @contextmanager
+    def time(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            started = time.perf_counter()
+            yield
+            self.total += time.perf_counter() - started
+
+    def seconds(self) -> float:
+        for start, end in self.events:
+            end.synchronize()
+            self.total += start.elapsed_time(end) / 1000
+        self.events.clear()
+        return self.total
+
+
+def supply_totals(counters: dict[int, dict]) -> torch.Tensor:
+    """Sum of the target ranks' running counters [busy_us, idle_us, samples, tokens] as float64."""
+    total = torch.zeros(4, dtype=torch.float64)
+    for values in counters.values():
+        total += torch.tensor([values[k] for k in HEADER[8:]], dtype=torch.float64)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints in split mode
+#
+# DeepSpeed 0.19.8's DeepSpeedEngine.save_checkpoint calls dist.barrier() on the WHOLE world
+# twice (before and after writing), and all-reduces the tag across the world unless
+# "checkpoint": {"tag_validation": "Ignore"}. The drafter ranks switch tag validation off; the
+# target ranks enter the two barriers at the same optimizer step (every rank knows the save steps
+# from the step count), so the drafters' save completes. Loading has no world collective.
+
+DEEPSPEED_SAVE_BARRIERS = 2
+
+
+def check_deepspeed_save_barriers() -> None:
+    """Fail early, with the reason, if this DeepSpeed's save_checkpoint has a different number of
+    world barriers than the target ranks join (a mismatch would hang the first save)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    found = inspect.getsource(DeepSpeedEngine.save_checkpoint).count("dist.barrier(")
+    if found != DEEPSPEED_SAVE_BARRIERS:
+        raise RuntimeError(
+            f"this DeepSpeed's save_checkpoint has {found} world barriers, split mode joins "
+            f"{DEEPSPEED_SAVE_BARRIERS} (DeepSpeed 0.19.8): pin deepspeed==0.19.8 (requirements.txt), or run "
+            f"colocated (--target_ranks 0), or update DEEPSPEED_SAVE_BARRIERS in dflash_split.py"
+        )
+
+
+def join_deepspeed_save() -> None:
+    """A target rank's part of one DeepSpeed save_checkpoint on the drafter ranks."""
+    for _ in range(DEEPSPEED_SAVE_BARRIERS):
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# Liveness: heartbeats in the launcher's TCPStore, checked by a watchdog thread
+#
+# A rank that dies leaves the others blocked in a collective or a receive (NCCL waits up to its
+# 10-minute timeout, then longer). Collective timeouts cannot tell a dead rank from a slow one (a
+# cold compile takes minutes), so every rank instead bumps a counter every HEARTBEAT_S from a
+# thread that runs whatever the main thread is doing, and a rank whose counter has not moved for
+# DEAD_AFTER_S is dead. A rank that fails with an exception posts it, and the others stop within
+# seconds. Counters, not timestamps: no clock skew between machines.
+
+HEARTBEAT_S = 2.0
+DEAD_AFTER_S = 40.0
+LEFT = 1 << 40  # added to a rank's counter when it leaves cleanly: stop watching it
+_ACTIVE: "Liveness | None" = None
+
+
+class Liveness:
+    def __init__(self, store: dist.Store, rank: int, world: int, where: str):
+        self.store, self.rank, self.world, self.where = store, rank, world, where
+        self.lock = threading.Lock()  # the store client is shared by the watchdog and the main thread
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dflash-liveness", daemon=True)
+
+    def _op(self, fn):
+        with self.lock:
+            return fn(self.store)
+
+    def _run(self) -> None:
+        others = [r for r in range(self.world) if r != self.rank]
+        last_value = {r: -1 for r in others}
+        last_change = {r: time.monotonic() for r in others}
+        store_down_since = None
+        while not self.stopping.wait(HEARTBEAT_S):
+            try:
+                self._op(lambda s: s.add(f"hb/{self.rank}", 1))
+                values = self._op(lambda s: [s.add(f"hb/{r}", 0) for r in others])  # add 0: read, never blocks
+                failed = self._op(lambda s: s.get("failed").decode() if s.check(["failed"]) else None)
+                store_down_since = None
+            except Exception as error:  # the store is gone: the launcher (or rank 0 hosting it) died
+                if self.stopping.is_set():
+                    return
+                store_down_since = store_down_since or time.monotonic()
+                if time.monotonic() - store_down_since > 10.0:
+                    self._die(f"lost the rendezvous store at {self.where} ({error}): the launcher or rank 0 died")
+                continue
+            if failed is not None:
+                self._die(f"{failed}")
+            now = time.monotonic()
+            for r, value in zip(others, values):
+                if value >= LEFT:
+                    continue
+                if value != last_value[r]:
+                    last_value[r], last_change[r] = value, now
+                elif now - last_change[r] > DEAD_AFTER_S:
+                    self._die(f"rank {r} sent no heartbeat for {now - last_change[r]:.0f} s: it died or is stuck")
+
+    def _die(self, reason: str) -> None:
+        message = f"[rank {self.rank}] error: stopping this rank: {reason}"
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)  # the main thread may be blocked in a collective that will never return
+
+    def report_failure(self, reason: str) -> None:
+        try:
+            self._op(lambda s: s.set("failed", f"rank {self.rank} failed: {reason}"))
+        except Exception:
+            pass
+
+    def finish(self) -> None:
+        """Clean end, watched: wait until every rank got here, then stop. Rank 0 leaves last, so a
+        store that rank 0 hosts (launches without torchrun's agent) outlives every use of it."""
+        self._op(lambda s: s.add("done", 1))
+        while self._op(lambda s: s.add("done", 0)) < self.world:
+            time.sleep(0.2)
+        if self.rank != 0:
+            self._op(lambda s: s.add(f"hb/{self.rank}", LEFT))
+            self._op(lambda s: s.add("left", 1))
+        else:
+            while self._op(lambda s: s.add("left", 0)) < self.world - 1:
+                time.sleep(0.2)
+        self.stopping.set()
+        self.thread.join()
+
+
+def start_liveness(rank: int, world: int) -> Liveness | None:
+    """Start this rank's heartbeat and watchdog (None for a single process or without a TCPStore
+    address). Uses its own client connection to the launcher's store (MASTER_ADDR:MASTER_PORT),
+    with short timeouts that leave the process group's own store client alone."""
+    global _ACTIVE
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if world == 1 or not host or not port:
+        return None
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=20), wait_for_workers=False)
+    # Keys of this launch only (torchrun's agent store outlives restarts).
+    prefix = f"dflash-liveness/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    _ACTIVE = Liveness(dist.PrefixStore(prefix, client), rank, world, f"{host}:{port}")
+    _ACTIVE.thread.start()
+    return _ACTIVE
+
+
+def report_failure(error: BaseException) -> bool:
+    """Tell the other ranks this one is failing, so they stop within seconds. True if anyone listens."""
+    if _ACTIVE is None:
+        return False
+    _ACTIVE.report_failure(f"{type(error).__name__}: {error}"[:2000])
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# --target_ranks auto: calibrate both sides, pick N
+
+COLOCATED_MARGIN = 1.10  # colocated must beat the best split by 10% (the split frees the drafters' memory of the target)
+
+
+def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, device: torch.device,
+                  warmup: int = 1) -> torch.Tensor:
+    """Time the target forward and the drafter step on the same real micro-batches on this rank.
+
+    batches: micro-batches; run_target(batch) -> features; run_drafter(batch, features) runs a
+    forward and backward. The first `warmup` batches only warm up (compiles, allocator).
+    Returns float64 [target_seconds, drafter_seconds, samples, tokens] over the timed batches;
+    sum it over ranks (all_reduce) so every rank decides the same N.
+    """
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    totals = torch.zeros(4, dtype=torch.float64)
+    for i, batch in enumerate(batches):
+        sync()
+        start = time.perf_counter()
+        features = run_target(batch)
+        sync()
+        middle = time.perf_counter()
+        run_drafter(batch, features)
+        sync()
+        if i >= warmup:
+            totals += torch.tensor([middle - start, time.perf_counter() - middle, len(batch["input_ids"]),
+                                    float(batch["attention_mask"].sum())], dtype=torch.float64)
+    return totals
+
+
+def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: float, world: int) -> tuple[int, list[str]]:
+    """N target ranks for `world` ranks, from one rank's rates at the same micro-batches.
+
+    With N target ranks the run moves min(N * supply, (world - N) * demand) samples/s; colocated,
+    every rank does both one after the other: world / (1/supply + 1/demand). The best split wins
+    unless colocated is more than COLOCATED_MARGIN better; ties go to more supply (drafters that
+    never wait). Returns (N, lines explaining the choice).
+    """
+    supply, demand = target_samples_per_s, drafter_samples_per_s
+    colocated = world / (1 / supply + 1 / demand)
+    lines = [f"one rank: target forward {supply:.2f} samples/s, drafter step {demand:.2f} samples/s "
+             f"(one target rank feeds {supply / demand:.1f} drafter ranks)"]
+    if world == 1:
+        return 0, lines + ["a single process: colocated"]
+    options = [(min(n * supply, (world - n) * demand), n * supply - (world - n) * demand, n) for n in range(1, world)]
+    for rate, _, n in options:
+        made, used = n * supply, (world - n) * demand
+        balance = f"drafters wait {(1 - made / used) * 100:.0f}%" if made < used else f"targets idle {(1 - used / made) * 100:.0f}%"
+        lines.append(f"  N={n}: {n} target + {world - n} drafter ranks -> {rate:.2f} samples/s ({balance} of the time)")
+    lines.append(f"  N=0: colocated -> {colocated:.2f} samples/s")
+    best_rate, _, best_n = max(options)
+    if colocated > COLOCATED_MARGIN * best_rate:
+        lines.append(f"colocated beats the best split (N={best_n}) by more than {(COLOCATED_MARGIN - 1) * 100:.0f}%: N=0")
+        return 0, lines
+    lines.append(f"N={best_n} moves the most samples/s")
+    return best_n, lines
