@@ -51,18 +51,20 @@ count against torch's FlopCounterMode.
 Variants (--variant, repeatable; join levers with '+'), each with its prediction at
 256 anchors / seq 768 / batch 2 (baseline was 105 ms/sample in the public SpecForge anchor):
   baseline            train_dflash.py as it is: eager layers, compiled flex, checkpointed fp32-logit CE in 4096-row chunks.
-                      Prediction: ~110 ms/sample incl. an unsharded optimizer step (~7 ms/sample), ~310 useful TFLOP/s
-                      (the issue-2 run in BENCHMARKS.md: ~140 ms/sample colocated, ~22 of them target forward).
+                      Prediction: ~105 ms/sample (~50 block GEMMs, ~15 eager elementwise, ~35 head + CE, ~7 the
+                      unsharded optimizer, ~8 flex + mask), ~325 useful TFLOP/s (the issue-2 run in BENCHMARKS.md:
+                      ~140 ms/sample colocated, ~22 of them target forward).
   loss_chunk_2048     same, 2048-row chunks. Prediction: time within +-3%, peak memory about -3 GB.
   loss_chunk_8192     same, 8192-row chunks. Prediction: time within +-3%, peak memory about +6 GB.
   fused_ce            LM head + CE with the row gradient computed in the forward, chunk by chunk (Liger's
                       scheme in plain torch): bf16 logits, fp32 only inside a chunk, no head recompute.
-                      Prediction: -10% ms/sample (one head matmul of three and ~half the vocab-sized passes gone), lower peak memory.
+                      Prediction: -12% ms/sample (one head matmul of three and ~1/3 of the vocab-sized passes gone), lower peak memory.
   fused_ce_compiled   fused_ce with the softmax / gradient / argmax elementwise part in one torch.compile'd function.
-                      Prediction: -14% vs baseline (vocab-sized passes fused into ~2 kernels).
+                      Prediction: -18% vs baseline (vocab-sized passes fused into ~2 kernels).
   compile_layers      torch.compile of each drafter decoder layer (flex is traced into the layer graph).
-                      Prediction: -5 to -8% (RMSNorm, RoPE, SwiGLU and residual adds fused).
-  compile_layers+fused_ce_compiled   both. Prediction: -20%, about 88 ms/sample, ~390 useful TFLOP/s.
+                      Prediction: -8% (RMSNorm, q/k norms, RoPE, SwiGLU and residual adds fused).
+  compile_layers+fused_ce_compiled   both. Prediction: -25%, about 78 ms/sample, ~440 useful TFLOP/s
+                      (~72 ms/sample with the optimizer sharded 7 ways, the public anchor's setting).
 liger-kernel's fused linear CE is not installed on the GPU machine and cannot take per-row weights
 directly, so fused_ce implements the same scheme in plain torch instead.
 """
@@ -649,9 +651,9 @@ def fmt(value, spec=".1f", missing="-"):
 
 def drafter_table(rows, matmul_tflops, on_cuda, trainable_params) -> str:
     header = (
-        "| variant | anchors | seq | batch | ms/step | ms/sample | samples/s | useful TFLOP/sample | useful TFLOP/s "
+        "| variant | anchors | seq | batch | ms/step | ms/sample | ms/sample, opt. /7 | samples/s | useful TFLOP/sample | useful TFLOP/s "
         "| MFU vs measured | MFU vs 989 | peak GB | proj. GB, 7 ranks | fwd / loss / bwd / opt ms | mask ms | flex fwd+bwd ms, all layers | warm-up s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     # ZeRO-2 over 7 drafter ranks keeps 1/7 of the 16 bytes/param of fp32 master, grad and Adam state.
     sharded_saving_gb = 16 * trainable_params * 6 / 7 / 1e9
@@ -659,13 +661,13 @@ def drafter_table(rows, matmul_tflops, on_cuda, trainable_params) -> str:
     for r in rows:
         shape = f"| {r['variant']} | {r['anchors']} | {r['seq']} | {r['batch']} "
         if r["status"] != "ok":
-            lines.append(shape + f"| {r['status']} |" + " |" * 12)
+            lines.append(shape + f"| {r['status']} |" + " |" * 13)
             continue
         ms_sample = r["ms_step"] / r["batch"]
         tflops = r["flops_sample"] / (ms_sample / 1e3) / 1e12
         peak = r["peak_gb"]
         lines.append(
-            shape + f"| {r['ms_step']:.1f} | {ms_sample:.1f} | {1e3 / ms_sample:.2f} | {r['flops_sample'] / 1e12:.3g} "
+            shape + f"| {r['ms_step']:.1f} | {ms_sample:.1f} | {(r['ms_step'] - r['phases_ms'][-1] * 6 / 7) / r['batch']:.1f} | {1e3 / ms_sample:.2f} | {r['flops_sample'] / 1e12:.3g} "
             f"| {tflops:.3g} | {100 * tflops / matmul_tflops:.1f}% "
             f"| {fmt(100 * tflops / H200_BF16_PEAK_TFLOPS if on_cuda else None)}{'%' if on_cuda else ''} "
             f"| {fmt(peak)} | {fmt(peak - sharded_saving_gb if peak is not None else None)} "
@@ -839,8 +841,9 @@ def main(argv: list[str]) -> None:
         f"{args.steps} timed steps after {args.warmup} warm-up steps, medians; total {progress.elapsed():.0f} s)\n\n"
         f"Matmul rate: {matmul_note}. Drafter: {trainable / 1e6:.1f} M trainable params. Useful TFLOP/sample by part at "
         f"{s['headline'][0][0]} anchors / seq {s['headline'][0][1]} (all anchors valid): {parts}.\n\n"
-        f"(a) drafter train step (fwd+bwd+AdamW on fp32 masters; proj. GB = peak minus 6/7 of 16 B/param of "
-        f"master/grad/Adam state, i.e. ZeRO-2 over 7 drafter ranks):\n\n{drafter_table(drafter_rows, matmul_tflops, device.type == 'cuda', trainable)}\n"
+        f"(a) drafter train step (fwd+bwd+AdamW on fp32 masters and grad clipping, one GPU; 'opt. /7' and 'proj. GB' "
+        f"project ZeRO-2 over 7 drafter ranks, the public anchor's setting, without its communication: 1/7 of the "
+        f"optimizer time, and peak minus 6/7 of the 16 B/param of fp32 master, grad and Adam state):\n\n{drafter_table(drafter_rows, matmul_tflops, device.type == 'cuda', trainable)}\n"
         f"(b) target supply ({max(config.target_layer_ids) + 1} of {target_config.num_hidden_layers} layers, hook capture of "
         f"layers {config.target_layer_ids}):\n\n{target_table(target_rows)}\n"
         f"(c) colocated on 1 GPU (target forward + drafter step):\n\n{colocated_table(colocated_rows)}"
