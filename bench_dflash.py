@@ -21,9 +21,11 @@ What it measures, in one run:
       (DeepSpeed's bf16 mode without sharding): ms/step, ms/sample, samples/s, useful FLOPs per
       sample, useful TFLOP/s, MFU against a bf16 matmul rate measured in the same run
       (8192^3 matmuls, median) and against the 989 TFLOP/s H200 datasheet peak, peak memory, and
-      per-phase medians (forward incl. mask build, loss, backward, optimizer) plus the eager
-      BlockMask build alone. num_anchors {256, 512} x seq {768, 3072} x batch {1, 2, 4}; an OOM is
-      reported as such. Medians of timed steps after warm_up_flex_attention and 3 warm-up steps.
+      per-phase medians (forward incl. mask build, loss, backward, optimizer), plus the eager
+      BlockMask build and compiled flex forward+backward timed alone. Every variant runs at the
+      headline shapes (256 anchors, seq 768, batch 2) and (512, 3072, 1); without --quick the first
+      variant also runs the whole grid num_anchors {256, 512} x seq {768, 3072} x batch {1, 2, 4}.
+      An OOM is reported as such. Medians of timed steps after warm_up_flex_attention and 3 warm-up steps.
   (b) target supply: tokens/s of the truncated (34-layer) target forward with hook capture
       (TargetFeatureExtractor), at batch 16 x 1024 and at the training shapes.
   (c) colocated on 1 GPU: target forward + drafter step per sample, against
@@ -72,7 +74,6 @@ directly, so fused_ce implements the same scheme in plain torch instead.
 import argparse
 import datetime
 import gc
-import os
 import shlex
 import statistics
 import sys
