@@ -53,20 +53,21 @@ count against torch's FlopCounterMode.
 Variants (--variant, repeatable; join levers with '+'), each with its prediction at
 256 anchors / seq 768 / batch 2 (baseline was 105 ms/sample in the public SpecForge anchor):
   baseline            train_dflash.py as it is: eager layers, compiled flex, checkpointed fp32-logit CE in 4096-row chunks.
-                      Prediction: ~105 ms/sample (~50 block GEMMs, ~15 eager elementwise, ~35 head + CE, ~7 the
+                      Prediction: ~105 ms/sample (~50 block GEMMs, ~15 eager elementwise, ~32 head + CE, ~7 the
                       unsharded optimizer, ~8 flex + mask), ~325 useful TFLOP/s (the issue-2 run in BENCHMARKS.md:
-                      ~140 ms/sample colocated, ~22 of them target forward).
+                      ~140 ms/sample colocated, ~22 of them target forward; bench_compile_race.py checkpoint:
+                      67.4 ms for the checkpointed loss fwd+bwd over 8192 rows, 49.7 ms without checkpointing).
   loss_chunk_2048     same, 2048-row chunks. Prediction: time within +-3%, peak memory about -3 GB.
   loss_chunk_8192     same, 8192-row chunks. Prediction: time within +-3%, peak memory about +6 GB.
   fused_ce            LM head + CE with the row gradient computed in the forward, chunk by chunk (Liger's
                       scheme in plain torch): bf16 logits, fp32 only inside a chunk, no head recompute.
-                      Prediction: -12% ms/sample (one head matmul of three and ~1/3 of the vocab-sized passes gone), lower peak memory.
+                      Prediction: -9% ms/sample (like the 49.7 ms uncheckpointed loss: one head matmul of three gone), lower peak memory.
   fused_ce_compiled   fused_ce with the softmax / gradient / argmax elementwise part in one torch.compile'd function.
-                      Prediction: -18% vs baseline (vocab-sized passes fused into ~2 kernels).
+                      Prediction: -15% vs baseline (loss ~33 ms per 8192 rows, near its two head matmuls' ~29 ms).
   compile_layers      torch.compile of each drafter decoder layer (flex is traced into the layer graph).
                       Prediction: -8% (RMSNorm, q/k norms, RoPE, SwiGLU and residual adds fused).
-  compile_layers+fused_ce_compiled   both. Prediction: -25%, about 78 ms/sample, ~440 useful TFLOP/s
-                      (~72 ms/sample with the optimizer sharded 7 ways, the public anchor's setting).
+  compile_layers+fused_ce_compiled   both. Prediction: -23%, about 81 ms/sample, ~420 useful TFLOP/s
+                      (~75 ms/sample with the optimizer sharded 7 ways, the public anchor's setting).
 liger-kernel's fused linear CE is not installed on the GPU machine and cannot take per-row weights
 directly, so fused_ce implements the same scheme in plain torch instead.
 """
