@@ -22,7 +22,6 @@ import inspect
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -302,6 +301,14 @@ class FeatureReceiver:
         if self.error is not None:
             raise TransportError(f"receiving context features failed: {self.error}") from self.error
 
+    def supply_counters(self) -> torch.Tensor:
+        """float64 [target ranks, 4]: each target rank's running (busy_us, idle_us, samples, tokens),
+        as of the latest header received from it (zeros if none yet)."""
+        counters = torch.zeros(len(self.target_ranks), 4, dtype=torch.float64)
+        for src, values in list(self.target_counters.items()):
+            counters[self.target_ranks.index(src)] = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+        return counters
+
     def _recv_header(self, src: int) -> dict:
         header = torch.empty(len(HEADER), dtype=torch.long, device=self.device)
         dist.recv(header, src, group=self.group)
@@ -375,14 +382,6 @@ class Stopwatch:
         return self.total
 
 
-def supply_totals(counters: dict[int, dict]) -> torch.Tensor:
-    """Sum of the target ranks' running counters [busy_us, idle_us, samples, tokens] as float64."""
-    total = torch.zeros(4, dtype=torch.float64)
-    for values in counters.values():
-        total += torch.tensor([values[k] for k in HEADER[8:]], dtype=torch.float64)
-    return total
-
-
 # ----------------------------------------------------------------------------------------------
 # Checkpoints in split mode
 #
@@ -419,21 +418,23 @@ def join_deepspeed_save() -> None:
 # Liveness: heartbeats in the launcher's TCPStore, checked by a watchdog thread
 #
 # A rank that dies leaves the others blocked in a collective or a receive (NCCL waits up to its
-# 10-minute timeout, then longer). Collective timeouts cannot tell a dead rank from a slow one (a
-# cold compile takes minutes), so every rank instead bumps a counter every HEARTBEAT_S from a
-# thread that runs whatever the main thread is doing, and a rank whose counter has not moved for
-# DEAD_AFTER_S is dead. A rank that fails with an exception posts it, and the others stop within
-# seconds. Counters, not timestamps: no clock skew between machines.
+# 10-minute timeout; gloo notices a closed socket, but not a frozen process). Collective timeouts
+# cannot tell a dead rank from a slow one (a cold compile takes minutes), so every rank instead
+# bumps a counter every HEARTBEAT_S from a thread that runs whatever the main thread is doing, and
+# a rank whose counter has not moved for dead_after_s (--liveness_timeout_s) is dead. A rank that
+# fails with an exception posts it, and the others stop within seconds. Counters, not timestamps:
+# no clock skew between machines. Under torchrun the store lives in the launcher's agent, which
+# outlives the ranks.
 
 HEARTBEAT_S = 2.0
-DEAD_AFTER_S = 40.0
 LEFT = 1 << 40  # added to a rank's counter when it leaves cleanly: stop watching it
 _ACTIVE: "Liveness | None" = None
 
 
 class Liveness:
-    def __init__(self, store: dist.Store, rank: int, world: int, where: str):
+    def __init__(self, store: dist.Store, rank: int, world: int, dead_after_s: float, where: str):
         self.store, self.rank, self.world, self.where = store, rank, world, where
+        self.dead_after_s = dead_after_s
         self.lock = threading.Lock()  # the store client is shared by the watchdog and the main thread
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="dflash-liveness", daemon=True)
@@ -468,16 +469,15 @@ class Liveness:
                     continue
                 if value != last_value[r]:
                     last_value[r], last_change[r] = value, now
-                elif now - last_change[r] > DEAD_AFTER_S:
+                elif now - last_change[r] > self.dead_after_s:
                     self._die(f"rank {r} sent no heartbeat for {now - last_change[r]:.0f} s: it died or is stuck")
 
     def _die(self, reason: str) -> None:
-        message = f"[rank {self.rank}] error: stopping this rank: {reason}"
-        log.error(message)
-        print(message, file=sys.stderr, flush=True)
+        log.error("stopping rank %d: %s", self.rank, reason)
         os._exit(1)  # the main thread may be blocked in a collective that will never return
 
     def report_failure(self, reason: str) -> None:
+        self.stopping.set()  # this rank's own watchdog must not read the message and exit before the traceback
         try:
             self._op(lambda s: s.set("failed", f"rank {self.rank} failed: {reason}"))
         except Exception:
@@ -499,7 +499,7 @@ class Liveness:
         self.thread.join()
 
 
-def start_liveness(rank: int, world: int) -> Liveness | None:
+def start_liveness(rank: int, world: int, dead_after_s: float) -> Liveness | None:
     """Start this rank's heartbeat and watchdog (None for a single process or without a TCPStore
     address). Uses its own client connection to the launcher's store (MASTER_ADDR:MASTER_PORT),
     with short timeouts that leave the process group's own store client alone."""
@@ -510,7 +510,7 @@ def start_liveness(rank: int, world: int) -> Liveness | None:
     client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=20), wait_for_workers=False)
     # Keys of this launch only (torchrun's agent store outlives restarts).
     prefix = f"dflash-liveness/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    _ACTIVE = Liveness(dist.PrefixStore(prefix, client), rank, world, f"{host}:{port}")
+    _ACTIVE = Liveness(dist.PrefixStore(prefix, client), rank, world, dead_after_s, f"{host}:{port}")
     _ACTIVE.thread.start()
     return _ACTIVE
 

@@ -113,6 +113,7 @@ class TrainSettings:
     # topology (DESIGN §4)
     target_ranks: str = field(default="0", metadata={"help": "Ranks [0, N) only run the target and send context features to the others, which train the drafter: 0 = colocated (every rank does both), N, or auto (time both sides on a few batches, pick N)"})
     prefetch_batches: int = field(default=2, metadata={"help": "Split mode: micro-batches each side keeps ready (target: made, not yet sent; drafter: received, not yet trained)"})
+    liveness_timeout_s: float = field(default=40.0, metadata={"help": "Seconds without a heartbeat from a rank before the others stop the run as failed (more than one process)"})
     # data
     train_data: list[str] = field(default_factory=list, metadata={"help": "JSONL/JSON files or local HF dataset dirs (messages, conversations or question/answer)"})
     max_seq_length: int = field(default=3072, metadata={"help": "Truncate samples to this many tokens"})
@@ -166,6 +167,8 @@ class TrainSettings:
         self.target_ranks = str(self.target_ranks).strip().lower()  # YAML may give an int
         if self.target_ranks != "auto" and not self.target_ranks.isdigit():
             raise ValueError(f"--target_ranks must be a number of ranks (0 = colocated) or 'auto', got {self.target_ranks!r}")
+        if self.liveness_timeout_s < 5:
+            raise ValueError(f"--liveness_timeout_s must be >= 5 (heartbeats come every 2 s), got {self.liveness_timeout_s}")
         for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -398,7 +401,7 @@ def main(argv: list[str]) -> None:
     accelerator = init_distributed(on_cuda)
     rank, world = accelerator.process_index, accelerator.num_processes
     # Heartbeats from here on: if any rank dies, the others stop with an error instead of hanging.
-    liveness = start_liveness(rank, world)
+    liveness = start_liveness(rank, world, settings.liveness_timeout_s)
     # Rank 0 logs the setup; after the split the lead (first drafter rank) logs training too.
     logging.basicConfig(
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
@@ -662,7 +665,6 @@ def main(argv: list[str]) -> None:
                 "target_s": target_time.seconds()}
 
     window = new_window()
-    supply_seen = torch.zeros(len(layout.target_ranks), 4, dtype=torch.float64)  # split: target counters at the last log
     for epoch, micro_step, batches in plan():
         indices, trains = batches[dp_rank]
         if receiver is not None:
@@ -723,16 +725,13 @@ def main(argv: list[str]) -> None:
                 scalars["target_samples_per_s"] = stats[6].item()  # supply if the ranks only ran the target
             else:
                 # The target ranks' running counters, as last seen in the headers on any drafter rank.
-                counters = torch.zeros(len(layout.target_ranks), 4, dtype=torch.float64)
-                for src, values in receiver.target_counters.items():
-                    counters[src] = torch.tensor([values["target_busy_us"], values["target_idle_us"],
-                                                  values["target_samples"], values["target_tokens"]], dtype=torch.float64)
-                counters = counters.to(device)
+                counters = receiver.supply_counters().to(device)  # [target ranks, (busy_us, idle_us, samples, tokens)]
                 torch.distributed.all_reduce(counters, op=torch.distributed.ReduceOp.MAX, group=layout.drafter_group)
-                delta, supply_seen = counters.cpu() - supply_seen, counters.cpu()
-                busy_s, idle_s = delta[:, 0] / 1e6, delta[:, 1] / 1e6
-                scalars["target_samples_per_s"] = (delta[:, 2] / busy_s.clamp(min=1e-9)).sum().item()  # supply
-                scalars["target_tokens_per_s"] = (delta[:, 3] / busy_s.clamp(min=1e-9)).sum().item()
+                # Since the start, not per window: headers run ahead of training by the prefetch depth,
+                # and a target rank waiting at a checkpoint sends nothing new for a while.
+                busy_s, idle_s = counters[:, 0].cpu() / 1e6, counters[:, 1].cpu() / 1e6
+                scalars["target_samples_per_s"] = (counters[:, 2].cpu() / busy_s.clamp(min=1e-9)).sum().item()  # supply
+                scalars["target_tokens_per_s"] = (counters[:, 3].cpu() / busy_s.clamp(min=1e-9)).sum().item()
                 scalars["target_idle_frac"] = (idle_s / (busy_s + idle_s).clamp(min=1e-9)).mean().item()
                 scalars["drafter_wait_s"] = stats[4].item() / drafters / steps  # per optimizer step
             if backend == "flex":

@@ -1,0 +1,259 @@
+"""Split mode (--target_ranks N) on CPU over gloo: 1 target rank + 2 drafter ranks.
+
+One split run (a module fixture) is checked from several sides: every sample trained exactly once
+per epoch, identical weights on both drafter ranks, bit-identical to the colocated run on 2 ranks
+(which the `auto` calibration picks for this tiny target), checkpoint and resume. Killing or
+freezing a rank stops the others within a minute. Runs are subprocesses, launched the way a user
+launches them; the kill tests start the ranks themselves (see `launch_ranks`).
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def split_env(tmp_path_factory):
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        ACCELERATE_USE_CPU="true",
+        TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch_extensions")),
+        HF_DATASETS_CACHE=str(tmp_path_factory.mktemp("datasets_cache")),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def trainable_target(tmp_path_factory, qwen3_tokenizer):
+    """The tiny Qwen3 target with weights large enough for its LM head to express a distribution
+    (as in test_train.py: at init std 0.02 every logit of the 64-wide head is ~0)."""
+    from conftest import TINY_QWEN3
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("trainable_target")
+    torch.manual_seed(1234)
+    config = Qwen3Config(**TINY_QWEN3, initializer_range=0.25, eos_token_id=qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    qwen3_tokenizer.save_pretrained(path)
+    return path
+
+
+def run_args(target_dir, data, output_dir, **overrides):
+    """18 samples in batches of 2: 9 micro-batches per epoch, so with 2 drafter ranks the last
+    micro-step of every epoch has one zero-loss filler."""
+    settings = dict(
+        target_model=str(target_dir), train_data=str(data), output_dir=str(output_dir), max_samples=18,
+        num_train_epochs=2, num_anchors=16, block_size=8, num_draft_layers=2, max_seq_length=192,
+        target_layer_ids="1 3", per_device_batch_size=2, learning_rate=1e-2, logging_steps=2, save_steps=0,
+        report_to="none", num_proc=1,
+    )
+    settings.update(overrides)
+    args = []
+    for key, value in settings.items():
+        args += [f"--{key}", *str(value).split()]
+    return args
+
+
+def accelerate_launch(args, env, nproc, timeout=300):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu.yaml",
+               "--num_processes", str(nproc), "train_dflash.py", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def final_weights(output_dir):
+    return load_file(Path(output_dir) / "final" / "model.safetensors")
+
+
+def assert_same_weights(a, b):
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def split_run(trainable_target, gsm8k_path, split_env, tmp_path_factory):
+    """1 target + 2 drafter ranks, 2 epochs (10 optimizer steps), a checkpoint every 3 steps."""
+    out = tmp_path_factory.mktemp("split") / "run"
+    debug = out.parent / "debug"
+    env = dict(split_env, DFLASH_DEBUG_LOG=str(debug))
+    started = time.time()
+    result = accelerate_launch(run_args(trainable_target, gsm8k_path, out, target_ranks=1, save_steps=3), env, nproc=3)
+    print(f"split run: {time.time() - started:.0f} s")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, debug, result.stderr
+
+
+def test_split_run_logs_both_sides_and_checkpoints(split_run):
+    out, _, stderr = split_run
+    assert "Split mode: target ranks [0] feed drafter ranks [1, 2]; rank 1 leads" in stderr
+    assert re.search(r"Target rank 0 done: 36 samples", stderr), "the target rank made 18 samples x 2 epochs"
+    log = read_jsonl(out / "train_log.jsonl")
+    assert [row["step"] for row in log] == [2, 4, 6, 8, 10]
+    for row in log:
+        assert math.isfinite(row["loss"]) and row["loss"] > 0
+        # Supply (target forward), demand (drafter steps), end to end, and the drafters' wait.
+        assert row["target_samples_per_s"] > 0 and row["target_tokens_per_s"] > 0 and 0 <= row["target_idle_frac"] <= 1
+        assert row["drafter_samples_per_s"] > 0 and row["samples_per_s"] > 0 and row["drafter_wait_s"] >= 0
+    # The tiny random target's head bounds what the drafter can express; the fall is modest but clear.
+    assert log[-1]["loss"] < 0.95 * log[0]["loss"], log
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    assert not list(out.glob(".tmp-*"))
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state == {"global_step": 3, "epoch": 0, "micro_step_in_epoch": 3, "target_ranks": 1, "drafter_ranks": 2}
+    # Shards by drafter rank, written by the drafter ranks only.
+    assert sorted(p.name for p in (out / "checkpoint-3").glob("rng_state_*")) == ["rng_state_0.pt", "rng_state_1.pt"]
+    config = json.loads((out / "final" / "config.json").read_text())  # the lead (rank 1) exported
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3]
+
+
+def test_every_sample_once_per_epoch_and_identical_drafters(split_run):
+    out, debug, stderr = split_run
+    num_samples = int(re.search(r"(\d+) samples, 3 ranks \(2 drafter\)", stderr).group(1))
+    assert num_samples == 18
+    rows = {rank: read_jsonl(f"{debug}.rank{rank}.jsonl") for rank in (1, 2)}
+    assert not Path(f"{debug}.rank0.jsonl").exists(), "the target rank trains nothing"
+    for epoch in (0, 1):
+        trained = [i for rank in (1, 2) for row in rows[rank] if row.get("epoch") == epoch for i in row["ids"]]
+        assert sorted(trained) == list(range(num_samples)), f"epoch {epoch}: each sample exactly once"
+    # Epochs are reshuffled, and the drafter ranks trained different samples.
+    assert [r["ids"] for r in rows[1] if r.get("epoch") == 0] != [r["ids"] for r in rows[1] if r.get("epoch") == 1]
+    digests = {rank: [r["weights_sha256"] for r in rows[rank] if "weights_sha256" in r] for rank in (1, 2)}
+    assert len(digests[1]) == 1 and digests[1] == digests[2], "ZeRO-2 keeps the drafter ranks' weights identical"
+
+
+def test_auto_picks_colocated_here_and_matches_the_split_run_bit_for_bit(split_run, trainable_target, gsm8k_path,
+                                                                            split_env, tmp_path):
+    """Colocated on 2 ranks trains the same batches per drafter rank with the same anchors as the
+    split run with 2 drafter ranks, so the weights must match exactly: the transport changes
+    nothing. For this tiny target the target forward is ~50x faster than a drafter step, so the
+    calibration keeps every rank busy with both (N=0)."""
+    out, _, _ = split_run
+    colocated = tmp_path / "colocated"
+    result = accelerate_launch(run_args(trainable_target, gsm8k_path, colocated, target_ranks="auto"), split_env, nproc=2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "--target_ranks auto over 2 ranks" in result.stderr and "N=1: 1 target + 1 drafter ranks" in result.stderr
+    assert "=> --target_ranks 0" in result.stderr and "Split mode" not in result.stderr
+    assert_same_weights(final_weights(out), final_weights(colocated))
+
+
+def test_resume_in_split_mode_is_bit_identical(split_run, trainable_target, gsm8k_path, split_env, tmp_path):
+    out, debug, _ = split_run
+    resumed, resumed_debug = tmp_path / "resumed", tmp_path / "resumed_debug"
+    env = dict(split_env, DFLASH_DEBUG_LOG=str(resumed_debug))
+    # auto on resume keeps the checkpoint's split (the batch plan depends on it).
+    args = run_args(trainable_target, gsm8k_path, resumed, target_ranks="auto", resume_from_checkpoint=out / "checkpoint-3")
+    result = accelerate_launch(args, env, nproc=3)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "--target_ranks auto: 1, as in the checkpoint being resumed" in result.stderr
+    assert_same_weights(final_weights(out), final_weights(resumed))
+    assert [row["step"] for row in read_jsonl(resumed / "train_log.jsonl")] == [4, 6, 8, 10]
+    for rank in (1, 2):  # the resumed run trains exactly what the straight run trained after step 3
+        straight = [r for r in read_jsonl(f"{debug}.rank{rank}.jsonl") if "ids" in r]
+        assert [r for r in read_jsonl(f"{resumed_debug}.rank{rank}.jsonl") if "ids" in r] == straight[3:]
+
+
+def launch_ranks(args, env, world, log_dir):
+    """Start the ranks of one run as plain processes, each with torchrun's environment, around a
+    TCPStore hosted here (as torchrun's agent hosts it). Not torchrun itself: its agent kills the
+    other ranks as soon as one dies, which would hide whether the trainer notices by itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    procs = []
+    for rank in range(world):
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+        output = open(log_dir / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=rank_env,
+                                      stdout=output, stderr=subprocess.STDOUT))
+    return store, procs
+
+
+@pytest.mark.parametrize("victim, how", [(2, signal.SIGSTOP), (0, signal.SIGKILL)], ids=["freeze-drafter", "kill-target"])
+def test_a_dead_rank_stops_the_others_within_a_minute(victim, how, trainable_target, gsm8k_path, split_env, tmp_path):
+    """SIGKILL of the target rank: the drafters' receives fail at once (gloo sees the closed socket).
+    SIGSTOP of a drafter rank keeps its sockets open, like a dead peer under NCCL: only the
+    heartbeat can tell, after --liveness_timeout_s."""
+    debug = tmp_path / "debug"
+    env = dict(split_env, DFLASH_DEBUG_LOG=str(debug))
+    args = run_args(trainable_target, gsm8k_path, tmp_path / "out", target_ranks=1, num_train_epochs=100, liveness_timeout_s=10)
+    store, procs = launch_ranks(args, env, 3, tmp_path)
+    try:
+        deadline = time.time() + 240
+        while not (Path(f"{debug}.rank1.jsonl").exists() and len(Path(f"{debug}.rank1.jsonl").read_text().splitlines()) >= 3):
+            assert time.time() < deadline and all(p.poll() is None for p in procs), "the run did not start training"
+            time.sleep(0.5)
+        procs[victim].send_signal(how)
+        stopped = time.time()
+        for rank, proc in enumerate(procs):
+            if rank != victim:
+                code = proc.wait(timeout=60)
+                assert code not in (0, None), f"rank {rank} exited {code}"
+        print(f"{how.name} rank {victim}: the others exited after {time.time() - stopped:.0f} s")
+        output = {rank: (tmp_path / f"rank{rank}.log").read_text() for rank in range(3) if rank != victim}
+        if how == signal.SIGSTOP:
+            for text in output.values():
+                assert f"rank {victim} sent no heartbeat for" in text, text[-2000:]
+        else:
+            assert all("Traceback" in text or "stopping rank" in text for text in output.values())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        del store
+
+
+def test_choose_target_ranks():
+    from dflash_split import choose_target_ranks
+
+    # DESIGN §4's measurement: one target GPU supplies ~50 samples/s, one drafter GPU takes ~7.
+    n, lines = choose_target_ranks(50.0, 7.0, 8)
+    assert n == 1 and any("N=1: 1 target + 7 drafter ranks -> 49.00 samples/s (targets idle 2% of the time)" in line for line in lines)
+    assert choose_target_ranks(50.0, 7.0, 16)[0] == 2  # 2 x 50 >= 14 x 7
+    assert choose_target_ranks(10.0, 10.0, 4)[0] == 2  # balanced sides: half and half
+    # 2 ranks and a cheap target: a split leaves the target rank idle most of the time.
+    n, lines = choose_target_ranks(50.0, 7.0, 2)
+    assert n == 0 and "N=0" in lines[-1]
+    assert choose_target_ranks(50.0, 7.0, 1)[0] == 0
+
+
+@pytest.mark.parametrize("drafters, accumulation", [(1, 1), (2, 1), (3, 2)])
+def test_train_plan_covers_every_sample_once_and_resumes(drafters, accumulation):
+    from train_dflash import TrainSettings, epoch_batches, train_plan
+
+    settings = TrainSettings(train_data=["x"], per_device_batch_size=2, gradient_accumulation_steps=accumulation, seed=3)
+    lengths = [(7 * i) % 23 + 1 for i in range(19)]  # 10 micro-batches of 2 (the last one of 1)
+    per_epoch = len(epoch_batches(lengths, settings, 0, drafters)) // drafters
+    plan = list(train_plan(lengths, settings, 0, 0, 2 * per_epoch, drafters))
+    assert len(plan) == 2 * per_epoch and per_epoch % accumulation == 0
+    for epoch in (0, 1):
+        rows = [batches for e, _, batches in plan if e == epoch]
+        trained = sorted(i for batches in rows for ids, trains in batches if trains for i in ids)
+        assert trained == list(range(len(lengths)))
+        assert all(len(batches) == drafters and all(ids for ids, _ in batches) for batches in rows), "fillers have data"
+    # Resuming mid-epoch continues the same plan.
+    assert list(train_plan(lengths, settings, 0, 2, 2 * per_epoch - 2, drafters)) == plan[2:]
