@@ -32,7 +32,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub.dataclasses import strict
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -1174,11 +1173,52 @@ def loss_weights(block_size: int, gamma: float | None = None, device=None) -> to
     return torch.exp(-(k - 1) / gamma)
 
 
-def _weighted_ce_chunk(hidden, head_weight, labels, weights):
-    """LM head + cross-entropy on one chunk of rows: returns (sum of w * CE, argmax == label)."""
-    logits = (hidden @ head_weight.t()).float()  # [rows, vocab]
-    ce = F.cross_entropy(logits, labels, reduction="none")  # [rows]
-    return (ce * weights).sum(), logits.argmax(dim=-1) == labels
+def _weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+    """One chunk of the loss: logits [rows, vocab] -> (sum w*CE fp32, dlogits = w*(softmax - onehot)
+    in the logits dtype, hit [rows] bool). Works in place on one fp32 copy of the chunk, so eager
+    mode makes few vocab-sized passes."""
+    x = logits.float()  # [rows, vocab]
+    lse = torch.logsumexp(x, dim=-1)  # [rows]
+    ce = lse - x.gather(1, targets[:, None]).squeeze(1)
+    hit = x.argmax(dim=-1) == targets
+    x.sub_(lse[:, None]).exp_().mul_(weights[:, None])  # w * softmax
+    x.scatter_add_(1, targets[:, None], -weights[:, None])  # - w * onehot
+    return (ce * weights).sum(), x.to(logits.dtype), hit
+
+
+class _FusedLinearWeightedCE(torch.autograd.Function):
+    """sum_i w_i * CE(rows_i @ W^T, t_i) with d/d rows computed in the forward, chunk by chunk.
+
+    The gradient of CE with respect to the logits is known in closed form (softmax - onehot), so
+    each chunk's logits are used for the loss and the input gradient at once and then dropped:
+    the head matmul runs twice per chunk (logits, dlogits @ W) instead of three times (logits,
+    checkpoint recompute, dlogits @ W), and nothing vocab-sized is kept for backward (the idea of
+    Liger-Kernel's fused linear cross-entropy). W is the target's frozen head: no weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, targets, row_weights, chunk_size):
+        needs_grad = rows.requires_grad
+        grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden]
+        hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
+        total = rows.new_zeros((), dtype=torch.float32)
+        for start in range(0, rows.shape[0], chunk_size):
+            end = min(start + chunk_size, rows.shape[0])
+            logits = rows[start:end] @ weight.t()  # [rows, vocab], bf16 on GPU
+            ce_sum, dlogits, hit = _weighted_ce_and_grad_chunk(logits, targets[start:end], row_weights[start:end])
+            del logits
+            if needs_grad:
+                grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
+            total = total + ce_sum
+            hits[start:end] = hit
+        ctx.save_for_backward(grad_rows if needs_grad else rows.new_empty(0))
+        ctx.mark_non_differentiable(hits)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_hits):
+        (grad_rows,) = ctx.saved_tensors
+        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None
 
 
 def dflash_loss(
@@ -1191,18 +1231,17 @@ def dflash_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-weighted cross-entropy through the target's LM head, in chunks (DESIGN §2).
 
-    Only valid label positions go through the head (padding and block position 0 never cost a
-    vocab-sized matmul). Each chunk's logits are rebuilt during backward (activation
-    checkpointing), so at most `chunk_size x vocab` fp32 logits exist at once instead of
-    `N*(B-1) x vocab`. Non-reentrant checkpointing, chosen by measurement (H200, torch 2.11,
-    8192 rows x 151936 vocab x 4096 hidden, bf16, chunk 4096; BENCHMARKS.md): reentrant 68.0 ms
-    and non-reentrant 67.4 ms per step at the same 7.02 GiB peak, so speed does not decide; the
-    reentrant form runs the chunk under no_grad and recomputes it in autograd's backward
-    threads, where anything compiled inside would compile a second time (DESIGN §3), while
-    non-reentrant recomputes in the same code path. (No checkpointing: 49.7 ms, 9.27 GiB.)
-
     loss = sum_i w_k(i) * CE_i / sum_i w_k(i) over valid positions i of the micro-batch, never a
     plain mean over padded positions.
+
+    Only valid label positions go through the head (padding and block position 0 never cost a
+    vocab-sized matmul), and at most `chunk_size x vocab` logits exist at once instead of
+    `N*(B-1) x vocab`. The input gradient is computed in the forward (`_FusedLinearWeightedCE`),
+    so there is no activation checkpointing, no recompute of the head, and nothing compiled runs
+    in autograd's backward threads. Measured on an H200 at Qwen3-8B shapes (BENCHMARKS.md,
+    bench_dflash.py): 92.4 vs 98.9 ms/sample and 37.3 vs 38.2 GB against the earlier
+    checkpointed form (non-reentrant checkpointing, itself chosen over reentrant: 67.4 vs 68.0 ms
+    for the loss alone at 8192 rows, equal memory, and no recompute in autograd's threads).
 
     Args:
         hidden: [batch, N, B-1, hidden], drafter output at block positions 1..B-1.
@@ -1211,7 +1250,7 @@ def dflash_loss(
         weights: [B-1] float32 from `loss_weights`.
         chunk_size: rows per chunk.
     Returns:
-        loss: scalar float32 (0 with a graph, if nothing is valid).
+        loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
         accuracy: [B-1] float32, argmax accuracy per block position k = 1..B-1 (NaN where no label).
     """
     positions = label_valid.shape[-1]
@@ -1221,17 +1260,9 @@ def dflash_loss(
     row_weights = weights.to(rows.device)[k_index]  # [T]
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
-    weighted_ce = rows.new_zeros((), dtype=torch.float32)
-    correct = []
-    for start in range(0, rows.shape[0], chunk_size):
-        end = start + chunk_size
-        ce_sum, hit = checkpoint(
-            _weighted_ce_chunk, rows[start:end], head_weight, targets[start:end], row_weights[start:end], use_reentrant=False
-        )
-        weighted_ce = weighted_ce + ce_sum
-        correct.append(hit)
+    weighted_ce, hit = _FusedLinearWeightedCE.apply(rows, head_weight.detach(), targets, row_weights, chunk_size)
     loss = weighted_ce / row_weights.sum()
-    hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.cat(correct).float())
+    hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())
     counts = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.ones_like(row_weights))
     return loss, hits / counts
 
