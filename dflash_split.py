@@ -340,9 +340,9 @@ class FeatureReceiver:
                     features = torch.empty((*shape, self.feature_dim), dtype=self.dtype, device=self.device)
                     dist.recv(tokens, src, group=self.group)
                     dist.recv(features, src, group=self.group)
+                    item.update(input_ids=tokens[0], loss_mask=tokens[1].bool(), context_features=features)
                     if stream is not None:
                         stream.synchronize()  # queued means arrived: get() time is then the true wait
-                    item.update(input_ids=tokens[0], loss_mask=tokens[1].bool(), context_features=features)
                     self.queue.put(item)
                 for src in self.target_ranks:
                     item = self._recv_header(src)
