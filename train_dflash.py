@@ -392,6 +392,14 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
 def main(argv: list[str]) -> None:
     settings, config_path = parse_settings(argv)
     on_cuda = torch.cuda.is_available()
+    # Rank 0 logs the setup; after the split the lead (first drafter rank) logs training too.
+    env_rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        format=f"%(asctime)s [rank {env_rank}] %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if env_rank == 0 else logging.WARNING,
+    )
+    # Every rank reports its own compile-lock waits and compiles: who compiled, who waited (DESIGN §3).
+    logging.getLogger("dflash_model").setLevel(logging.INFO)
     # Compile caches and the node-wide compile lock are fixed before anything compiles (DESIGN §3).
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     setup_compile_cache(
@@ -402,11 +410,6 @@ def main(argv: list[str]) -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     # Heartbeats from here on: if any rank dies, the others stop with an error instead of hanging.
     liveness = start_liveness(rank, world, settings.liveness_timeout_s)
-    # Rank 0 logs the setup; after the split the lead (first drafter rank) logs training too.
-    logging.basicConfig(
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if rank == 0 else logging.WARNING,
-    )
     if config_path == str(DEMO_CONFIG):
         logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
     set_seed(settings.seed)
