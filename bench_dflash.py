@@ -93,6 +93,7 @@ from dflash_model import (
     DFlashDraftModel,
     block_labels,
     create_anchor_block_mask,
+    _weighted_ce_and_grad_chunk,
     dflash_loss,
     get_compiled_flex_attention,
     loss_weights,
@@ -240,22 +241,8 @@ def target_forward_flops(config: Qwen3Config, num_layers: int, batch: int, seq_l
 # Loss variants: the LM head + weighted CE with the input gradient computed in the forward
 
 
-def _ce_grad_chunk_eager(logits, targets, weights):
-    """One chunk: logits [rows, vocab] (bf16) -> (sum w*CE fp32, dlogits = w*(softmax - onehot) in the logits dtype, hit [rows]).
-
-    In-place on one fp32 copy of the chunk, so eager mode makes few vocab-sized passes.
-    """
-    x = logits.float()  # [rows, vocab] fp32
-    lse = torch.logsumexp(x, dim=-1)  # [rows]
-    ce = lse - x.gather(1, targets[:, None]).squeeze(1)
-    hit = x.argmax(dim=-1) == targets
-    x.sub_(lse[:, None]).exp_().mul_(weights[:, None])  # w * softmax
-    x.scatter_add_(1, targets[:, None], -weights[:, None])  # - w * onehot
-    return (ce * weights).sum(), x.to(logits.dtype), hit
-
-
 def _ce_grad_chunk_functional(logits, targets, weights):
-    """The same as `_ce_grad_chunk_eager`, written for torch.compile (which fuses it into a few kernels)."""
+    """The same as `dflash_model._weighted_ce_and_grad_chunk`, written for torch.compile (which fuses it into a few kernels)."""
     x = logits.float()  # [rows, vocab]
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [rows, 1]
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]  # [rows, vocab], fused, never stored
@@ -274,52 +261,11 @@ def compiled_ce_grad_chunk():
     return _compiled_ce_grad_chunk
 
 
-class FusedLinearWeightedCE(torch.autograd.Function):
-    """sum_i w_i * CE(rows_i @ W^T, t_i), with d/d rows computed in the forward, chunk by chunk.
-
-    Per chunk the head matmul runs twice (logits; dlogits @ W) instead of three times (logits,
-    checkpoint recompute, dlogits @ W); nothing vocab-sized is saved for backward. W is frozen:
-    no weight gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, rows, weight, targets, row_weights, chunk_size, elementwise):
-        grad_rows = torch.empty_like(rows)  # [T, hidden]
-        hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
-        total = rows.new_zeros((), dtype=torch.float32)
-        for start in range(0, rows.shape[0], chunk_size):
-            end = min(start + chunk_size, rows.shape[0])
-            logits = rows[start:end] @ weight.t()  # [rows, vocab] in bf16 on GPU
-            ce_sum, dlogits, hit = elementwise(logits, targets[start:end], row_weights[start:end])
-            del logits
-            grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
-            total = total + ce_sum
-            hits[start:end] = hit
-        ctx.save_for_backward(grad_rows)
-        ctx.mark_non_differentiable(hits)
-        return total, hits
-
-    @staticmethod
-    def backward(ctx, grad_total, grad_hits):
-        (grad_rows,) = ctx.saved_tensors
-        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None, None
-
-
 def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False):
-    """Drop-in for `dflash_model.dflash_loss` (same arguments, same (loss, accuracy)) on `FusedLinearWeightedCE`."""
-    positions = label_valid.shape[-1]
-    k_index = torch.arange(positions, device=labels.device).expand_as(labels)[label_valid]  # [T]
-    rows = hidden[label_valid]  # [T, hidden]
-    targets = labels[label_valid]  # [T]
-    row_weights = weights.to(rows.device)[k_index]  # [T]
-    if rows.shape[0] == 0:
-        return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
-    elementwise = compiled_ce_grad_chunk() if compiled else _ce_grad_chunk_eager
-    weighted_ce, hit = FusedLinearWeightedCE.apply(rows, head_weight, targets, row_weights, chunk_size, elementwise)
-    loss = weighted_ce / row_weights.sum()
-    hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())
-    counts = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.ones_like(row_weights))
-    return loss, hits / counts
+    """`dflash_model.dflash_loss` (the fused form, gradient in the forward), optionally with the
+    per-chunk elementwise work compiled."""
+    ce_grad_chunk = compiled_ce_grad_chunk() if compiled else _weighted_ce_and_grad_chunk
+    return dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, ce_grad_chunk=ce_grad_chunk)
 
 
 # ----------------------------------------------------------------------------------------------

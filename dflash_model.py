@@ -1197,7 +1197,7 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, targets, row_weights, chunk_size):
+    def forward(ctx, rows, weight, targets, row_weights, chunk_size, ce_grad_chunk):
         needs_grad = rows.requires_grad
         grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden]
         hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
@@ -1205,7 +1205,7 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
         for start in range(0, rows.shape[0], chunk_size):
             end = min(start + chunk_size, rows.shape[0])
             logits = rows[start:end] @ weight.t()  # [rows, vocab], bf16 on GPU
-            ce_sum, dlogits, hit = _weighted_ce_and_grad_chunk(logits, targets[start:end], row_weights[start:end])
+            ce_sum, dlogits, hit = ce_grad_chunk(logits, targets[start:end], row_weights[start:end])
             del logits
             if needs_grad:
                 grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
@@ -1218,7 +1218,7 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_hits):
         (grad_rows,) = ctx.saved_tensors
-        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None
+        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None, None
 
 
 def dflash_loss(
@@ -1228,6 +1228,7 @@ def dflash_loss(
     label_valid: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int = 4096,
+    ce_grad_chunk=_weighted_ce_and_grad_chunk,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-weighted cross-entropy through the target's LM head, in chunks (DESIGN §2).
 
@@ -1249,6 +1250,8 @@ def dflash_loss(
         labels, label_valid: [batch, N, B-1] from `block_labels`.
         weights: [B-1] float32 from `loss_weights`.
         chunk_size: rows per chunk.
+        ce_grad_chunk: the per-chunk (sum w*CE, dlogits, hits) function; bench_dflash.py passes a
+            torch.compile'd equivalent to measure fusing it.
     Returns:
         loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
         accuracy: [B-1] float32, argmax accuracy per block position k = 1..B-1 (NaN where no label).
@@ -1260,7 +1263,7 @@ def dflash_loss(
     row_weights = weights.to(rows.device)[k_index]  # [T]
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
-    weighted_ce, hit = _FusedLinearWeightedCE.apply(rows, head_weight.detach(), targets, row_weights, chunk_size)
+    weighted_ce, hit = _FusedLinearWeightedCE.apply(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk)
     loss = weighted_ce / row_weights.sum()
     hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())
     counts = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.ones_like(row_weights))

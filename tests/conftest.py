@@ -111,3 +111,37 @@ def tiny_qwen3_target(tmp_path_factory, qwen3_tokenizer) -> Path:
     model.save_pretrained(path)
     qwen3_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def trainable_qwen3_target(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """The tiny Qwen3 target with weights large enough for its LM head to express a distribution
+    (at the default init std 0.02 and hidden 64 every logit is ~0, and a drafter could learn
+    nothing through the frozen head in a few dozen steps)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("trainable_qwen3_target")
+    torch.manual_seed(1234)
+    config = Qwen3Config(**TINY_QWEN3, initializer_range=0.25, eos_token_id=qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    qwen3_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def train_env(tmp_path_factory) -> dict:
+    """Environment for launching train_dflash.py in a subprocess on CPU (one thread per process)."""
+    import os
+
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        ACCELERATE_USE_CPU="true",
+        # DeepSpeed may JIT-build ops on first launch: once per test session.
+        TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch_extensions")),
+        HF_DATASETS_CACHE=str(tmp_path_factory.mktemp("datasets_cache")),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    return env

@@ -9,7 +9,6 @@ launches them; the kill tests start the ranks themselves (see `launch_ranks`).
 
 import json
 import math
-import os
 import re
 import signal
 import socket
@@ -24,36 +23,6 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def split_env(tmp_path_factory):
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
-        ACCELERATE_USE_CPU="true",
-        TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch_extensions")),
-        HF_DATASETS_CACHE=str(tmp_path_factory.mktemp("datasets_cache")),
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-@pytest.fixture(scope="module")
-def trainable_target(tmp_path_factory, qwen3_tokenizer):
-    """The tiny Qwen3 target with weights large enough for its LM head to express a distribution
-    (as in test_train.py: at init std 0.02 every logit of the 64-wide head is ~0)."""
-    from conftest import TINY_QWEN3
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    path = tmp_path_factory.mktemp("trainable_target")
-    torch.manual_seed(1234)
-    config = Qwen3Config(**TINY_QWEN3, initializer_range=0.25, eos_token_id=qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    qwen3_tokenizer.save_pretrained(path)
-    return path
 
 
 def run_args(target_dir, data, output_dir, **overrides):
@@ -93,13 +62,13 @@ def assert_same_weights(a, b):
 
 
 @pytest.fixture(scope="module")
-def split_run(trainable_target, gsm8k_path, split_env, tmp_path_factory):
+def split_run(trainable_qwen3_target, gsm8k_path, train_env, tmp_path_factory):
     """1 target + 2 drafter ranks, 2 epochs (10 optimizer steps), a checkpoint every 3 steps."""
     out = tmp_path_factory.mktemp("split") / "run"
     debug = out.parent / "debug"
-    env = dict(split_env, DFLASH_DEBUG_LOG=str(debug))
+    env = dict(train_env, DFLASH_DEBUG_LOG=str(debug))
     started = time.time()
-    result = accelerate_launch(run_args(trainable_target, gsm8k_path, out, target_ranks=1, save_steps=3), env, nproc=3)
+    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, out, target_ranks=1, save_steps=3), env, nproc=3)
     print(f"split run: {time.time() - started:.0f} s")
     assert result.returncode == 0, result.stderr[-4000:]
     return out, debug, result.stderr
@@ -143,27 +112,27 @@ def test_every_sample_once_per_epoch_and_identical_drafters(split_run):
     assert len(digests[1]) == 1 and digests[1] == digests[2], "ZeRO-2 keeps the drafter ranks' weights identical"
 
 
-def test_auto_picks_colocated_here_and_matches_the_split_run_bit_for_bit(split_run, trainable_target, gsm8k_path,
-                                                                            split_env, tmp_path):
+def test_auto_picks_colocated_here_and_matches_the_split_run_bit_for_bit(split_run, trainable_qwen3_target, gsm8k_path,
+                                                                            train_env, tmp_path):
     """Colocated on 2 ranks trains the same batches per drafter rank with the same anchors as the
     split run with 2 drafter ranks, so the weights must match exactly: the transport changes
     nothing. For this tiny target the target forward is ~50x faster than a drafter step, so the
     calibration keeps every rank busy with both (N=0)."""
     out, _, _ = split_run
     colocated = tmp_path / "colocated"
-    result = accelerate_launch(run_args(trainable_target, gsm8k_path, colocated, target_ranks="auto"), split_env, nproc=2)
+    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, colocated, target_ranks="auto"), train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--target_ranks auto over 2 ranks" in result.stderr and "N=1: 1 target + 1 drafter ranks" in result.stderr
     assert "=> --target_ranks 0" in result.stderr and "Split mode" not in result.stderr
     assert_same_weights(final_weights(out), final_weights(colocated))
 
 
-def test_resume_in_split_mode_is_bit_identical(split_run, trainable_target, gsm8k_path, split_env, tmp_path):
+def test_resume_in_split_mode_is_bit_identical(split_run, trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
     out, debug, _ = split_run
     resumed, resumed_debug = tmp_path / "resumed", tmp_path / "resumed_debug"
-    env = dict(split_env, DFLASH_DEBUG_LOG=str(resumed_debug))
+    env = dict(train_env, DFLASH_DEBUG_LOG=str(resumed_debug))
     # auto on resume keeps the checkpoint's split (the batch plan depends on it).
-    args = run_args(trainable_target, gsm8k_path, resumed, target_ranks="auto", resume_from_checkpoint=out / "checkpoint-3")
+    args = run_args(trainable_qwen3_target, gsm8k_path, resumed, target_ranks="auto", resume_from_checkpoint=out / "checkpoint-3")
     result = accelerate_launch(args, env, nproc=3)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--target_ranks auto: 1, as in the checkpoint being resumed" in result.stderr
@@ -193,13 +162,13 @@ def launch_ranks(args, env, world, log_dir):
 
 
 @pytest.mark.parametrize("victim, how", [(2, signal.SIGSTOP), (0, signal.SIGKILL)], ids=["freeze-drafter", "kill-target"])
-def test_a_dead_rank_stops_the_others_within_a_minute(victim, how, trainable_target, gsm8k_path, split_env, tmp_path):
+def test_a_dead_rank_stops_the_others_within_a_minute(victim, how, trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
     """SIGKILL of the target rank: the drafters' receives fail at once (gloo sees the closed socket).
     SIGSTOP of a drafter rank keeps its sockets open, like a dead peer under NCCL: only the
     heartbeat can tell, after --liveness_timeout_s."""
     debug = tmp_path / "debug"
-    env = dict(split_env, DFLASH_DEBUG_LOG=str(debug))
-    args = run_args(trainable_target, gsm8k_path, tmp_path / "out", target_ranks=1, num_train_epochs=100, liveness_timeout_s=10)
+    env = dict(train_env, DFLASH_DEBUG_LOG=str(debug))
+    args = run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "out", target_ranks=1, num_train_epochs=100, liveness_timeout_s=10)
     store, procs = launch_ranks(args, env, 3, tmp_path)
     try:
         deadline = time.time() + 240

@@ -2,7 +2,6 @@
 bad input gives a clear error. Each run is a subprocess, launched the way a user launches it."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,38 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def train_env(tmp_path_factory):
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
-        ACCELERATE_USE_CPU="true",
-        # DeepSpeed JIT-builds a CPU comm op on first launch (~30 s): once per test session.
-        TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch_extensions")),
-        HF_DATASETS_CACHE=str(tmp_path_factory.mktemp("datasets_cache")),
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-@pytest.fixture(scope="session")
-def trainable_qwen3_target(tmp_path_factory, qwen3_tokenizer):
-    """The tiny Qwen3 target with weights large enough for its LM head to express a distribution
-    (at the default init std 0.02 and hidden 64 every logit is ~0, and the drafter could learn
-    nothing through the frozen head in 30 steps)."""
-    from conftest import TINY_QWEN3
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    path = tmp_path_factory.mktemp("trainable_qwen3_target")
-    torch.manual_seed(1234)
-    config = Qwen3Config(**TINY_QWEN3, initializer_range=0.25, eos_token_id=qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    qwen3_tokenizer.save_pretrained(path)
-    return path
 
 
 def tiny_args(target_dir, data, output_dir, **overrides):
