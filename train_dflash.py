@@ -185,7 +185,7 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
         config_path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     elif not any(a.startswith("--target_model") for a in argv):
         config_path = str(DEMO_CONFIG)
-    parser = HfArgumentParser(TrainSettings)
+    parser = HfArgumentParser(TrainSettings, allow_abbrev=False)  # a typo must not silently match a longer flag
     if config_path is not None:
         if not os.path.isfile(config_path):
             raise ValueError(f"--config {config_path}: no such file")
@@ -196,7 +196,9 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
         if unknown:
             raise ValueError(f"{config_path}: unknown settings {unknown}; see `python train_dflash.py --help`")
         parser.set_defaults(**values)  # the YAML replaces the defaults; flags still win
-    (settings,) = parser.parse_args_into_dataclasses(args=argv)
+    settings, unknown_flags = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown_flags:
+        raise ValueError(f"unknown command-line arguments {unknown_flags}; see `python train_dflash.py --help`")
     return settings, config_path
 
 

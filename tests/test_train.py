@@ -127,5 +127,7 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
     config.write_text("target_model: x\ntrain_data: [a]\nnum_anchor: 3\n")
     with pytest.raises(ValueError, match="unknown settings.*num_anchor"):
         parse_settings(["--config", str(config)])
+    with pytest.raises(ValueError, match="unknown command-line arguments.*--num_anchor"):
+        parse_settings(["--num_anchor", "3"])  # a typo never matches --num_anchors as an abbreviation
     with pytest.raises(ValueError, match="--push_to_hub needs --hub_model_id"):
         parse_settings(["--target_model", "x", "--train_data", "a", "--push_to_hub"])
