@@ -151,6 +151,7 @@ class TrainSettings:
     logging_steps: int = field(default=10, metadata={"help": "Log scalars every N optimizer steps"})
     save_steps: int = field(default=500, metadata={"help": "Write {output_dir}/checkpoint-{step} every N optimizer steps (0 = never)"})
     save_total_limit: int | None = field(default=3, metadata={"help": "Keep at most this many checkpoints (oldest deleted)"})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start fresh in an --output_dir that holds an earlier run (its checkpoints and log are deleted)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint-{step} path"})
     report_to: str = field(default="tensorboard", metadata={"help": "Tracker for scalars: tensorboard, wandb, none, ..."})
     push_to_hub: bool = field(default=False, metadata={"help": "Upload {output_dir}/final to the Hub at the end"})
@@ -158,6 +159,20 @@ class TrainSettings:
     hub_private: bool = field(default=False, metadata={"help": "Create the Hub repo private"})
 
     def __post_init__(self):
+        if self.target_model is None:
+            raise ValueError(
+                "--target_model is not set: pass a local dir or hub id, or --config FILE.yaml "
+                "(--config configs/demo.yaml is the offline demo; no arguments at all runs it too)"
+            )
+        if self.chat_template_kwargs:
+            try:
+                if not isinstance(json.loads(self.chat_template_kwargs), dict):
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    f"--chat_template_kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'; "
+                    f"got {self.chat_template_kwargs!r}"
+                ) from None
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"--attention_backend must be flex, sdpa or auto, got {self.attention_backend!r}")
         if self.push_to_hub and not self.hub_model_id:
@@ -178,12 +193,13 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
     """Settings from `--config FILE.yaml` (or the demo config when neither --config nor
     --target_model is given) with command-line flags on top. Returns (settings, config path)."""
     config_path = None
+    argv = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])]
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise ValueError("--config needs a YAML file path")
         config_path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
-    elif not any(a.startswith("--target_model") for a in argv):
+    elif not argv:  # no arguments at all, and only then: the offline demo
         config_path = str(DEMO_CONFIG)
     parser = HfArgumentParser(TrainSettings, allow_abbrev=False)  # a typo must not silently match a longer flag
     if config_path is not None:
@@ -478,6 +494,20 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (no trainer_state.json)")
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
     global_step, start_epoch, skip_micro = state.get("global_step", 0), state.get("epoch", 0), state.get("micro_step_in_epoch", 0)
+    earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [Path(settings.output_dir) / "train_log.jsonl"] if p.is_file()]
+    if not resume and earlier_run:
+        # A fresh run on top of an earlier one would mix two logs and two runs' checkpoints, and
+        # --resume_from_checkpoint latest could then pick the wrong run.
+        if not settings.overwrite_output_dir:
+            raise ValueError(
+                f"--output_dir {settings.output_dir} holds an earlier run ({', '.join(p.name for p in earlier_run)}): "
+                f"pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, "
+                f"or a new --output_dir"
+            )
+        accelerator.wait_for_everyone()  # every rank has seen the earlier run before rank 0 deletes it
+        if rank == 0:
+            for path in earlier_run:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     # ---- drafter, and the loss of one micro-batch (the training loop and the calibration use it) ----
     drafter = DFlashDraftModel(draft_config)

