@@ -3,8 +3,7 @@
 Offline CPU demo (no arguments: SmolLM2-135M-Instruct target, the repo's demo conversations):
     accelerate launch train_dflash.py
 
-A real run on 8 GPUs (settings in the YAML, any flag overrides them; the YAML picks the target/drafter
-split with --target_ranks auto):
+A real run on 8 GPUs (settings in the YAML, any flag overrides them):
     accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml
 
 Two GPUs, one running the target and one training the drafter:
