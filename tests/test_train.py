@@ -138,3 +138,16 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
         parse_settings(["--target_model", "x", "--train_data", "a", "--num_anchor", "3"])  # a typo never matches --num_anchors as an abbreviation
     with pytest.raises(ValueError, match="--push_to_hub needs --hub_model_id"):
         parse_settings(["--target_model", "x", "--train_data", "a", "--push_to_hub"])
+
+
+def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "train_log.jsonl").write_text('{"step": 3, "loss": 1.0}\n')
+    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1), train_env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "holds an earlier run" in result.stderr and "--resume_from_checkpoint latest" in result.stderr
+    assert (out / "checkpoint-3").is_dir(), "nothing of the earlier run is deleted"
+    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1, target_layer_ids="1 3", overwrite_output_dir="true"), train_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (out / "checkpoint-3").exists() and [row["step"] for row in read_log(out)] == [1]
