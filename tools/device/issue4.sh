@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device run for issue 4 (nvidia-h200-x2): target/drafter split over NCCL.
-#   bash .devscripts/issue4.sh rates   # colocated vs 1 target + 1 drafter vs auto, Qwen3-8B-shaped random target (~6 min)
-#   bash .devscripts/issue4.sh safety  # split checkpoint + resume, and a killed target rank, small target (~4 min)
+#   bash tools/device/issue4.sh rates   # colocated vs 1 target + 1 drafter vs auto, Qwen3-8B-shaped random target (~6 min)
+#   bash tools/device/issue4.sh safety  # split checkpoint + resume, and a killed target rank, small target (~4 min)
 # Writes $OUT/issue4_*.md tables and the logs. Same setup as issue2.sh (wheels, .devdata GSM8K).
 set -u
 MODE=${1:-rates}
