@@ -214,7 +214,7 @@ def test_choose_target_ranks():
 def test_train_plan_covers_every_sample_once_and_resumes(drafters, accumulation):
     from train_dflash import TrainSettings, epoch_batches, train_plan
 
-    settings = TrainSettings(train_data=["x"], per_device_batch_size=2, gradient_accumulation_steps=accumulation, seed=3)
+    settings = TrainSettings(target_model="x", train_data=["x"], per_device_batch_size=2, gradient_accumulation_steps=accumulation, seed=3)
     lengths = [(7 * i) % 23 + 1 for i in range(19)]  # 10 micro-batches of 2 (the last one of 1)
     per_epoch = len(epoch_batches(lengths, settings, 0, drafters)) // drafters
     plan = list(train_plan(lengths, settings, 0, 0, 2 * per_epoch, drafters))
