@@ -12,7 +12,6 @@ import datasets
 import pytest
 import torch
 
-import dflash_data
 from dflash_data import (
     DataFormatError,
     build_train_dataset,
