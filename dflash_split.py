@@ -472,16 +472,26 @@ class Liveness:
                 elif now - last_change[r] > self.dead_after_s:
                     self._die(f"rank {r} sent no heartbeat for {now - last_change[r]:.0f} s: it died or is stuck")
 
+    def _post_failure(self, message: str) -> str:
+        """Post `message` as the run's failure unless a rank posted one first; return the one that
+        stands. The first failure is the root cause: a rank that fails later because its peer
+        exited (a closed socket, say) must not overwrite it."""
+        try:
+            return self._op(lambda s: s.compare_set("failed", "", message)).decode()
+        except Exception:  # the store is gone too: nobody is left to tell
+            return message
+
     def _die(self, reason: str) -> None:
         log.error("stopping rank %d: %s", self.rank, reason)
+        self._post_failure(f"rank {self.rank} stopped: {reason}")  # before exiting, so the others learn why
         os._exit(1)  # the main thread may be blocked in a collective that will never return
 
     def report_failure(self, reason: str) -> None:
         self.stopping.set()  # this rank's own watchdog must not read the message and exit before the traceback
-        try:
-            self._op(lambda s: s.set("failed", f"rank {self.rank} failed: {reason}"))
-        except Exception:
-            pass
+        own = f"rank {self.rank} failed: {reason}"
+        first = self._post_failure(own)
+        if first != own:
+            log.error("stopping rank %d after an earlier failure: %s", self.rank, first)
 
     def finish(self) -> None:
         """Clean end, watched: wait until every rank got here, then stop. Rank 0 leaves last, so a
