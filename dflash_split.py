@@ -218,6 +218,15 @@ class FeatureSender:
             self.thread.join(timeout=1.0)
         self._raise_if_failed()
 
+    def flush(self) -> None:
+        """Block until every queued micro-batch has been received: no send is in flight afterwards.
+        Called before DeepSpeed's world barriers (see "Checkpoints in split mode")."""
+        with self.queue.all_tasks_done:
+            while self.queue.unfinished_tasks:
+                self._raise_if_failed()
+                self.queue.all_tasks_done.wait(timeout=1.0)
+        self._raise_if_failed()
+
     def _counters(self) -> list[int]:
         return [int(self.busy_s * 1e6), int(self.idle_s * 1e6), self.samples, self.tokens]
 
@@ -250,7 +259,8 @@ class FeatureSender:
                         dist.send(tensor, dest, group=self.group)
                     if stream is not None:
                         stream.synchronize()  # block until received: bounds the features held on the GPU
-        except BaseException as error:  # handed to the main thread by _put / finish
+                self.queue.task_done()
+        except BaseException as error:  # handed to the main thread by _put / finish / flush
             self.error = error
 
 
@@ -259,7 +269,8 @@ class FeatureReceiver:
     use), then the END header of every target rank. `get` hands them to the training loop.
 
     schedule: (source rank, epoch, index) of every micro-batch this drafter rank will train, in order;
-        iterated lazily by the thread (the plan of a long run is long).
+        iterated lazily by the thread (the plan of a long run is long). A None entry is a checkpoint
+        save: the thread posts no receive past it until the main thread calls `resume()`.
     """
 
     def __init__(self, transport_group, target_ranks: list[int], device: torch.device, depth: int,
@@ -270,6 +281,7 @@ class FeatureReceiver:
         self.error: BaseException | None = None
         self.wait_s = 0.0  # main-thread time blocked in get(): the drafter waiting for supply
         self.target_counters: dict[int, dict] = {}  # latest counters seen from each target rank
+        self.resumed = threading.Event()  # set by resume(): the thread may go past a None in the schedule
         self.thread = threading.Thread(target=self._run, name="dflash-feature-receiver", daemon=True)
         self.thread.start()
 
@@ -293,6 +305,10 @@ class FeatureReceiver:
                 # the memory before this stream is done with it.
                 item[name].record_stream(current)
         return item
+
+    def resume(self) -> None:
+        """The checkpoint save at the schedule's next None is done: receiving may go on."""
+        self.resumed.set()
 
     def finish(self) -> None:
         """Wait until the END header of every target rank has arrived (nothing unexpected after the last batch)."""
@@ -323,7 +339,12 @@ class FeatureReceiver:
                 torch.cuda.set_device(self.device)
                 stream = torch.cuda.Stream(self.device)
             with _stream_context(stream):
-                for src, epoch, index in self.schedule:
+                for entry in self.schedule:
+                    if entry is None:  # a checkpoint save: no receive in flight across its world barriers
+                        self.resumed.wait()
+                        self.resumed.clear()
+                        continue
+                    src, epoch, index = entry
                     item = self._recv_header(src)
                     if item["kind"] not in (BATCH, PADDING) or (item["epoch"], item["index"]) != (epoch, index):
                         raise TransportError(
@@ -390,6 +411,13 @@ class Stopwatch:
 # "checkpoint": {"tag_validation": "Ignore"}. The drafter ranks switch tag validation off; the
 # target ranks enter the two barriers at the same optimizer step (every rank knows the save steps
 # from the step count), so the drafters' save completes. Loading has no world collective.
+#
+# Under NCCL a barrier ends with a whole-device synchronize, so it also waits for any feature
+# send or receive in flight on another stream, and that transfer's peer may itself be stuck in
+# the barrier: a deadlock (gloo has no such wait). So the transport is quiet across a save: the
+# target rank flushes its sender (everything sent has been received) before joining, and the
+# drafter's receiver thread posts no receive past the save until the save is done
+# (FeatureReceiver: a None in the schedule, then resume()).
 
 DEEPSPEED_SAVE_BARRIERS = 2
 

@@ -226,3 +226,53 @@ def test_train_plan_covers_every_sample_once_and_resumes(drafters, accumulation)
         assert all(len(batches) == drafters and all(ids for ids, _ in batches) for batches in rows), "fillers have data"
     # Resuming mid-epoch continues the same plan.
     assert list(train_plan(lengths, settings, 0, 2, 2 * per_epoch - 2, drafters)) == plan[2:]
+
+
+def test_transport_is_quiet_across_a_checkpoint(monkeypatch):
+    """Under NCCL a barrier synchronises the whole device, so a feature send or receive in flight
+    during DeepSpeed's save barriers deadlocks. The sender's flush() returns only when every queued
+    batch has been received; the receiver posts no receive past a save (None in its schedule) until
+    resume(). Checked here with dist.send/recv replaced by recorders."""
+    import threading
+
+    import dflash_split
+    from dflash_split import BATCH, END, HEADER, FeatureReceiver, FeatureSender
+
+    # Receiver: 2 micro-batches, a save, 1 more, then END.
+    headers = [[BATCH, 0, i, 1, 4, 8, 0, 4] + [0] * 4 for i in range(3)] + [[END] + [0] * (len(HEADER) - 1)]
+    received = []
+
+    def fake_recv(tensor, src, group=None):
+        if tensor.shape == (len(HEADER),):
+            tensor.copy_(torch.tensor(headers[sum(kind == "header" for kind in received)]))
+            received.append("header")
+        else:
+            received.append("data")
+
+    monkeypatch.setattr(dflash_split.dist, "recv", fake_recv)
+    schedule = [(0, 0, 0), (0, 0, 1), None, (0, 0, 2)]
+    receiver = FeatureReceiver(None, [0], torch.device("cpu"), depth=8, schedule=iter(schedule), feature_dim=8, dtype=torch.float32)
+    assert [receiver.get()["index"] for _ in range(2)] == [0, 1]
+    time.sleep(0.5)  # the thread had time to run ahead (queue depth 8): it must not
+    assert received == ["header", "data", "data"] * 2, "a receive was posted past the checkpoint"
+    receiver.resume()
+    assert receiver.get()["index"] == 2
+    receiver.finish()
+    assert received == ["header", "data", "data"] * 3 + ["header"]
+
+    # Sender: flush() waits for sends that complete slowly (a drafter still receiving).
+    sent, lock = [], threading.Lock()
+
+    def slow_send(tensor, dest, group=None):
+        time.sleep(0.1)
+        with lock:
+            sent.append(dest)
+
+    monkeypatch.setattr(dflash_split.dist, "send", slow_send)
+    sender = FeatureSender(None, [1], torch.device("cpu"), depth=4)
+    for i in range(3):
+        sender.put(1, BATCH, 0, i, torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), torch.zeros(1, 4, 8), 4, 0.0)
+    sender.flush()
+    assert len(sent) == 9, f"flush returned with {9 - len(sent)} sends still in flight"
+    sender.finish()
+    assert len(sent) == 10  # + END

@@ -2,6 +2,7 @@
 # Device run for issue 4 (nvidia-h200-x2): target/drafter split over NCCL.
 #   bash tools/device/issue4.sh rates   # colocated vs 1 target + 1 drafter vs auto, Qwen3-8B-shaped random target (~6 min)
 #   bash tools/device/issue4.sh safety  # split checkpoint + resume, and a killed target rank, small target (~4 min)
+#   bash tools/device/issue4.sh auto    # --target_ranks auto with the Qwen3-8B-shaped target (~2 min)
 # Writes $OUT/issue4_*.md tables and the logs. Same setup as issue2.sh (wheels, .devdata GSM8K).
 set -u
 MODE=${1:-rates}
@@ -56,7 +57,7 @@ for name in ("colocated", "split"):
 PY
 fi
 
-if [ "$MODE" = safety ]; then
+if [ "$MODE" = safety ] || [ "$MODE" = all ]; then
   SMALL="--target_model /tmp/small --max_samples 400 --max_seq_length 768 --per_device_batch_size 2 --num_anchors 128 --logging_steps 5"
   # Checkpoint at 10 and 20 under NCCL (target rank joins DeepSpeed's world barriers), then resume from 10.
   launch ckpt 200 $SMALL --max_steps 20 --save_steps 10 --target_ranks 1
@@ -96,4 +97,10 @@ except subprocess.TimeoutExpired:
     print("kill test: drafter rank still running 90 s after the target rank died"); procs[1].kill()
 PY
   tail -3 $OUT/kill_rank1.log | cut -c1-300 | tee -a $OUT/summary.txt
+fi
+
+if [ "$MODE" = auto ] || [ "$MODE" = all ]; then
+  R8="--target_model /tmp/q8b --max_samples 400 --max_seq_length 768 --per_device_batch_size 2 --num_anchors 256 --logging_steps 10 --save_steps 0"
+  launch auto 240 $R8 --max_steps 30 --target_ranks auto
+  grep -h -A4 "target_ranks auto over" $OUT/auto.log | cut -c1-300 | tee -a $OUT/summary.txt
 fi
