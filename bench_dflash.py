@@ -93,7 +93,6 @@ from dflash_model import (
     DFlashDraftModel,
     block_labels,
     create_anchor_block_mask,
-    _weighted_ce_and_grad_chunk,
     dflash_loss,
     get_compiled_flex_attention,
     loss_weights,
@@ -241,31 +240,10 @@ def target_forward_flops(config: Qwen3Config, num_layers: int, batch: int, seq_l
 # Loss variants: the LM head + weighted CE with the input gradient computed in the forward
 
 
-def _ce_grad_chunk_functional(logits, targets, weights):
-    """The same as `dflash_model._weighted_ce_and_grad_chunk`, written for torch.compile (which fuses it into a few kernels)."""
-    x = logits.float()  # [rows, vocab]
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [rows, 1]
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]  # [rows, vocab], fused, never stored
-    dlogits = (weights[:, None] * (torch.exp(x - lse) - onehot.float())).to(logits.dtype)
-    ce = lse.squeeze(1) - x.gather(1, targets[:, None]).squeeze(1)
-    return (ce * weights).sum(), dlogits, x.argmax(dim=-1) == targets
-
-
-_compiled_ce_grad_chunk = None
-
-
-def compiled_ce_grad_chunk():
-    global _compiled_ce_grad_chunk
-    if _compiled_ce_grad_chunk is None:
-        _compiled_ce_grad_chunk = torch.compile(_ce_grad_chunk_functional, dynamic=True)  # rows vary per step
-    return _compiled_ce_grad_chunk
-
-
 def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False):
     """`dflash_model.dflash_loss` (the fused form, gradient in the forward), optionally with the
-    per-chunk elementwise work compiled."""
-    ce_grad_chunk = compiled_ce_grad_chunk() if compiled else _weighted_ce_and_grad_chunk
-    return dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, ce_grad_chunk=ce_grad_chunk)
+    per-chunk elementwise work compiled (`dflash_model.compiled_ce_grad_chunk`, as in training)."""
+    return dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, compiled=compiled)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,15 +436,8 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
 
 
 def set_compiled_layers(ctx, compiled: bool) -> None:
-    """Swap the drafter's layer list between the eager layers and torch.compile wrappers of them (same parameters).
-
-    The wrappers are built once, so every variant that compiles layers reuses the same graphs.
-    """
-    if compiled and "compiled_layers" not in ctx:
-        # dynamic=False: static shapes like the flex graphs. Flex inside a compiled layer is traced
-        # into the layer's graph (dflash_model._run_compiled_flex hands dynamo the plain op).
-        ctx["compiled_layers"] = nn.ModuleList(torch.compile(layer, dynamic=False) for layer in ctx["eager_layers"])
-    ctx["drafter"].layers = ctx["compiled_layers"] if compiled else ctx["eager_layers"]
+    """Train through compiled drafter layers or eager ones (`DFlashDraftModel.compile_layers`, as in training)."""
+    ctx["drafter"].compile_layers(compiled)
 
 
 def median_ms(fn, device: torch.device, reps: int = 3) -> float:
@@ -708,7 +679,7 @@ def main(argv: list[str]) -> None:
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=1e-5, max_grad_norm=1.0, fused=device.type == "cuda")
     trainable = sum(p.numel() for p in optimizer.params)
     progress(f"drafter: {trainable / 1e6:.1f} M trainable params ({config.num_hidden_layers} layers, block {config.block_size})")
-    ctx = dict(device=device, config=config, dtype=dtype, drafter=drafter, eager_layers=drafter.layers, optimizer=optimizer,
+    ctx = dict(device=device, config=config, dtype=dtype, drafter=drafter, optimizer=optimizer,
                head_weight=head.weight, weights=loss_weights(config.block_size, device=device), backend=args.backend,
                steps=args.steps, warmup=args.warmup)
 

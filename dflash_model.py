@@ -836,6 +836,28 @@ def warm_up_flex_attention(
     return sum(_flex_compile_seconds[compiles:])
 
 
+def _compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], device: torch.device) -> None:
+    """Run `warm_up` (a first call that makes torch.compile build its graphs for `key`) under
+    `compile_lock` and the compile gate, once per key per process; counted in flex_compile_stats.
+
+    The same discipline as flex's `_compile_and_warm_up`, for the other compiled pieces of a
+    training step (drafter layers, the loss's per-chunk function)."""
+    if key in _warm_flex_keys:
+        return
+    with compile_lock(what):
+        if key in _warm_flex_keys:
+            return  # another thread compiled it while this one waited
+        start = time.perf_counter()
+        with _compiling_flex():
+            warm_up()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        _warm_flex_keys.add(key)
+        _flex_compile_seconds.append(seconds)
+        log.info("Compilation time: %.2f seconds (%s)", seconds, what)
+
+
 def flex_compile_stats() -> dict:
     """Compile counters of this process, for the training log.
 
@@ -975,6 +997,28 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _run_compiled_layer(compiled: Callable, index: int, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+    """One compiled decoder layer call (DFlashDraftModel.compile_layers). The first call at a new
+    shape runs the layer once on detached clones (same shapes, strides, dtypes, requires_grad) under
+    the compile lock, with a backward (torch.autograd.grad to the clones: the parameters' .grad and
+    DeepSpeed's gradient hooks are untouched), so both graphs exist before the real call."""
+    grad = torch.is_grad_enabled()
+    key = ("drafter_layer", index, str(x.device), x.dtype, grad, tuple(x.shape), tuple(context_k.shape), type(mask).__name__)
+    tensors = (x, cos, sin, context_k, context_v)
+
+    def warm_up():
+        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        out = compiled(*inputs, mask)
+        needs = [t for t in inputs if t.requires_grad]
+        if grad and needs:
+            torch.autograd.grad(out, needs, torch.ones_like(out))
+
+    what = f"drafter layer {index} {'forward+backward' if grad else 'forward'} on {x.device}, {x.dtype}, x {list(x.shape)}, context kv {list(context_k.shape)}"
+    _compile_once_locked(key, what, warm_up, x.device)
+    with _running_compiled_flex():
+        return compiled(*tensors, mask)
+
+
 @dataclass
 class DFlashContextCache:
     """The drafter's K/V of the context it has seen, per layer, for drafting at inference.
@@ -1018,6 +1062,7 @@ class DFlashDraftModel(PreTrainedModel):
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
         self._target_modules = ()  # (embed_tokens, lm_head); a tuple, so nn.Module does not register them
+        self._compiled_layers = ()  # torch.compile wrappers of `layers` (compile_layers); a tuple for the same reason
         self.post_init()
 
     def _init_weights(self, module):
@@ -1042,6 +1087,22 @@ class DFlashDraftModel(PreTrainedModel):
         if not self._target_modules:
             raise RuntimeError("call drafter.attach_target(embed_tokens, lm_head) with the target's modules first")
         return self._target_modules[1]
+
+    def compile_layers(self, enabled: bool = True) -> None:
+        """Run the decoder layers of the training forward through torch.compile (or not).
+
+        dynamic=False: one static graph per shape, like flex's; flex_attention is traced into the
+        layer's graph. The first forward at each new shape (per layer, grad or not) compiles and runs
+        forward and backward on clones under `compile_lock` (`_run_compiled_layer`), so no
+        compile ever happens outside the lock, including AOTAutograd's lazy backward compile in
+        autograd's thread. Inference passes (`extend_context`, `draft_block`) stay eager.
+        Measured at Qwen3-8B shapes on an H200 (bench_dflash.py): 83.8 -> 70.2 ms/sample.
+        """
+        if enabled and not self._compiled_layers:
+            _configure_dynamo_for_flex()  # 5 layers x length buckets x grad/no-grad graphs: raise dynamo's limit
+            self._compiled_layers = tuple(torch.compile(layer, dynamic=False) for layer in self.layers)
+        elif not enabled:
+            self._compiled_layers = ()
 
     def fuse_context(self, context_features: torch.Tensor) -> torch.Tensor:
         """[batch, S, len(target_layer_ids) * hidden] -> [batch, S, hidden]: fc, then hidden_norm."""
@@ -1086,9 +1147,12 @@ class DFlashDraftModel(PreTrainedModel):
             mask = dense_anchor_block_mask(anchors, anchor_valid, seq_len, block_size)
         else:
             raise ValueError(f"attention_backend must be 'flex' or 'sdpa', got {attention_backend!r}")
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
-            x = layer(x, cos, sin, context_k, context_v, mask)
+            if self._compiled_layers:
+                x = _run_compiled_layer(self._compiled_layers[i], i, x, cos, sin, context_k, context_v, mask)
+            else:
+                x = layer(x, cos, sin, context_k, context_v, mask)
         return self.norm(x).view(batch, num_anchors, block_size, -1)  # [batch, N, B, hidden]
 
     # ---- inference ---------------------------------------------------------------------------
@@ -1186,6 +1250,35 @@ def _weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, wei
     return (ce * weights).sum(), x.to(logits.dtype), hit
 
 
+def _weighted_ce_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+    """`_weighted_ce_and_grad_chunk` without in-place ops, for torch.compile to fuse into a few kernels."""
+    x = logits.float()  # [rows, vocab]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [rows, 1]
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]  # fused, never stored
+    dlogits = (weights[:, None] * (torch.exp(x - lse) - onehot.float())).to(logits.dtype)
+    ce = lse.squeeze(1) - x.gather(1, targets[:, None]).squeeze(1)
+    return (ce * weights).sum(), dlogits, x.argmax(dim=-1) == targets
+
+
+_compiled_ce = None
+
+
+def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+    """`_weighted_ce_and_grad_chunk`, torch.compile'd (dynamic shapes: the rows vary per step);
+    `dflash_loss(..., compiled=True)` uses it. Compiles under the compile lock
+    at the first call (and again for a 1-row chunk, which dynamo specialises). Measured at
+    Qwen3-8B shapes on an H200 (bench_dflash.py): 92.4 -> 83.8 ms/sample. Runs outside autograd
+    (inside the fused loss's forward), so nothing compiles in a backward thread."""
+    global _compiled_ce
+    if _compiled_ce is None:
+        _compiled_ce = torch.compile(_weighted_ce_and_grad_chunk_functional, dynamic=True)
+    key = ("ce_grad_chunk", str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1])
+    what = f"loss chunk (softmax, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
+    _compile_once_locked(key, what, lambda: _compiled_ce(logits, targets, weights), logits.device)
+    with _running_compiled_flex():
+        return _compiled_ce(logits, targets, weights)
+
+
 class _FusedLinearWeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(rows_i @ W^T, t_i) with d/d rows computed in the forward, chunk by chunk.
 
@@ -1228,7 +1321,7 @@ def dflash_loss(
     label_valid: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int = 4096,
-    ce_grad_chunk=_weighted_ce_and_grad_chunk,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-weighted cross-entropy through the target's LM head, in chunks (DESIGN §2).
 
@@ -1250,8 +1343,8 @@ def dflash_loss(
         labels, label_valid: [batch, N, B-1] from `block_labels`.
         weights: [B-1] float32 from `loss_weights`.
         chunk_size: rows per chunk.
-        ce_grad_chunk: the per-chunk (sum w*CE, dlogits, hits) function; bench_dflash.py passes a
-            torch.compile'd equivalent to measure fusing it.
+        compiled: run the per-chunk softmax / dlogits / argmax through `compiled_ce_grad_chunk`
+            (GPU training) instead of the eager `_weighted_ce_and_grad_chunk`.
     Returns:
         loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
         accuracy: [B-1] float32, argmax accuracy per block position k = 1..B-1 (NaN where no label).
@@ -1263,6 +1356,7 @@ def dflash_loss(
     row_weights = weights.to(rows.device)[k_index]  # [T]
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
+    ce_grad_chunk = compiled_ce_grad_chunk if compiled else _weighted_ce_and_grad_chunk
     weighted_ce, hit = _FusedLinearWeightedCE.apply(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk)
     loss = weighted_ce / row_weights.sum()
     hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())

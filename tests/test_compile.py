@@ -342,3 +342,42 @@ def test_setup_compile_cache_modes(monkeypatch, tmp_path):
     monkeypatch.setattr(dm, "_warm_flex_keys", {("a compiled key",)})
     with pytest.raises(RuntimeError, match="before the first"):
         setup_compile_cache("shared", tmp_path)
+
+
+def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock(fresh_flex_state, caplog):
+    """DFlashDraftModel.compile_layers + dflash_loss(compiled=True), on CPU through SDPA (flex has no
+    CPU backward): the same loss and gradients as eager; every compile, forward and backward, happens
+    in the locked warm-up (one per layer and shape), and a second step at the same shape compiles nothing."""
+    import logging
+
+    from test_model import _batch, tiny_drafter
+
+    def step(drafter, compiled):
+        torch.manual_seed(0)
+        input_ids, loss_mask = _batch()
+        features = torch.randn(2, input_ids.shape[1], 2 * 16)
+        anchors, valid = dm.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
+        hidden = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
+        labels, label_valid = dm.block_labels(input_ids, loss_mask, anchors, valid, 4)
+        loss, _ = dm.dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid,
+                                 dm.loss_weights(4, gamma=3.0), compiled=compiled)
+        drafter.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in drafter.parameters()]
+
+    eager_loss, eager_grads = step(tiny_drafter(block_size=4).train(), compiled=False)
+    drafter = tiny_drafter(block_size=4).train()
+    drafter.compile_layers()
+    with caplog.at_level(logging.INFO, logger="dflash_model"):
+        loss, grads = step(drafter, compiled=True)
+    compiles = dm.flex_compile_stats()["compiles"]
+    # 2 layers (forward+backward each) + the loss chunk; each announced by the lock.
+    assert compiles == 3, caplog.text
+    assert caplog.text.count("Compilation time") == 3 and caplog.text.count("drafter layer") >= 2
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    loss_again, _ = step(drafter, compiled=True)
+    assert dm.flex_compile_stats()["compiles"] == 3 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    torch.testing.assert_close(loss_again, loss)

@@ -16,7 +16,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config
 
 from bench_dflash import (
-    _ce_grad_chunk_functional,
     drafter_step_flops,
     fused_dflash_loss,
     target_forward_flops,
@@ -24,6 +23,7 @@ from bench_dflash import (
 from dflash_model import (
     DFlashConfig,
     _weighted_ce_and_grad_chunk,
+    _weighted_ce_and_grad_chunk_functional,
     DFlashDraftModel,
     block_labels,
     dense_anchor_block_mask,
@@ -192,5 +192,5 @@ def test_compiled_ce_chunk_equals_eager_chunk():
     logits = torch.randn(9, VOCAB, generator=generator).bfloat16()
     targets = torch.randint(0, VOCAB, (9,), generator=generator)
     weights = torch.rand(9, generator=generator)
-    for a, b in zip(_weighted_ce_and_grad_chunk(logits, targets, weights), _ce_grad_chunk_functional(logits, targets, weights)):
+    for a, b in zip(_weighted_ce_and_grad_chunk(logits, targets, weights), _weighted_ce_and_grad_chunk_functional(logits, targets, weights)):
         torch.testing.assert_close(a, b)
