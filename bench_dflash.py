@@ -52,9 +52,10 @@ count against torch's FlopCounterMode.
 
 Variants (--variant, repeatable; join levers with '+'), each with its prediction at
 256 anchors / seq 768 / batch 2 (baseline was 105 ms/sample in the public SpecForge anchor):
-  baseline            train_dflash.py as it is: eager layers, compiled flex, dflash_model.dflash_loss (since 2026-11-30
-                      the fused form, gradient in the forward; the tables of 2026-11-30 12:10 measured the
-                      earlier checkpointed fp32-logit CE in 4096-row chunks as baseline).
+  baseline            eager layers, compiled flex, dflash_model.dflash_loss with the eager chunk function (since
+                      2026-11-30 the fused form, gradient in the forward; the tables of 2026-11-30 12:10 measured the
+                      earlier checkpointed fp32-logit CE in 4096-row chunks as baseline). train_dflash.py now
+                      trains as compile_layers+fused_ce_compiled (--compile_drafter auto, on with flex).
                       Prediction: ~105 ms/sample (~50 block GEMMs, ~15 eager elementwise, ~32 head + CE, ~7 the
                       unsharded optimizer, ~8 flex + mask), ~325 useful TFLOP/s (the issue-2 run in BENCHMARKS.md:
                       ~140 ms/sample colocated, ~22 of them target forward; bench_compile_race.py checkpoint:
