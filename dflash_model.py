@@ -633,8 +633,15 @@ def flex_shape_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
     )
 
 
+_dynamo_configured = False
+
+
 def _configure_dynamo_for_flex() -> None:
     """The dynamo limits compiled flex relies on (see FLEX_RECOMPILE_LIMIT), for every thread of the process."""
+    global _dynamo_configured
+    if _dynamo_configured:
+        return
+    _dynamo_configured = True
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.7
     fail = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else "fail_on_cache_limit_hit"
@@ -679,6 +686,9 @@ def _running_compiled_flex():
         with _flex_gate:
             _flex_calls_running -= 1
             _flex_gate.notify_all()
+
+
+running_compiled = _running_compiled_flex  # the gate, for any compiled call (see compile_once_locked)
 
 
 @contextlib.contextmanager
@@ -836,14 +846,17 @@ def warm_up_flex_attention(
     return sum(_flex_compile_seconds[compiles:])
 
 
-def _compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], device: torch.device) -> None:
+def compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], device: torch.device) -> None:
     """Run `warm_up` (a first call that makes torch.compile build its graphs for `key`) under
     `compile_lock` and the compile gate, once per key per process; counted in flex_compile_stats.
 
     The same discipline as flex's `_compile_and_warm_up`, for the other compiled pieces of a
-    training step (drafter layers, the loss's per-chunk function)."""
+    training step (drafter layers, the loss's per-chunk function, the target's layers). Call the
+    compiled function itself afterwards inside `running_compiled()`.
+    """
     if key in _warm_flex_keys:
         return
+    _configure_dynamo_for_flex()
     with compile_lock(what):
         if key in _warm_flex_keys:
             return  # another thread compiled it while this one waited
@@ -1014,7 +1027,7 @@ def _run_compiled_layer(compiled: Callable, index: int, x, cos, sin, context_k, 
             torch.autograd.grad(out, needs, torch.ones_like(out))
 
     what = f"drafter layer {index} {'forward+backward' if grad else 'forward'} on {x.device}, {x.dtype}, x {list(x.shape)}, context kv {list(context_k.shape)}"
-    _compile_once_locked(key, what, warm_up, x.device)
+    compile_once_locked(key, what, warm_up, x.device)
     with _running_compiled_flex():
         return compiled(*tensors, mask)
 
@@ -1274,7 +1287,7 @@ def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights:
         _compiled_ce = torch.compile(_weighted_ce_and_grad_chunk_functional, dynamic=True)
     key = ("ce_grad_chunk", str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1])
     what = f"loss chunk (softmax, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
-    _compile_once_locked(key, what, lambda: _compiled_ce(logits, targets, weights), logits.device)
+    compile_once_locked(key, what, lambda: _compiled_ce(logits, targets, weights), logits.device)
     with _running_compiled_flex():
         return _compiled_ce(logits, targets, weights)
 

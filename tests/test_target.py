@@ -195,3 +195,34 @@ def test_resolve_target_path(smollm2_gguf, monkeypatch):
     monkeypatch.setenv("HOME", "/home/someone")
     assert resolve_target_path("~/models/qwen3") == ("/home/someone/models/qwen3", None)
 
+
+
+def test_compiled_target_layers_equal_eager_and_compile_once_per_shape(tiny_qwen3_target, monkeypatch, tmp_path):
+    """TargetFeatureExtractor.compile_layers: the same features as eager (padded and unpadded
+    batches); each new input signature compiles once, under the compile lock; a repeat compiles nothing."""
+    import dflash_model as dm
+    from dflash_model import COMPILE_LOCK_DIR_ENV
+    from dflash_target import TargetFeatureExtractor, load_target
+
+    monkeypatch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path))
+    target, _ = load_target(str(tiny_qwen3_target), device="cpu")
+    extractor = TargetFeatureExtractor(target, [0, 2], truncate=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (2, 24), generator=g)
+    padded = torch.ones_like(ids)
+    padded[1, -5:] = 0
+    eager = [extractor(ids, padded), extractor(ids, torch.ones_like(ids))]
+    with pytest.raises(ValueError, match="truncate=True"):
+        TargetFeatureExtractor(load_target(str(tiny_qwen3_target), device="cpu")[0], [0], truncate=False).compile_layers()
+
+    before = dm.flex_compile_stats()["compiles"]
+    extractor.compile_layers()
+    compiled = [extractor(ids, padded), extractor(ids, torch.ones_like(ids))]
+    # 3 layers run (ids 0..2) x 2 signatures (a padding mask, or none), each through the lock.
+    assert dm.flex_compile_stats()["compiles"] - before == 6
+    assert any(p.name.endswith(".lock") for p in tmp_path.iterdir())
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again = extractor(ids, padded)
+    assert dm.flex_compile_stats()["compiles"] - before == 6 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    for a, b in zip(compiled + [again], eager + [eager[0]]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
