@@ -868,7 +868,8 @@ def compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], devi
         seconds = time.perf_counter() - start
         _warm_flex_keys.add(key)
         _flex_compile_seconds.append(seconds)
-        log.info("Compilation time: %.2f seconds (%s)", seconds, what)
+        # Layers of one architecture share a graph: after the first, a new key is usually a cache hit.
+        log.log(logging.INFO if seconds >= 0.1 else logging.DEBUG, "Compilation time: %.2f seconds (%s)", seconds, what)
 
 
 def flex_compile_stats() -> dict:
