@@ -353,6 +353,13 @@ def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer
                 )
             except DataFormatError as template_error:
                 raise DataFormatError(f"{where}: {template_error}", template_error.reason) from template_error
+            if record.get("finished") is False and footer[1]:
+                # regenerate_data.py marks a reply cut at --max_new_tokens: the template still closes
+                # it with end-of-turn, but the target would have gone on writing, so that is no label.
+                end_of_turn_ids = tokenizer.encode(footer[1], add_special_tokens=False)
+                last = max((t for t, m in enumerate(loss_mask) if m), default=None)
+                if last is not None and end_of_turn_ids and input_ids[last] == end_of_turn_ids[-1]:
+                    loss_mask[last] = 0
             if not _has_anchor(loss_mask):
                 raise DataFormatError(
                     f"{where}: fewer than 2 assistant tokens left after truncation to max_seq_length={max_seq_length} "

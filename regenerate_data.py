@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generate() continues every row from the same last column
-    prompts = load_prompts(args.prompts, tokenizer, num_prompts=args.num_prompts)
-    done = read_done(args.output, prompts)
+    all_prompts = load_prompts(args.prompts, tokenizer)  # the output is checked against the whole file
+    prompts = all_prompts[: args.num_prompts] if args.num_prompts is not None else all_prompts
+    done = {i for i in read_done(args.output, all_prompts) if i < len(prompts)}  # a smaller --num_prompts is fine
     todo_groups = [
         [i for i in range(start, min(start + args.batch_size, len(prompts))) if i not in done]
         for start in range(0, len(prompts), args.batch_size)

@@ -414,3 +414,16 @@ def test_cache_follows_the_tokenizer_and_settings(tmp_path, smollm2_tokenizer):
     # An edited file is read again (datasets keys the raw records on size and mtime).
     write_jsonl(tmp_path / "d.jsonl", [{"question": "Name a shape.", "answer": "A circle is a shape."}])
     assert "circle" in smollm2_tokenizer.decode(build_train_dataset([path], smollm2_tokenizer, max_seq_length=64)[0]["input_ids"])
+
+
+def test_reply_cut_at_max_new_tokens_has_no_end_of_turn_label(tmp_path, smollm2_tokenizer):
+    """regenerate_data.py writes "finished": false for a reply cut at --max_new_tokens: the template
+    still closes it with <|im_end|>, which must not be trained (the target would have continued)."""
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1 2 3 4 5 6"}]
+    path = write_jsonl(tmp_path / "regen.jsonl", [{"messages": messages, "finished": True}, {"messages": messages, "finished": False}])
+    done, cut = sorted(build_train_dataset([path], smollm2_tokenizer, max_seq_length=512), key=lambda r: sum(r["loss_mask"]), reverse=True)
+    assert done["input_ids"] == cut["input_ids"]
+    end_of_turn = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    last = max(t for t, m in enumerate(done["loss_mask"]) if m)
+    assert done["input_ids"][last] == end_of_turn  # finished: the end-of-turn token is a label
+    assert cut["loss_mask"] == done["loss_mask"][:last] + [0] + done["loss_mask"][last + 1 :]

@@ -87,8 +87,10 @@ def test_resume_after_partial_run_and_crash(tmp_path, tiny_target, prompts_file)
     assert sorted(r["id"] for r in records) == list(range(NUM_PROMPTS))  # each prompt exactly once
     assert replies(records) == replies(reference)  # same text as the uninterrupted run
 
-    # Nothing left to do: a rerun writes nothing.
+    # Nothing left to do: a rerun writes nothing, also with a smaller --num_prompts.
     assert regenerate(tiny_target, prompts_file, resumed)["written"] == 0
+    summary = regenerate(tiny_target, prompts_file, resumed, "--num_prompts", "4")
+    assert summary["already_done"] == 4 and summary["written"] == 0
     assert len(read_output(resumed)) == NUM_PROMPTS
 
     # The output trains directly.
