@@ -351,12 +351,13 @@ def create_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, 
 
 log = logging.getLogger(__name__)
 
-# Dynamo keeps one compiled graph per shape signature of flex_attention's frame. Lengths padded to
-# multiples of 128 up to 3072 give 24 buckets, times train and eval (grad on / off) = 48 graphs;
-# 64 leaves room for a longer max length. Dynamo's default (8) would be hit by the 9th bucket, and
-# past the limit dynamo runs the function eagerly, i.e. dense; `fail_on_recompile_limit_hit`
-# turns that into an error instead.
-FLEX_RECOMPILE_LIMIT = 64
+# Dynamo keeps one compiled graph per shape signature of a frame (flex_attention's, a drafter
+# layer's, a target layer's). Lengths padded to multiples of 128 up to 3072 give 24 buckets, times
+# train and eval, times the few input variants of a layer (layer 0's input needs no grad; a target
+# batch with or without padding), times the last, smaller batch: 100-200 graphs for a long max
+# length. Dynamo's default (8) would be hit by the 9th bucket, and past the limit dynamo runs the
+# function eagerly (for flex: dense); `fail_on_recompile_limit_hit` turns that into an error instead.
+FLEX_RECOMPILE_LIMIT = 256
 # A cold flex forward+backward compile takes minutes, and with per-rank caches every rank of the
 # node compiles in turn while holding the lock: 30 minutes is generous for 8 ranks.
 COMPILE_LOCK_TIMEOUT_S = 1800.0
@@ -864,7 +865,8 @@ def compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], devi
         with _compiling_flex():
             warm_up()
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                # This stream only: a device-wide sync would also wait for a feature send in flight.
+                torch.cuda.current_stream(device).synchronize()
         seconds = time.perf_counter() - start
         _warm_flex_keys.add(key)
         _flex_compile_seconds.append(seconds)
@@ -873,13 +875,15 @@ def compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], devi
 
 
 def flex_compile_stats() -> dict:
-    """Compile counters of this process, for the training log.
+    """Compile counters of this process, for the training log: every locked first call at a new
+    shape key (flex, compiled drafter layers, the loss chunk, compiled target layers; a key whose
+    graph dynamo already had counts too, at ~0 s).
 
     Returns:
-        {"compiles": locked compiles + warm-ups so far (new shape signatures; every one after the
-        first per device is a recompile), "compile_seconds": their total time, "dynamo_graphs":
-        flex_attention graphs dynamo holds (more than "compiles" means something compiled outside
-        the lock: investigate with TORCH_LOGS=recompiles)}.
+        {"compiles": locked first calls so far, "compile_seconds": their total time,
+        "dynamo_graphs": graphs dynamo holds for flex_attention's own frame (with eager drafter
+        layers, more than the flex compiles means something compiled outside the lock:
+        investigate with TORCH_LOGS=recompiles; compiled layers trace flex into their own graphs)}.
     """
     return {
         "compiles": len(_flex_compile_seconds),
@@ -900,6 +904,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         [batch, heads, Q, head_dim].
     """
     if isinstance(mask, BlockMask):
+        if torch.compiler.is_dynamo_compiling():  # inside a compiled drafter layer: traced into its graph
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
         return get_compiled_flex_attention(q.device)(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -1017,13 +1023,16 @@ def _run_compiled_layer(compiled: Callable, index: int, x, cos, sin, context_k, 
     the compile lock, with a backward (torch.autograd.grad to the clones: the parameters' .grad and
     DeepSpeed's gradient hooks are untouched), so both graphs exist before the real call."""
     grad = torch.is_grad_enabled()
-    key = ("drafter_layer", index, str(x.device), x.dtype, grad, tuple(x.shape), tuple(context_k.shape), type(mask).__name__)
     tensors = (x, cos, sin, context_k, context_v)
+    key = ("drafter_layer", index, str(x.device), x.dtype, grad, tuple(x.shape), tuple(context_k.shape),
+           tuple(t.requires_grad for t in tensors), type(mask).__name__)
 
     def warm_up():
         inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
         out = compiled(*inputs, mask)
-        needs = [t for t in inputs if t.requires_grad]
+        # Gradients to the clones, or else to the parameters: torch.autograd.grad returns them
+        # without writing .grad, so nothing of this call reaches the optimizer.
+        needs = [t for t in inputs if t.requires_grad] or [p for p in compiled.parameters() if p.requires_grad]
         if grad and needs:
             torch.autograd.grad(out, needs, torch.ones_like(out))
 

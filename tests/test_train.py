@@ -60,12 +60,16 @@ def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8
 
 
 def test_resume_is_bit_identical(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
-    common = dict(max_steps=6, save_steps=3, max_samples=48, target_layer_ids="1 3")
+    # 2 micro-batches per optimizer step: a checkpoint must fall on an accumulation boundary.
+    common = dict(max_steps=6, save_steps=3, max_samples=48, target_layer_ids="1 3", per_device_batch_size=2,
+                  gradient_accumulation_steps=2)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, straight, **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
     assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
     assert not list(straight.glob(".tmp-*")), "no temp dirs left behind"
+    state = json.loads((straight / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and state["micro_step_in_epoch"] == 6, state
     # Resume a fresh run from the step-3 checkpoint of the first.
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, resumed, resume_from_checkpoint=straight / "checkpoint-3",
                            **common), train_env)
