@@ -1088,6 +1088,16 @@ class DFlashDraftModel(PreTrainedModel):
         self._compiled_layers = ()  # torch.compile wrappers of `layers` (compile_layers); a tuple for the same reason
         self.post_init()
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs) -> "DFlashDraftModel":
+        """transformers' from_pretrained, then the RoPE table rebuilt: `rotary_emb.inv_freq` is a
+        non-persistent buffer (not in the checkpoint), and loading leaves it uninitialised."""
+        model = super().from_pretrained(*args, **kwargs)
+        device, dtype = model.fc.weight.device, model.fc.weight.dtype
+        # Cast like training does (drafter.to(dtype) casts buffers), so inference matches it exactly.
+        model.rotary_emb = Qwen3RotaryEmbedding(model.config).to(device=device, dtype=dtype)
+        return model
+
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)

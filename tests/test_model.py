@@ -299,6 +299,15 @@ def test_export_round_trip_is_bit_identical(tmp_path):
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, original[name]), name
     assert reloaded.config.target_layer_ids == [1, 2, 3] and reloaded.config.mask_token_id == MASK_ID
+    # The reloaded drafter computes what the original does: the RoPE table (a non-persistent buffer,
+    # not in the checkpoint) is rebuilt, not left uninitialised by loading.
+    torch.testing.assert_close(reloaded.rotary_emb.inv_freq, drafter.rotary_emb.inv_freq, rtol=0, atol=0)
+    reloaded.attach_target(drafter.target_embed_tokens, drafter.target_lm_head)
+    input_ids, loss_mask = _batch()
+    features = torch.randn(2, input_ids.shape[1], 3 * 16)
+    anchors, valid = sample_anchors(loss_mask, 2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(features, input_ids, anchors, valid), drafter.eval()(features, input_ids, anchors, valid))
 
 
 def test_config_from_llama_target_and_errors():
