@@ -1088,21 +1088,15 @@ class DFlashDraftModel(PreTrainedModel):
         self._compiled_layers = ()  # torch.compile wrappers of `layers` (compile_layers); a tuple for the same reason
         self.post_init()
 
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs) -> "DFlashDraftModel":
-        """transformers' from_pretrained, then the RoPE table rebuilt: `rotary_emb.inv_freq` is a
-        non-persistent buffer (not in the checkpoint), and loading leaves it uninitialised."""
-        model = super().from_pretrained(*args, **kwargs)
-        device, dtype = model.fc.weight.device, model.fc.weight.dtype
-        # Cast like training does (drafter.to(dtype) casts buffers), so inference matches it exactly.
-        model.rotary_emb = Qwen3RotaryEmbedding(model.config).to(device=device, dtype=dtype)
-        return model
-
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        else:
+            # transformers' own init: it recomputes the RoPE table (rotary_emb.inv_freq, a
+            # non-persistent buffer that from_pretrained does not load), in fp32 as in training.
+            super()._init_weights(module)
 
     def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         """Borrow the target's (frozen) input embedding and LM head by reference."""
@@ -1132,7 +1126,6 @@ class DFlashDraftModel(PreTrainedModel):
         Measured at Qwen3-8B shapes on an H200 (bench_dflash.py): 83.8 -> 70.2 ms/sample.
         """
         if enabled and not self._compiled_layers:
-            _configure_dynamo_for_flex()  # 5 layers x length buckets x grad/no-grad graphs: raise dynamo's limit
             self._compiled_layers = tuple(torch.compile(layer, dynamic=False) for layer in self.layers)
         elif not enabled:
             self._compiled_layers = ()

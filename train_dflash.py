@@ -564,7 +564,9 @@ def main(argv: list[str]) -> None:
     else:
         # Every rank times the target forward and a drafter step (forward + backward, no update)
         # on its own first micro-batches; the sums over all ranks give every rank the same N.
-        drafter.to(device=device, dtype=dtype)
+        # Parameters in the compute dtype; the RoPE table stays fp32, as DeepSpeed leaves buffers later.
+        for child in drafter.children():
+            child.to(device=device, dtype=None if child is drafter.rotary_emb else dtype)
         own = [ids for ids in epoch_batches(lengths, settings, 0, world)[rank::world] if ids is not None]
         batches = [collate_batch(dataset.select(ids), tokenizer.pad_token_id, pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
 
