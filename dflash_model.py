@@ -1062,6 +1062,31 @@ class DFlashContextCache:
         self.values = [v[:, :, :length] for v in self.values]
 
 
+class DFlashStaticContextCache:
+    """`DFlashContextCache` in preallocated buffers of `max_length` positions, for CUDA graphs.
+
+    keys[i], values[i]: [batch, kv_heads, max_length, head_dim], written in place by
+    `extend_context`; positions >= `length` hold stale values that `draft_block` masks out. The
+    buffers never move, so a CUDA graph of `draft_block` captured once stays valid: it reads the
+    context length from `length_tensor` (a 0-dim int64 on the device), not from Python.
+    """
+
+    def __init__(self, config: "DFlashConfig", batch: int, max_length: int, dtype: torch.dtype, device):
+        shape = (batch, config.num_key_value_heads, max_length, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.max_length = max_length
+        self.length = 0
+        self.length_tensor = torch.zeros((), dtype=torch.long, device=device)
+
+    def crop(self, length: int) -> None:
+        """Set the context length (shorter or longer: the caller knows which positions are valid)."""
+        if not 0 <= length <= self.max_length:
+            raise ValueError(f"context length {length} outside the static cache's 0..{self.max_length}")
+        self.length = length
+        self.length_tensor.fill_(length)  # a device-side write: no host sync
+
+
 class DFlashDraftModel(PreTrainedModel):
     """The DFlash drafter (DESIGN §1).
 
@@ -1184,22 +1209,32 @@ class DFlashDraftModel(PreTrainedModel):
     # ---- inference ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def extend_context(self, cache: DFlashContextCache | None, context_features: torch.Tensor) -> DFlashContextCache:
+    def extend_context(self, cache, context_features: torch.Tensor):
         """Append new context positions to the drafter's cache.
 
         Args:
-            cache: the cache so far, or None to start one.
+            cache: a `DFlashContextCache` (grown by concatenation), a `DFlashStaticContextCache`
+                (written in place), or None to start a `DFlashContextCache`.
             context_features: [batch, s_new, len(target_layer_ids) * hidden], the target's layer
                 outputs for the next s_new positions (cache.length .. cache.length + s_new - 1).
         Returns:
-            The extended cache.
+            The extended cache (the same object for a static cache).
         """
-        cache = cache or DFlashContextCache(keys=[], values=[])
+        cache = cache if cache is not None else DFlashContextCache(keys=[], values=[])
         start = cache.length
         context = self.fuse_context(context_features)  # [batch, s_new, hidden]
         batch, s_new, _ = context.shape
         positions = torch.arange(start, start + s_new, device=context.device).expand(batch, s_new)
         cos, sin = self._rope(context, positions)
+        if isinstance(cache, DFlashStaticContextCache):
+            if start + s_new > cache.max_length:
+                raise ValueError(f"context of {start + s_new} positions does not fit the static cache ({cache.max_length})")
+            for i, layer in enumerate(self.layers):
+                k, v = layer.self_attn.project_kv(context, cos, sin)
+                cache.keys[i][:, :, start : start + s_new] = k
+                cache.values[i][:, :, start : start + s_new] = v
+            cache.crop(start + s_new)
+            return cache
         keys, values = [], []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(context, cos, sin)
@@ -1208,13 +1243,17 @@ class DFlashDraftModel(PreTrainedModel):
         return DFlashContextCache(keys=keys, values=values)
 
     @torch.no_grad()
-    def draft_block(self, cache: DFlashContextCache, anchor_token: torch.Tensor) -> torch.Tensor:
+    def draft_block(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:
         """One draft pass: greedy tokens for block positions 1..B-1.
 
         The anchor is the last committed token, at position `cache.length` (the context holds the
         target features of every token before it, exactly as in training where a block sees
         `kv < anchor`). The block sees all cached context and is bidirectional inside itself.
         The cache is not written, so it stays cut back to the context.
+
+        With a `DFlashStaticContextCache` the pass attends over all `max_length` cached positions
+        with the stale ones masked out, and takes the context length from `cache.length_tensor`,
+        so it can be captured once as a CUDA graph and replayed at every length.
 
         Args:
             cache: the drafter's context cache, length S.
@@ -1227,10 +1266,18 @@ class DFlashDraftModel(PreTrainedModel):
         block = torch.full((batch, block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_token.device)
         block[:, 0] = anchor_token
         x = self.target_embed_tokens(block).to(self.fc.weight.dtype)  # [batch, B, hidden]
-        positions = torch.arange(cache.length, cache.length + block_size, device=x.device).expand(batch, block_size)
+        offsets = torch.arange(block_size, device=x.device)
+        mask = None  # a growing cache holds exactly the context: the block sees all of it
+        if isinstance(cache, DFlashStaticContextCache):
+            positions = (cache.length_tensor + offsets).expand(batch, block_size)
+            context_valid = torch.arange(cache.max_length, device=x.device) < cache.length_tensor  # [max_length]
+            visible = torch.cat([context_valid, torch.ones(block_size, dtype=torch.bool, device=x.device)])
+            mask = visible.expand(batch, 1, block_size, -1)  # [batch, 1, B, max_length + B]
+        else:
+            positions = (cache.length + offsets).expand(batch, block_size)
         cos, sin = self._rope(x, positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], None)
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask)
         logits = self.target_lm_head(self.norm(x[:, 1:]))  # [batch, B-1, vocab]
         return logits.argmax(dim=-1)
 

@@ -19,16 +19,23 @@ For every prompt (chat template applied, batch size 1) the script runs, on the s
 It checks that 2 (and 3) produce exactly the tokens of 1 ("lossless"), and writes results.json
 plus a PNG of the acceptance rate by block position.
 
-How tau is counted (DESIGN §1, as in the DFlash reference implementation):
+On a GPU, 1 and 2 run with static KV caches (transformers' `StaticCache` for the target, a
+preallocated context cache for the drafter) and every fixed-shape forward (one-token decode,
+block verify, draft pass) is captured once as a CUDA graph and replayed (`--kv_cache`,
+`--cuda_graphs`). A small target at batch size 1 is bound by Python and kernel launches, not by
+the GPU: without graphs the speedup would measure that overhead. On a CPU both run with growing
+(dynamic) caches; the static path computes the same tokens there (tested).
+
+How tau is counted (as in the DFlash reference implementation):
   tau = tokens committed by verify forwards / number of verify forwards, bonus token included.
   The prefill forward and the first token it produces are not counted. So for a prompt that
   generated N tokens with F verify forwards, N - 1 = tau * F exactly (truncation at EOS or at
   --max_new_tokens counts only the tokens actually committed).
 Prompt lookup's tau (transformers' assisted decoding) is counted the same way: a forward hook
-counts the target's forwards F inside `generate`, and a stopping criterion records the sequence
-length after each of them (transformers calls it once per forward). transformers' FIRST forward
-is the prefill and already verifies prompt-lookup candidates, so it and every token it committed
-are excluded: tau = (tokens after the last forward - tokens after the first) / (F - 1).
+counts the target's forwards F inside `generate`, and a streamer records the tokens committed at
+each step (never the stopping criteria, which some transformers versions call twice per forward).
+transformers' FIRST forward is the prefill and already verifies prompt-lookup candidates, so it
+and every token it committed are excluded: tau = (generated - committed by the first) / (F - 1).
 
 Per-position acceptance rate k (k = 1..B-1) = fraction of verify forwards whose longest matching
 draft prefix had at least k tokens. It describes the drafter, so it is measured before the
@@ -51,10 +58,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import DynamicCache, GenerationConfig, HfArgumentParser, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, HfArgumentParser
+from transformers.generation.streamers import BaseStreamer
 
 from dflash_data import load_prompts
-from dflash_model import DFlashDraftModel
+from dflash_model import DFlashDraftModel, DFlashStaticContextCache
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +85,8 @@ class EvalArgs:
     plot: str | None = field(default=None, metadata={"help": "PNG of acceptance by position; default <output without .json>_acceptance.png."})
     device: str | None = field(default=None, metadata={"help": "Device, e.g. cuda:0 or cpu; default the current CUDA device, else cpu."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16. fp32 makes the lossless check exact."})
+    kv_cache: str = field(default="auto", metadata={"help": "static (preallocated KV caches, target and drafter), dynamic (growing caches, any target) or auto: static on CUDA, dynamic on CPU."})
+    cuda_graphs: str = field(default="auto", metadata={"help": "Replay the target's and the drafter's forwards from CUDA graphs: on, off, or auto (on with a static cache on CUDA)."})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,13 +182,13 @@ def _sync(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Target features during the target's own forward
+# The target during decoding: a growing KV cache, or a static one replayed as CUDA graphs
 
 
 class LayerOutputCapture:
     """Forward hooks that keep the outputs of target decoder layers `layer_ids` from the last forward.
 
-    Layer i's output is HF `hidden_states[i + 1]` (DESIGN §1). Hooks are used rather than
+    Layer i's output is HF `hidden_states[i + 1]`. Hooks are used rather than
     `output_hidden_states`, whose last entry transformers replaces with the final-norm output,
     and so the full target can run its normal cached, logits-producing forward (verification needs
     the logits; `TargetFeatureExtractor` calls the decoder without the LM head).
@@ -198,9 +208,10 @@ class LayerOutputCapture:
 
         return hook
 
-    def features(self) -> torch.Tensor:
-        """[batch, T, len(layer_ids) * hidden] of the last forward (T = its input length), in list order."""
-        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+    def features(self) -> torch.Tensor | None:
+        """[batch, T, len(layer_ids) * hidden] of the last forward (T = its input length), in list
+        order; None without layers (plain decoding)."""
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
 
     def __enter__(self):
         return self
@@ -211,21 +222,241 @@ class LayerOutputCapture:
         self.handles = []
 
 
-def _cached_forward(target, input_ids: torch.Tensor, cache: DynamicCache, logits_to_keep: int = 0) -> torch.Tensor:
-    """One target forward that appends `input_ids` [1, T] to `cache`; returns logits [1, T or logits_to_keep, vocab].
+def _cache_argument(target) -> str:
+    """transformers 5.24 names the forward's cache argument `cache` (and warns on `past_key_values`);
+    5.17 only accepts `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
-    Recent transformers 5 releases (5.24 here) name the cache argument `cache` and warn on
-    `past_key_values`; older ones only accept `past_key_values`.
+
+class CUDAGraphCall:
+    """`fn(*inputs)` replayed from one CUDA graph per input shape.
+
+    The first call at a shape runs `fn` twice on a side stream (warm-up: lazy initialisation,
+    cuBLAS workspaces), then captures it; every later call copies the inputs into the captured
+    buffers and replays the graph, which launches all of `fn`'s kernels at once. At batch size 1 a
+    small model is launch-bound, so this is most of the speed of decoding on a GPU.
+
+    `fn` must take and return tensors, run no host sync, and keep its other state at fixed
+    addresses (a static KV cache). `before()` runs before every execution, eager or replayed: it
+    resets state that `fn` advances in place. The returned tensors are the graph's own buffers,
+    overwritten by the next replay: use them before calling again.
     """
-    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    return target(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep, **{name: cache}).logits
+
+    def __init__(self, fn, before=None):
+        self.fn, self.before = fn, before or (lambda: None)
+        self.graphs: dict[tuple, tuple] = {}
+
+    def __call__(self, *inputs: torch.Tensor):
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        if key not in self.graphs:
+            static_inputs = [t.clone() for t in inputs]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.before()
+                    self.fn(*static_inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            self.before()
+            with torch.cuda.graph(graph):
+                static_outputs = self.fn(*static_inputs)
+            self.graphs[key] = (graph, static_inputs, static_outputs)
+        graph, static_inputs, static_outputs = self.graphs[key]
+        for buffer, value in zip(static_inputs, inputs):
+            buffer.copy_(value, non_blocking=True)
+        self.before()
+        graph.replay()
+        return static_outputs
 
 
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Cut the target's KV cache back to `length` positions (transformers 5 `crop` takes -tokens_to_remove)."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
+class TargetRunner:
+    """The target with transformers' `DynamicCache`: every forward appends to the cache and `crop`
+    cuts it back. Works for every causal LM; on a GPU each forward pays Python and kernel-launch
+    time (about 27 ms per forward for a 135M target on an H200, BENCHMARKS.md).
+
+    Attributes: `length`, the positions in the cache.
+    """
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.target = target
+        self.capture = LayerOutputCapture(target, layer_ids)
+        self.cache_argument = _cache_argument(target)
+        self.cache = None
+        self.length = 0
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a new sequence: input_ids [1, P] -> (logits [1, 1, vocab] after the last prompt
+        token, context features [1, P, F])."""
+        self.cache = DynamicCache(config=self.target.config)
+        self.length = 0
+        return self.forward(input_ids, logits_to_keep=1)
+
+    def forward(self, tokens: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [1, T] at positions length..length+T-1, appended to the cache -> (logits
+        [1, T or logits_to_keep, vocab], context features [1, T, F])."""
+        logits = self.target(input_ids=tokens, use_cache=True, logits_to_keep=logits_to_keep,
+                             **{self.cache_argument: self.cache}).logits
+        self.length += tokens.shape[1]
+        return logits, self.capture.features()
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (transformers 5 `crop` takes -tokens_to_remove)."""
+        if self.length > length:
+            self.cache.crop(length - self.length)
+        self.length = length
+
+    def close(self) -> None:
+        self.capture.__exit__()
+
+
+class StaticTargetRunner(TargetRunner):
+    """The target with a preallocated KV cache of `max_length` positions (transformers' `StaticCache`).
+
+    The cache never moves and the attention mask (key position <= query position, over all
+    `max_length` slots) is built inside the forward from the position ids, so every forward of a
+    given length is one fixed computation: with `cuda_graphs` it is captured once per length (the
+    prefill stays eager) and replayed. `crop` only moves the write position; positions past it hold
+    stale keys that the causal mask hides until they are overwritten.
+
+    Raises:
+        ValueError: for targets whose attention implementation takes no 4D mask (flash, flex) or
+            whose cache has sliding-window layers; use `TargetRunner` for those.
+    """
+
+    def __init__(self, target, layer_ids: list[int], max_length: int, cuda_graphs: bool = False):
+        from transformers import StaticCache
+
+        super().__init__(target, layer_ids)
+        implementation = getattr(target.config, "_attn_implementation", None)
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(f"a static KV cache needs sdpa or eager attention; this target uses {implementation!r}: use --kv_cache dynamic")
+        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
+        if not all(hasattr(layer, "cumulative_length") and not getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise ValueError("this target's static cache has sliding-window layers; use --kv_cache dynamic")
+        self.max_length = max_length
+        self.additive_mask = implementation == "eager"
+        self.dtype = target.get_input_embeddings().weight.dtype
+        self.graphed = CUDAGraphCall(self._forward_at, before=self._rewind) if cuda_graphs else None
+        self._write_position = 0
+
+    def _rewind(self) -> None:
+        # StaticCache writes at, and then advances, each layer's cumulative_length (a device tensor).
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self._write_position)
+
+    def _forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [1, T] -> (logits [1, T or logits_to_keep, vocab], features [1, T, F]); no host sync."""
+        slots = torch.arange(self.max_length, device=tokens.device)
+        mask = (slots[None, :] <= positions[0][:, None])[None, None]  # [1, 1, T, max_length], True = attend
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=tokens.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+        logits = self.target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                             logits_to_keep=logits_to_keep, **{self.cache_argument: self.cache}).logits
+        return logits, self.capture.features()
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `TargetRunner.prefill`; eager (prompt lengths vary), into the same static cache."""
+        self.length = 0
+        return self.forward(input_ids, logits_to_keep=1, graphed=False)
+
+    def forward(self, tokens: torch.Tensor, logits_to_keep: int = 0, graphed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `TargetRunner.forward`, replayed from a CUDA graph when the runner has them."""
+        length = tokens.shape[1]
+        if self.length + length > self.max_length:
+            raise ValueError(f"{self.length + length} positions do not fit the static KV cache of {self.max_length}")
+        positions = torch.arange(self.length, self.length + length, device=tokens.device)[None]  # [1, T]
+        self._write_position = self.length
+        if graphed and self.graphed is not None:
+            logits, features = self.graphed(tokens, positions)
+            logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
+        else:
+            self._rewind()
+            logits, features = self._forward_at(tokens, positions, logits_to_keep)
+        self.length += length
+        return logits, features
+
+    def crop(self, length: int) -> None:
+        self.length = length
+
+
+class Drafting:
+    """The drafter's side of decoding: its context cache and its draft pass.
+
+    kv_cache "dynamic": `DFlashContextCache`, grown by concatenation. "static":
+    `DFlashStaticContextCache` of `max_length` positions; with `cuda_graphs` the draft pass is
+    captured once and replayed. `drafter` is a `DFlashDraftModel` (or, with "dynamic", any object
+    with `extend_context` and `draft_block`).
+    """
+
+    def __init__(self, drafter, kv_cache: str = "dynamic", max_length: int | None = None, cuda_graphs: bool = False):
+        self.drafter, self.static = drafter, kv_cache == "static"
+        self.cache = None
+        if self.static:
+            weight = drafter.fc.weight
+            self.cache = DFlashStaticContextCache(drafter.config, 1, max_length, weight.dtype, weight.device)
+        self.graphed = CUDAGraphCall(lambda anchor: self.drafter.draft_block(self.cache, anchor)) if self.static and cuda_graphs else None
+
+    @property
+    def length(self) -> int:
+        return self.cache.length if self.cache is not None else 0
+
+    def start(self, context_features: torch.Tensor) -> None:
+        """A new sequence whose context is `context_features` [1, P, F]."""
+        if self.static:
+            self.cache.crop(0)
+            self.drafter.extend_context(self.cache, context_features)
+        else:
+            self.cache = self.drafter.extend_context(None, context_features)
+
+    def extend(self, context_features: torch.Tensor) -> None:
+        self.cache = self.drafter.extend_context(self.cache, context_features)
+
+    def draft(self, anchor: torch.Tensor) -> torch.Tensor:
+        """anchor [1] int64 -> drafts [1, B-1] int64 (the drafter's full block)."""
+        if self.graphed is not None:
+            return self.graphed(anchor)
+        return self.drafter.draft_block(self.cache, anchor)
+
+
+def resolve_kv_cache(kv_cache: str, cuda_graphs: str, device: torch.device) -> tuple[str, bool]:
+    """(kv_cache, cuda_graphs) for `--kv_cache auto|static|dynamic` and `--cuda_graphs auto|on|off`:
+    auto = static with CUDA graphs on a GPU, dynamic on a CPU (where graphs do not exist)."""
+    if kv_cache not in ("auto", "static", "dynamic") or cuda_graphs not in ("auto", "on", "off"):
+        raise ValueError(f"--kv_cache must be auto, static or dynamic and --cuda_graphs auto, on or off; got {kv_cache!r}, {cuda_graphs!r}")
+    on_gpu = device.type == "cuda"
+    kv_cache = kv_cache if kv_cache != "auto" else ("static" if on_gpu else "dynamic")
+    graphs = cuda_graphs == "on" or (cuda_graphs == "auto" and on_gpu and kv_cache == "static")
+    if graphs and (not on_gpu or kv_cache != "static"):
+        raise ValueError("--cuda_graphs on needs a CUDA device and --kv_cache static")
+    return kv_cache, graphs
+
+
+class Decoder:
+    """What decoding needs, made once per run and reused for every prompt: the target's runner
+    (its KV cache and, on a GPU, its CUDA graphs) and the drafter's `Drafting`.
+
+    Args:
+        target: the full HF causal LM (verification needs its logits).
+        drafter: a `DFlashDraftModel` in the target's dtype with `attach_target` done, or None
+            (plain greedy decoding only).
+        kv_cache: "dynamic" or "static" (see `resolve_kv_cache`).
+        max_length: with "static", the most positions one prompt plus its generation needs
+            (prompt + max_new_tokens + block size).
+        cuda_graphs: replay forwards from CUDA graphs ("static" on CUDA only).
+    """
+
+    def __init__(self, target, drafter=None, kv_cache: str = "dynamic", max_length: int | None = None, cuda_graphs: bool = False):
+        layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+        if kv_cache == "static":
+            self.target = StaticTargetRunner(target, layer_ids, max_length, cuda_graphs)
+        else:
+            self.target = TargetRunner(target, layer_ids)
+        self.drafting = Drafting(drafter, kv_cache, max_length, cuda_graphs) if drafter is not None else None
+        self.kv_cache, self.cuda_graphs = kv_cache, cuda_graphs
+
+    def close(self) -> None:
+        self.target.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,30 +464,38 @@ def _crop(cache: DynamicCache, length: int) -> None:
 
 
 @torch.no_grad()
-def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids=()) -> list[int]:
+def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids=(), decoder: Decoder | None = None) -> list[int]:
     """Plain greedy decoding with the KV cache, one target forward per token: the lossless reference.
 
     Args:
         input_ids: [1, P] int64 prompt.
         eos_token_ids: generation stops after the first of these (it is included in the output).
+        decoder: a `Decoder` to reuse (static cache, CUDA graphs); default a dynamic cache.
     Returns:
         The generated token ids (at most max_new_tokens), EOS included when reached.
     """
     eos = set(eos_token_ids)
-    cache = DynamicCache(config=target.config)
-    logits = _cached_forward(target, input_ids, cache, logits_to_keep=1)  # [1, 1, vocab]
-    tokens = []
-    while True:
-        tokens.append(int(logits[0, -1].argmax()))
-        if tokens[-1] in eos or len(tokens) >= max_new_tokens:
-            return tokens
-        step = torch.tensor([[tokens[-1]]], device=input_ids.device)  # [1, 1]
-        logits = _cached_forward(target, step, cache)  # [1, 1, vocab]
+    own = decoder is None
+    decoder = decoder or Decoder(target)
+    try:
+        with eval_mode(target):
+            logits, _ = decoder.target.prefill(input_ids)  # [1, 1, vocab]
+            tokens = []
+            while True:
+                tokens.append(int(logits[0, -1].argmax()))
+                if tokens[-1] in eos or len(tokens) >= max_new_tokens:
+                    return tokens
+                step = torch.tensor([[tokens[-1]]], device=input_ids.device)  # [1, 1]
+                logits, _ = decoder.target.forward(step)  # [1, 1, vocab]
+    finally:
+        if own:
+            decoder.close()
 
 
 @torch.no_grad()
 def speculative_generate(
-    target, drafter, input_ids: torch.Tensor, max_new_tokens: int, block_size: int | None = None, eos_token_ids=()
+    target, drafter, input_ids: torch.Tensor, max_new_tokens: int, block_size: int | None = None, eos_token_ids=(),
+    decoder: Decoder | None = None,
 ) -> tuple[list[int], dict]:
     """DFlash speculative decoding at temperature 0, batch size 1. Lossless: returns greedy's tokens.
 
@@ -283,6 +522,8 @@ def speculative_generate(
         block_size: tokens per verify forward, anchor included (2..drafter block size); default
             the drafter's.
         eos_token_ids: stop after the first of these (included in the output, nothing after it).
+        decoder: a `Decoder(target, drafter, ...)` to reuse across prompts (static caches, CUDA
+            graphs); default a dynamic cache made for this call.
     Returns:
         tokens: the generated ids.
         stats: {"prompt_tokens", "generated_tokens", "verify_forwards", "committed" (tokens per
@@ -297,37 +538,43 @@ def speculative_generate(
     eos = set(eos_token_ids)
     device = input_ids.device
     committed, accepted_drafts = [], []
-    with eval_mode(drafter, target), LayerOutputCapture(target, drafter.config.target_layer_ids) as capture:
-        # Prefill: not a verify forward. Its features cover every prompt position, i.e. every token
-        # before the first anchor.
-        cache = DynamicCache(config=target.config)
-        logits = _cached_forward(target, input_ids, cache, logits_to_keep=1)  # [1, 1, vocab]
-        tokens = [int(logits[0, -1].argmax())]
-        draft_cache = drafter.extend_context(None, capture.features())  # context 0..P-1
-        length = input_ids.shape[1]  # L: positions in both caches; the anchor tokens[-1] sits at L
+    own = decoder is None
+    decoder = decoder or Decoder(target, drafter)
+    runner, drafting = decoder.target, decoder.drafting
+    try:
+        with eval_mode(drafter, target):
+            # Prefill: not a verify forward. Its features cover every prompt position, i.e. every
+            # token before the first anchor.
+            logits, features = runner.prefill(input_ids)  # [1, 1, vocab], [1, P, F]
+            tokens = [int(logits[0, -1].argmax())]
+            drafting.start(features)  # context 0..P-1
+            length = input_ids.shape[1]  # L: positions in both caches; the anchor tokens[-1] sits at L
 
-        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-            anchor = torch.tensor([tokens[-1]], device=device)  # [1]
-            drafts = drafter.draft_block(draft_cache, anchor)[:, : block_size - 1].to(device)  # [1, b-1]
-            block = torch.cat([anchor[:, None], drafts], dim=1)  # [1, b] at positions L..L+b-1
-            logits = _cached_forward(target, block, cache)  # [1, b, vocab]
-            predicted = logits[0].argmax(dim=-1)  # [b]
-            matches = (drafts[0] == predicted[:-1]).long()  # [b-1]
-            n = int(matches.cumprod(dim=0).sum())  # longest matching draft prefix
-            new = predicted[: n + 1].tolist()  # accepted drafts (== predicted there) + the bonus token
-            stop = next((j for j, t in enumerate(new) if t in eos), None)
-            if stop is not None:
-                new = new[: stop + 1]  # EOS inside the block: commit through it, nothing after
-            new = new[: max_new_tokens - len(tokens)]  # a block crossing the limit is truncated
-            tokens += new
-            committed.append(len(new))
-            accepted_drafts.append(n)
+            while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+                anchor = torch.tensor([tokens[-1]], device=device)  # [1]
+                drafts = drafting.draft(anchor)[:, : block_size - 1].to(device)  # [1, b-1]
+                block = torch.cat([anchor[:, None], drafts], dim=1)  # [1, b] at positions L..L+b-1
+                logits, features = runner.forward(block)  # [1, b, vocab], [1, b, F]
+                predicted = logits[0].argmax(dim=-1)  # [b]
+                matches = (drafts[0] == predicted[:-1]).long()  # [b-1]
+                n = int(matches.cumprod(dim=0).sum())  # longest matching draft prefix
+                new = predicted[: n + 1].tolist()  # accepted drafts (== predicted there) + the bonus token
+                stop = next((j for j, t in enumerate(new) if t in eos), None)
+                if stop is not None:
+                    new = new[: stop + 1]  # EOS inside the block: commit through it, nothing after
+                new = new[: max_new_tokens - len(tokens)]  # a block crossing the limit is truncated
+                tokens += new
+                committed.append(len(new))
+                accepted_drafts.append(n)
 
-            # Keep the anchor and the len(new) - 1 accepted drafts: both caches end at the new anchor.
-            _crop(cache, length + len(new))
-            draft_cache = drafter.extend_context(draft_cache, capture.features()[:, : len(new)])
-            length += len(new)
-            assert cache.get_seq_length() == length == draft_cache.length, "target and drafter caches out of step"
+                # Keep the anchor and the len(new) - 1 accepted drafts: both caches end at the new anchor.
+                runner.crop(length + len(new))
+                drafting.extend(features[:, : len(new)])
+                length += len(new)
+                assert runner.length == length == drafting.length, "target and drafter caches out of step"
+    finally:
+        if own:
+            decoder.close()
 
     stats = {
         "prompt_tokens": int(input_ids.shape[1]),
@@ -340,16 +587,22 @@ def speculative_generate(
     return tokens, stats
 
 
-class _LengthRecorder(StoppingCriteria):
-    """Records the sequence length each time generate checks its stopping criteria (once per forward
-    in assisted / prompt-lookup decoding); never stops generation itself."""
+class _CommitCounter(BaseStreamer):
+    """Records how many tokens `generate` commits at each step (a streamer gets them as they are
+    committed: in assisted decoding, the accepted candidates plus one, once per target forward).
+    The prompt, which `generate` puts first, is not counted."""
 
     def __init__(self):
-        self.lengths = []
+        self.committed: list[int] = []
+        self._prompt_seen = False
 
-    def __call__(self, input_ids, scores, **kwargs):
-        self.lengths.append(input_ids.shape[1])
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.committed.append(int(value.numel()))
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
 
 
 @torch.no_grad()
@@ -357,7 +610,11 @@ def prompt_lookup_generate(
     target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids, pad_token_id: int,
     num_tokens: int = 10, max_ngram_size: int = 2,
 ) -> tuple[list[int], dict]:
-    """transformers' prompt-lookup decoding (greedy), with its target forwards counted.
+    """transformers' prompt-lookup decoding (greedy), with its target forwards and commits counted here.
+
+    A forward hook counts the target's forwards F, and a streamer records the tokens committed
+    after each of them; nothing relies on how often `generate` calls its stopping criteria, which
+    differs between transformers versions.
 
     Args:
         input_ids: [1, P] int64 prompt.
@@ -371,7 +628,7 @@ def prompt_lookup_generate(
     """
     forwards = []
     handle = target.register_forward_hook(lambda module, args, output: forwards.append(1))
-    recorder = _LengthRecorder()
+    counter = _CommitCounter()
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
@@ -385,23 +642,17 @@ def prompt_lookup_generate(
     )
     try:
         output = target.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            generation_config=config,
-            stopping_criteria=StoppingCriteriaList([recorder]),
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=counter,
         )  # [1, P + generated]
     finally:
         handle.remove()
     tokens = output[0, input_ids.shape[1] :].tolist()
-    assert len(recorder.lengths) == len(forwards), (
-        f"prompt lookup: {len(forwards)} target forwards but {len(recorder.lengths)} stopping checks; "
-        "this transformers version does not check stopping criteria once per forward"
-    )
+    first = counter.committed[0] if counter.committed else len(tokens)  # committed by the prefill forward
     stats = {
         "generated_tokens": len(tokens),
         "target_forwards": len(forwards),
         "verify_forwards": len(forwards) - 1,
-        "committed_after_first": recorder.lengths[-1] - recorder.lengths[0],
+        "committed_after_first": len(tokens) - first,
     }
     return tokens, stats
 
@@ -439,6 +690,7 @@ def summarize_speculative(stats_list: list[dict], block_size: int) -> dict:
 def evaluate_acceptance(
     target, drafter, tokenizer, prompts: list[list[dict]], max_new_tokens: int, block_size: int | None = None,
     eos_token_ids=None, chat_template_kwargs: dict | None = None, progress: bool = False,
+    kv_cache: str = "auto", cuda_graphs: str = "auto",
 ) -> dict:
     """tau of `drafter` on `prompts` by real speculative decoding (for held-out evaluation in training).
 
@@ -450,6 +702,8 @@ def evaluate_acceptance(
             its previous mode is restored.
         prompts: message lists, e.g. from `dflash_data.load_prompts`.
         eos_token_ids: default the tokenizer's and target generation_config's EOS ids.
+        kv_cache, cuda_graphs: as `--kv_cache` / `--cuda_graphs` of the CLI (`resolve_kv_cache`):
+            by default static caches replayed from CUDA graphs on a GPU, dynamic on a CPU.
     Returns:
         `summarize_speculative`'s dict plus "speculative_tokens_per_s" and "seconds".
     """
@@ -458,14 +712,20 @@ def evaluate_acceptance(
     if eos_token_ids is None:
         eos_token_ids = eos_token_ids_of(tokenizer, target)
     device = target.get_input_embeddings().weight.device
+    encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]
+    kv_cache, graphs = resolve_kv_cache(kv_cache, cuda_graphs, device)
+    max_length = max(ids.shape[1] for ids in encoded) + max_new_tokens + drafter.config.block_size
+    decoder = Decoder(target, drafter, kv_cache, max_length, graphs)
     stats_list = []
     _sync(device)
     start = time.perf_counter()
-    with eval_mode(drafter):
-        for messages in tqdm(prompts, desc="tau eval", disable=not progress, leave=False):
-            input_ids = encode_prompt(tokenizer, messages, chat_template_kwargs, device)
-            _, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, block_size, eos_token_ids)
-            stats_list.append(stats)
+    try:
+        with eval_mode(drafter):
+            for input_ids in tqdm(encoded, desc="tau eval", disable=not progress, leave=False):
+                _, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, block_size, eos_token_ids, decoder)
+                stats_list.append(stats)
+    finally:
+        decoder.close()
     _sync(device)
     seconds = time.perf_counter() - start
     summary = summarize_speculative(stats_list, block_size)
@@ -573,6 +833,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = parse_dtype(args.dtype, device)
     plot_path = args.plot or (args.output[: -len(".json")] if args.output.endswith(".json") else args.output) + "_acceptance.png"
 
+    kv_cache, cuda_graphs = resolve_kv_cache(args.kv_cache, args.cuda_graphs, device)
+
     # The drafter first: a wrong folder fails before the (slow) target load.
     drafter = load_drafter(args.draft_model, dtype, device)
     target, tokenizer = load_target(args.target_model, gguf_file=args.target_gguf_file, dtype=dtype, device=device)
@@ -582,9 +844,13 @@ def main(argv: list[str] | None = None) -> dict:
     eos_token_ids = eos_token_ids_of(tokenizer, target)
     prompts = load_prompts(args.data, tokenizer, num_prompts=args.num_prompts)
     encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]
+    # One decoder for every prompt: the static caches and the CUDA graphs are made once.
+    max_length = max(ids.shape[1] for ids in encoded) + args.max_new_tokens + drafter.config.block_size
+    decoder = Decoder(target, drafter, kv_cache, max_length, cuda_graphs)
     print(
         f"{len(prompts)} prompts from {args.data}; block size {block_size} (drafter trained with "
-        f"{drafter.config.block_size}); max_new_tokens {args.max_new_tokens}; eos {eos_token_ids}; {device} {dtype}"
+        f"{drafter.config.block_size}); max_new_tokens {args.max_new_tokens}; eos {eos_token_ids}; {device} {dtype}; "
+        f"{kv_cache} KV cache{', CUDA graphs' if cuda_graphs else ''}"
     )
 
     def run_prompt_lookup(input_ids, max_new_tokens):
@@ -593,10 +859,11 @@ def main(argv: list[str] | None = None) -> dict:
             args.prompt_lookup_num_tokens, args.prompt_lookup_max_ngram_size,
         )
 
-    # Warm-up (untimed): the first calls pay for allocator growth, kernel selection and lazy init.
+    # Warm-up (untimed): the first calls pay for allocator growth, kernel selection, lazy init and
+    # the capture of the CUDA graphs.
     warm_tokens = min(args.max_new_tokens, 2 * block_size)
-    greedy_generate(target, encoded[0], warm_tokens, eos_token_ids)
-    speculative_generate(target, drafter, encoded[0], warm_tokens, block_size, eos_token_ids)
+    greedy_generate(target, encoded[0], warm_tokens, eos_token_ids, decoder)
+    speculative_generate(target, drafter, encoded[0], warm_tokens, block_size, eos_token_ids, decoder)
     if args.baseline == "prompt_lookup":
         run_prompt_lookup(encoded[0], warm_tokens)
 
@@ -615,9 +882,9 @@ def main(argv: list[str] | None = None) -> dict:
     lookup_lossless = True
     bar = tqdm(encoded, desc="Evaluating", unit="prompt")
     for index, input_ids in enumerate(bar):
-        reference = timed("target", greedy_generate, target, input_ids, args.max_new_tokens, eos_token_ids)
+        reference = timed("target", greedy_generate, target, input_ids, args.max_new_tokens, eos_token_ids, decoder)
         tokens, stats = timed(
-            "speculative", speculative_generate, target, drafter, input_ids, args.max_new_tokens, block_size, eos_token_ids
+            "speculative", speculative_generate, target, drafter, input_ids, args.max_new_tokens, block_size, eos_token_ids, decoder
         )
         target_tokens += len(reference)
         spec_stats.append(stats)
@@ -655,6 +922,7 @@ def main(argv: list[str] | None = None) -> dict:
         per_prompt.append(row)
         running = summarize_speculative(spec_stats, block_size)["acceptance_length"]
         bar.set_postfix(tau=f"{running:.2f}" if running is not None else "n/a")
+    decoder.close()
 
     summary = summarize_speculative(spec_stats, block_size)
     target_tps = target_tokens / seconds["target"]
@@ -712,6 +980,8 @@ def main(argv: list[str] | None = None) -> dict:
         "eos_token_ids": eos_token_ids,
         "chat_template_kwargs": chat_template_kwargs,
         "dtype": str(dtype).replace("torch.", ""),
+        "kv_cache": kv_cache,
+        "cuda_graphs": cuda_graphs,
         "batch_size": 1,
         "plot": plot_path,
     }

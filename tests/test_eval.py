@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
-from dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_model import DFlashConfig, DFlashDraftModel, DFlashStaticContextCache
 from eval_dflash import (
     check_drafter_matches_target,
     evaluate_acceptance,
@@ -319,3 +319,104 @@ def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "0.7"])
     with pytest.raises(ValueError, match="block_size 7"):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--block_size", "7", "--baseline", "none"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Static caches (the GPU path, without CUDA graphs on CPU) against the growing caches
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_static_cache_decodes_like_the_dynamic_one(attention):
+    """One static `Decoder` reused over many prompts gives the dynamic path's tokens and tau exactly:
+    the stale positions past each crop are masked, in the target's and the drafter's cache."""
+    from eval_dflash import Decoder
+
+    target = tiny_target(seed=11, attn_implementation=attention)
+    drafter = tiny_drafter(target, seed=12)
+    prompts = random_prompts(6, seed=13)
+    max_new_tokens = 40
+    static = Decoder(target, drafter, "static", max_length=30 + max_new_tokens + TRAINED_BLOCK)
+    assert static.target.additive_mask == (attention == "eager")
+    dynamic_stats, static_stats = [], []
+    for i, input_ids in enumerate(prompts):
+        block_size = [TRAINED_BLOCK, 5][i % 2]
+        reference = greedy_generate(target, input_ids, max_new_tokens)
+        assert greedy_generate(target, input_ids, max_new_tokens, decoder=static) == reference
+        tokens, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, block_size)
+        static_tokens, s_stats = speculative_generate(target, drafter, input_ids, max_new_tokens, block_size, decoder=static)
+        assert tokens == reference and static_tokens == reference, f"prompt {i}"
+        assert s_stats == stats, f"prompt {i}: the static path verified differently"
+        dynamic_stats.append(stats)
+        static_stats.append(s_stats)
+    summary = summarize_speculative(static_stats, TRAINED_BLOCK)
+    assert summary == summarize_speculative(dynamic_stats, TRAINED_BLOCK)
+    assert summary["verify_forwards"] > len(prompts)
+    static.close()
+
+
+def test_static_drafter_cache_drafts_like_the_growing_one(target, drafter):
+    """The draft pass over a preallocated cache with stale entries past its length equals the one over
+    a cache that holds exactly the context."""
+    from dflash_model import DFlashContextCache
+
+    features = torch.randn(1, 23, len(LAYER_IDS) * 64)
+    static = DFlashStaticContextCache(drafter.config, 1, 40, torch.float32, "cpu")
+    drafter.extend_context(static, torch.randn(1, 40, len(LAYER_IDS) * 64))  # stale garbage everywhere
+    static.crop(0)
+    drafter.extend_context(static, features[:, :15])
+    drafter.extend_context(static, features[:, 15:])
+    growing = drafter.extend_context(None, features)
+    assert isinstance(growing, DFlashContextCache) and static.length == growing.length == 23
+    for i in range(len(growing.keys)):
+        torch.testing.assert_close(static.keys[i][:, :, :23], growing.keys[i])
+    anchor = torch.tensor([7])
+    assert torch.equal(drafter.draft_block(static, anchor), drafter.draft_block(growing, anchor))
+    with pytest.raises(ValueError, match="does not fit the static cache"):
+        drafter.extend_context(static, torch.randn(1, 20, len(LAYER_IDS) * 64))
+
+
+def test_kv_cache_settings():
+    from eval_dflash import resolve_kv_cache
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_kv_cache("auto", "auto", cpu) == ("dynamic", False)
+    assert resolve_kv_cache("auto", "auto", gpu) == ("static", True)
+    assert resolve_kv_cache("static", "off", gpu) == ("static", False)
+    assert resolve_kv_cache("static", "auto", cpu) == ("static", False)
+    with pytest.raises(ValueError, match="cuda_graphs on needs a CUDA device"):
+        resolve_kv_cache("static", "on", cpu)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        resolve_kv_cache("paged", "auto", cpu)
+
+
+def test_prompt_lookup_counts_commits_when_stopping_criteria_run_twice(target, monkeypatch):
+    """Some transformers versions check the stopping criteria twice per forward: the counts come from a
+    forward hook and the committed tokens, so they do not change. The reference count here reads the
+    KV-cache length at the start of every target forward (it holds all but the last committed token)."""
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 4])
+    cache_lengths = []
+
+    def record_cache_length(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache_lengths.append(int(cache.get_seq_length()) if cache is not None else 0)
+
+    handle = target.register_forward_pre_hook(record_cache_length, with_kwargs=True)
+    try:
+        tokens, stats = prompt_lookup_generate(target, input_ids, 30, eos_token_ids=[VOCAB - 2], pad_token_id=0, num_tokens=6)
+    finally:
+        handle.remove()
+    assert len(cache_lengths) == stats["target_forwards"] >= 3
+    after_first = cache_lengths[1] + 1 - input_ids.shape[1]  # tokens committed by the first forward
+    assert stats["committed_after_first"] == len(tokens) - after_first
+
+    original = StoppingCriteriaList.__call__
+
+    def twice(self, input_ids, scores, **kwargs):
+        original(self, input_ids, scores, **kwargs)
+        return original(self, input_ids, scores, **kwargs)
+
+    monkeypatch.setattr(StoppingCriteriaList, "__call__", twice)
+    tokens_twice, stats_twice = prompt_lookup_generate(target, input_ids, 30, eos_token_ids=[VOCAB - 2], pad_token_id=0, num_tokens=6)
+    assert tokens_twice == tokens and stats_twice == stats
