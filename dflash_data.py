@@ -611,14 +611,21 @@ def build_train_dataset(
     return tokenized.select_columns(["input_ids", "loss_mask", "num_tokens"])
 
 
-def collate_batch(samples: list[dict], pad_token_id: int, pad_to_multiple_of: int = 1) -> dict:
+def collate_batch(samples: list[dict], pad_token_id: int, pad_to_multiple_of: int = 1, rows: int | None = None) -> dict:
     """Right-pad samples to one batch.
 
     samples: dicts with `input_ids` and `loss_mask` (lists of equal length; other keys ignored).
+    rows: fill the batch up to this many rows with copies of the last sample whose loss_mask is
+        all False (they train nothing: the loss is normalised over valid label positions), so that
+        a short last batch has the shape of the others and compiles nothing new.
     Returns `input_ids` LongTensor [batch, S], `loss_mask` BoolTensor [batch, S] (False on
-    padding) and `attention_mask` LongTensor [batch, S] (1 = real token), where S is the
-    longest sample rounded up to a multiple of `pad_to_multiple_of`.
+    padding and filler rows) and `attention_mask` LongTensor [batch, S] (1 = real token), where S
+    is the longest sample rounded up to a multiple of `pad_to_multiple_of`.
     """
+    samples = list(samples)
+    real = len(samples)
+    if rows is not None and rows > real:
+        samples += [samples[-1]] * (rows - real)
     longest = max(len(sample["input_ids"]) for sample in samples)
     seq_len = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     input_ids = torch.full((len(samples), seq_len), pad_token_id, dtype=torch.long)  # [batch, S]
@@ -628,7 +635,8 @@ def collate_batch(samples: list[dict], pad_token_id: int, pad_to_multiple_of: in
         n = len(sample["input_ids"])
         assert len(sample["loss_mask"]) == n, f"sample {row}: input_ids and loss_mask lengths differ"
         input_ids[row, :n] = torch.as_tensor(sample["input_ids"], dtype=torch.long)
-        loss_mask[row, :n] = torch.as_tensor(sample["loss_mask"], dtype=torch.bool)
+        if row < real:
+            loss_mask[row, :n] = torch.as_tensor(sample["loss_mask"], dtype=torch.bool)
         attention_mask[row, :n] = 1
     return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
 

@@ -32,6 +32,8 @@ import shutil
 import sys
 import time
 import traceback
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -112,7 +114,7 @@ class TrainSettings:
     block_size: int = field(default=16, metadata={"help": "Tokens per block, anchor included (B)"})
     # topology (DESIGN §4)
     target_ranks: str = field(default="0", metadata={"help": "Ranks [0, N) only run the target and send context features to the others, which train the drafter: 0 = colocated (every rank does both), N, or auto (time both sides on a few batches, pick N)"})
-    prefetch_batches: int = field(default=2, metadata={"help": "Split mode: micro-batches each side keeps ready (target: made, not yet sent; drafter: received, not yet trained)"})
+    prefetch_batches: int = field(default=2, metadata={"help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
     liveness_timeout_s: float = field(default=40.0, metadata={"help": "Seconds without a heartbeat from a rank before the others stop the run as failed (more than one process)"})
     # data
     train_data: list[str] = field(default_factory=list, metadata={"help": "JSONL/JSON files or local HF dataset dirs (messages, conversations or question/answer)"})
@@ -152,6 +154,7 @@ class TrainSettings:
     seed: int = field(default=0, metadata={"help": "Seed for data order, anchors and init"})
     # bookkeeping
     logging_steps: int = field(default=10, metadata={"help": "Log scalars every N optimizer steps"})
+    profile_steps: int = field(default=0, metadata={"help": "Profile this many optimizer steps (torch.profiler, on the lead) after the first 20, when compiles are done; writes {output_dir}/profile.txt (ops by self time) and profile_trace.json (chrome://tracing)"})
     save_steps: int = field(default=500, metadata={"help": "Write {output_dir}/checkpoint-{step} every N optimizer steps (0 = never)"})
     save_total_limit: int | None = field(default=3, metadata={"help": "Keep at most this many checkpoints (oldest deleted)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Start fresh in an --output_dir that holds an earlier run (its checkpoints and log are deleted)"})
@@ -304,6 +307,21 @@ def train_plan(lengths: list[int], settings: TrainSettings, start_epoch: int, sk
         epoch, first = epoch + 1, 0
 
 
+def prefetch(items, fn, depth: int = 2):
+    """Yield `(*item, fn(item))` for every item, with fn running up to `depth` items ahead in one
+    worker thread: CPU work (collation) leaves the critical path. The worker runs no compiled code."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = deque()
+        for item in items:
+            pending.append((item, pool.submit(fn, item)))
+            if len(pending) > depth:
+                item, future = pending.popleft()
+                yield (*item, future.result())
+        while pending:
+            item, future = pending.popleft()
+            yield (*item, future.result())
+
+
 def checkpoint_dirs(output_dir: str) -> list[Path]:
     found = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
@@ -376,6 +394,31 @@ def plot_training_curves(output_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(output_dir / "training_curves.png", dpi=100)
     plt.close(fig)
+
+
+PROFILE_AFTER_STEPS = 20  # --profile_steps starts here: the first steps compile every shape
+
+
+def profile_window(profiler, step: int, settings: TrainSettings, on_cuda: bool):
+    """--profile_steps: start torch.profiler after optimizer step PROFILE_AFTER_STEPS, stop it
+    settings.profile_steps steps later and write the table and the trace. Returns the profiler
+    while it runs, else None."""
+    if step == PROFILE_AFTER_STEPS:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.__enter__()
+    elif profiler is not None and step == PROFILE_AFTER_STEPS + settings.profile_steps:
+        if on_cuda:
+            torch.cuda.synchronize()
+        profiler.__exit__(None, None, None)
+        out = Path(settings.output_dir)
+        sort_by = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+        table = profiler.key_averages().table(sort_by=sort_by, row_limit=60)
+        (out / "profile.txt").write_text(f"optimizer steps {PROFILE_AFTER_STEPS + 1}..{step}, sorted by {sort_by}\n{table}\n")
+        profiler.export_chrome_trace(str(out / "profile_trace.json"))
+        logger.info("Profiled steps %d..%d: %s", PROFILE_AFTER_STEPS + 1, step, out / "profile.txt")
+        return None
+    return profiler
 
 
 def is_save_step(step: int, settings: TrainSettings) -> bool:
@@ -730,26 +773,36 @@ def main(argv: list[str]) -> None:
     bar = tqdm(total=total_steps, initial=global_step, disable=not is_lead, desc="train", dynamic_ncols=True)
 
     def new_window() -> dict:
-        return {"loss": 0.0, "acc": torch.zeros(settings.block_size - 1, device=device), "micro": 0, "tokens": 0,
+        return {"loss": torch.zeros((), device=device), "acc": torch.zeros(settings.block_size - 1, device=device), "micro": 0, "tokens": 0,
                 "samples": 0, "start": time.perf_counter(), "wait_s": receiver.wait_s if receiver else 0.0,
                 "target_s": target_time.seconds()}
 
-    window = new_window()
-    for epoch, micro_step, batches in plan():
+    def collate_own(step):
+        """Colocated: this rank's micro-batch of `step`, collated and pinned in a worker thread while
+        the GPU trains the previous one. With flex a short last batch is filled up with rows that
+        train nothing, so that it compiles no new shape."""
+        indices = step[2][dp_rank][0]
+        batch = collate_batch(dataset.select(indices), tokenizer.pad_token_id, pad_multiple,
+                              rows=settings.per_device_batch_size if backend == "flex" else None)
+        return {k: v.pin_memory() for k, v in batch.items()} if on_cuda else batch
+
+    steps = plan() if receiver is not None else prefetch(plan(), collate_own, depth=settings.prefetch_batches)
+    window, profiler, loop_start = new_window(), None, time.perf_counter()
+    for epoch, micro_step, batches, *collated in steps:
         indices, trains = batches[dp_rank]
         if receiver is not None:
             item = receiver.get()
             input_ids, loss_mask, context_features = item["input_ids"], item["loss_mask"], item["context_features"]
             num_tokens = item["num_tokens"]
         else:
-            batch = collate_batch(dataset.select(indices), tokenizer.pad_token_id, pad_multiple)
-            input_ids = batch["input_ids"].to(device)
-            loss_mask = batch["loss_mask"].to(device)
+            batch = collated[0]
+            input_ids = batch["input_ids"].to(device, non_blocking=True)
+            loss_mask = batch["loss_mask"].to(device, non_blocking=True)
             if not trains:
                 loss_mask = torch.zeros_like(loss_mask)  # filler step: no anchor, zero loss, same collectives
             with target_time.time():
-                context_features = extractor(input_ids, batch["attention_mask"].to(device))  # [batch, S, n*hidden]
-            num_tokens = int(batch["attention_mask"].sum())
+                context_features = extractor(input_ids, batch["attention_mask"].to(device, non_blocking=True))  # [batch, S, n*hidden]
+            num_tokens = sum(lengths[i] for i in indices)
         loss, accuracy = compute_loss(engine, context_features, input_ids, loss_mask, (settings.seed, epoch, micro_step, dp_rank))
         # Asked before step(), which advances DeepSpeed's micro-step counter: afterwards the answer
         # would be about the next micro-batch.
@@ -759,7 +812,7 @@ def main(argv: list[str]) -> None:
         if trains:
             debug_log(rank, {"epoch": epoch, "ids": list(indices)})
 
-        window["loss"] += loss.item()
+        window["loss"] += loss.detach()  # on the device: no host sync per micro-batch
         window["acc"] += torch.nan_to_num(accuracy)
         window["micro"] += 1
         window["tokens"] += num_tokens if trains else 0
@@ -768,13 +821,15 @@ def main(argv: list[str]) -> None:
             continue
         global_step += 1
         bar.update(1)
+        if settings.profile_steps and is_lead:
+            profiler = profile_window(profiler, global_step, settings, on_cuda)
         if global_step % settings.logging_steps == 0 or global_step == total_steps:
             elapsed = time.perf_counter() - window["start"]
             waited = (receiver.wait_s if receiver else 0.0) - window["wait_s"]
             target_s = target_time.seconds() - window["target_s"]
             drafter_s = max(elapsed - waited - target_s, 1e-9)  # this rank's time in drafter steps
             stats = torch.tensor(
-                [window["loss"], window["micro"], window["tokens"], window["samples"], waited,
+                [window["loss"].item(), window["micro"], window["tokens"], window["samples"], waited,
                  window["samples"] / drafter_s, window["samples"] / max(target_s, 1e-9)],
                 device=device, dtype=torch.float64,
             )
@@ -793,6 +848,7 @@ def main(argv: list[str]) -> None:
                 "drafter_samples_per_s": stats[5].item(),  # demand: what the drafter ranks would take without waiting
                 "lr": scheduler.get_last_lr()[0],
                 "epoch": epoch,
+                "elapsed_s": time.perf_counter() - loop_start,  # wall time of the loop so far (compiles and evaluations included)
             }
             if receiver is None:
                 scalars["target_samples_per_s"] = stats[6].item()  # supply if the ranks only ran the target
@@ -826,7 +882,7 @@ def main(argv: list[str]) -> None:
                 receiver.resume()
         if eval_prompts and settings.eval_steps > 0 and global_step % settings.eval_steps == 0:
             if is_lead:
-                scalars = {"step": global_step, **evaluate_tau()}
+                scalars = {"step": global_step, **evaluate_tau(), "elapsed_s": time.perf_counter() - loop_start}
                 bar.write(f"step {global_step}: held-out tau {scalars['eval_tau']:.2f}")
                 for tracker in trackers:
                     tracker.log(scalars, step=global_step)
@@ -844,7 +900,7 @@ def main(argv: list[str]) -> None:
     final_dir = Path(settings.output_dir) / "final"
     if is_lead:
         if eval_prompts and (settings.eval_steps <= 0 or global_step % settings.eval_steps != 0):
-            scalars = {"step": global_step, **evaluate_tau()}
+            scalars = {"step": global_step, **evaluate_tau(), "elapsed_s": time.perf_counter() - loop_start}
             logger.info("Held-out tau at step %d: %.2f", global_step, scalars["eval_tau"])
             for tracker in trackers:
                 tracker.log(scalars, step=global_step)

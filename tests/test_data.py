@@ -427,3 +427,36 @@ def test_reply_cut_at_max_new_tokens_has_no_end_of_turn_label(tmp_path, smollm2_
     last = max(t for t, m in enumerate(done["loss_mask"]) if m)
     assert done["input_ids"][last] == end_of_turn  # finished: the end-of-turn token is a label
     assert cut["loss_mask"] == done["loss_mask"][:last] + [0] + done["loss_mask"][last + 1 :]
+
+
+def test_collate_batch_fills_rows_that_train_nothing():
+    samples = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8, 9], "loss_mask": [1, 1]}]
+    batch = collate_batch(samples, pad_token_id=0, pad_to_multiple_of=4, rows=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [8, 9, 0, 0], [8, 9, 0, 0], [8, 9, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[False, True, True, False], [True, True, False, False]] + [[False] * 4] * 2
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+    assert collate_batch(samples, pad_token_id=0, rows=2)["input_ids"].shape == (2, 3)  # already full
+
+
+def test_prefetch_keeps_order_and_runs_ahead():
+    import threading
+
+    from train_dflash import prefetch
+
+    pulled, on_main = [], []
+
+    def source():
+        for i in range(7):
+            pulled.append(i)
+            yield i, -i
+
+    def work(item):
+        on_main.append(threading.current_thread() is threading.main_thread())
+        return item[0] * 10
+
+    out = []
+    for a, b, result in prefetch(source(), work, depth=2):
+        out.append((a, b, result))
+        assert len(pulled) == min(a + 3, 7), "items up to depth ahead are already handed to the worker"
+    assert out == [(i, -i, 10 * i) for i in range(7)]
+    assert on_main == [False] * 7, "the work runs in the worker thread"

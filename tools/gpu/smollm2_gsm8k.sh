@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The SmolLM2 GSM8K quality recipe on one GPU: regenerate -> train -> evaluate, each step resumable
+# (rerun the script after a crash: finished steps are skipped, unfinished ones continue).
+#
+#   bash tools/gpu/smollm2_gsm8k.sh [OUT_DIR]        # default outputs/smollm2-gsm8k-gpu
+#
+# GSM8K: $DATA_DIR/gsm8k/train.jsonl (../shared/data here; elsewhere the public GSM8K train split,
+# 7,473 questions in its published order, as {"question", "answer"} JSON lines). The last 500 lines are
+# held out. Step times go to OUT_DIR/timings.tsv.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:-outputs/smollm2-gsm8k-gpu}
+source tools/gpu/setup.sh
+D=$OUT/data
+mkdir -p "$D"
+timed() {  # name, command...: run it, append "name<TAB>seconds<TAB>exit code" to timings.tsv
+  local name=$1 start ms rc=0
+  shift
+  start=$(date +%s%N)
+  "$@" || rc=$?
+  ms=$((($(date +%s%N) - start) / 1000000))
+  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" >> "$OUT/timings.tsv"
+  return $rc
+}
+
+questions=$DATA_DIR/gsm8k/train.jsonl
+head -n -500 "$questions" > "$D/train_questions.jsonl"    # 6,973 questions to answer and train on
+tail -n 500 "$questions" > "$D/heldout_questions.jsonl"   # held out: never regenerated or trained on
+
+# 1. SmolLM2 answers every training question: once greedily, four times sampled.
+timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
+  --output "$D/greedy.jsonl" --temperature 0 --max_new_tokens 320 --batch_size 512
+timed regenerate_sampled python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
+  --output "$D/sampled4.jsonl" --num_samples_per_prompt 4 --temperature 0.8 --top_p 0.95 --max_new_tokens 320 --batch_size 1024
+
+# 2. Train (continues from the latest checkpoint when rerun).
+if [[ ! -f $OUT/train/final/model.safetensors ]]; then
+  timed train accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py --config configs/smollm2-gsm8k-gpu.yaml \
+    --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" "$D/sampled4.jsonl" --eval_data "$D/heldout_questions.jsonl" \
+    --output_dir "$OUT/train" --resume_from_checkpoint latest
+fi
+
+# 3. Held-out tau: 100 questions, block size 16, temperature 0, prompt lookup beside it.
+if [[ ! -f $OUT/eval.json ]]; then
+  timed evaluate python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$OUT/train/final" \
+    --data "$D/heldout_questions.jsonl" --num_prompts 100 --max_new_tokens 256 --block_size 16 --output "$OUT/eval.json"
+fi
+cat "$OUT/timings.tsv"
