@@ -30,27 +30,29 @@ step() {  # name, seconds cap, command...: log to OUT/name.log, "name seconds rc
   printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/steps.tsv"
 }
 regen=(--prompts "$D/train_questions.jsonl" --temperature 0 --max_new_tokens 320)
-step regen_before 200 python3 "$BEFORE/regenerate_data.py" --target_model "$SMOLLM2" "${regen[@]}" \
+step regen_before 90 python3 "$BEFORE/regenerate_data.py" --target_model "$SMOLLM2" "${regen[@]}" \
   --output "$OUT/regen_before.jsonl" --num_prompts 1024 --batch_size 512
-step regen_after 300 python3 regenerate_data.py --target_model "$SMOLLM2" "${regen[@]}" --output "$D/greedy.jsonl" --batch_size 512
-
-port=8123
-transformers serve "$SMOLLM2" --continuous-batching --dtype bfloat16 --device cuda --port $port > "$OUT/serve_server.log" 2>&1 &
-server=$!
-for _ in $(seq 60); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done
-step regen_serve 90 python3 regenerate_data.py --server_url "http://localhost:$port/v1" --server_model "$SMOLLM2" "${regen[@]}" \
-  --output "$OUT/regen_serve.jsonl" --num_prompts 1024 --server_concurrency 512
-kill $server; wait $server 2>/dev/null
+step regen_after 150 python3 regenerate_data.py --target_model "$SMOLLM2" "${regen[@]}" --output "$D/greedy.jsonl" --batch_size 512
 
 train=(--target_model "$SMOLLM2" --mask_token_id 16 --train_data "$D/greedy.jsonl" --num_anchors 256 --per_device_batch_size 16
        --max_seq_length 512 --max_steps 200 --logging_steps 25 --save_steps 0 --report_to none --num_proc 8)
-step train_before 240 accelerate launch --config_file accelerate_configs/1gpu.yaml "$BEFORE/train_dflash.py" "${train[@]}" \
-  --output_dir "$OUT/train_before"
-step train_after 240 accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py "${train[@]}" \
-  --output_dir "$OUT/train_after" --pad_to_multiple_of 512 --profile_steps 5
+# Each run compiles into its own cold cache: neither profits from the other's compiles.
+step train_before 150 accelerate launch --config_file accelerate_configs/1gpu.yaml "$BEFORE/train_dflash.py" "${train[@]}" \
+  --output_dir "$OUT/train_before" --compile_cache_dir "$ROOT/compile_cache_before"
+step train_after 120 accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py "${train[@]}" \
+  --output_dir "$OUT/train_after" --compile_cache_dir "$ROOT/compile_cache_after" --pad_to_multiple_of 512 --profile_steps 5
 
 evaluate=(--target_model "$SMOLLM2" --draft_model "$OUT/train_after/final" --data "$D/heldout_questions.jsonl" --num_prompts 3
           --max_new_tokens 256)
-step eval_before 120 python3 "$BEFORE/eval_dflash.py" "${evaluate[@]}" --baseline none --output "$OUT/eval_before.json"
-step eval_after 120 python3 eval_dflash.py "${evaluate[@]}" --output "$OUT/eval_after.json"
+step eval_before 45 python3 "$BEFORE/eval_dflash.py" "${evaluate[@]}" --baseline none --output "$OUT/eval_before.json"
+step eval_after 60 python3 eval_dflash.py "${evaluate[@]}" --output "$OUT/eval_after.json"
+
+port=8123
+python3 -m transformers.cli.transformers serve "$SMOLLM2" --continuous-batching --dtype bfloat16 --device cuda --port $port \
+  > "$OUT/serve_server.log" 2>&1 &
+server=$!
+for _ in $(seq 40); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done
+step regen_serve 60 python3 regenerate_data.py --server_url "http://localhost:$port/v1" --server_model "$SMOLLM2" "${regen[@]}" \
+  --output "$OUT/regen_serve.jsonl" --num_prompts 1024 --server_concurrency 512
+kill $server; wait $server 2>/dev/null
 python3 tools/gpu/bench_table.py "$OUT" | tee "$OUT/table.md"

