@@ -60,7 +60,7 @@ def main() -> None:
         f"serve: {serve.get('written', '-')} replies, {serve.get('failed', '-')} failed, step rc {steps.get('regen_serve', ('-', '-'))[1]}")
     train_before, train_after = train_rates(out / "train_before"), train_rates(out / "train_after")
     row("training, 256 anchors x 16 samples, median of 25-step windows after the first", train_before[0], train_after[0], "samples/s")
-    row("training, 200 steps end to end (load, tokenize, compile, train)", steps.get("train_before", (None,))[0],
+    row("training, 150 steps end to end (load, tokenize, compile, train)", steps.get("train_before", (None,))[0],
         steps.get("train_after", (None,))[0], "s (lower is better)")
     evals = {}
     for k in ("before", "after"):

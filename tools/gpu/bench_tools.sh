@@ -4,7 +4,7 @@
 #   regeneration  tokens/s: BEFORE_DIR's regenerate_data.py on 1,024 GSM8K questions vs this one on all
 #                 6,973 training questions (static cache, batch 512), and `transformers serve`
 #                 (continuous batching) through --server_url on the same 1,024
-#   training      200 steps of 256 anchors x 16 samples x <= 512 tokens, wall time and samples/s, and a
+#   training      150 steps of 256 anchors x 16 samples x <= 512 tokens, wall time and samples/s, and a
 #                 torch.profiler table of 5 steps of this checkout
 #   evaluation    seconds per prompt (256 new tokens), BEFORE_DIR's eval_dflash.py vs this one
 # Every step is time-capped; logs and results land in OUT_DIR, and the table in OUT_DIR/table.md.
@@ -35,11 +35,11 @@ step regen_before 90 python3 "$BEFORE/regenerate_data.py" --target_model "$SMOLL
 step regen_after 150 python3 regenerate_data.py --target_model "$SMOLLM2" "${regen[@]}" --output "$D/greedy.jsonl" --batch_size 512
 
 train=(--target_model "$SMOLLM2" --mask_token_id 16 --train_data "$D/greedy.jsonl" --num_anchors 256 --per_device_batch_size 16
-       --max_seq_length 512 --max_steps 200 --logging_steps 25 --save_steps 0 --report_to none --num_proc 8)
+       --max_seq_length 512 --max_steps 150 --logging_steps 25 --save_steps 0 --report_to none --num_proc 8)
 # Each run compiles into its own cold cache: neither profits from the other's compiles.
-step train_before 150 accelerate launch --config_file accelerate_configs/1gpu.yaml "$BEFORE/train_dflash.py" "${train[@]}" \
+step train_before 200 accelerate launch --config_file accelerate_configs/1gpu.yaml "$BEFORE/train_dflash.py" "${train[@]}" \
   --output_dir "$OUT/train_before" --compile_cache_dir "$ROOT/compile_cache_before"
-step train_after 120 accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py "${train[@]}" \
+step train_after 150 accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py "${train[@]}" \
   --output_dir "$OUT/train_after" --compile_cache_dir "$ROOT/compile_cache_after" --pad_to_multiple_of 512 --profile_steps 5
 
 evaluate=(--target_model "$SMOLLM2" --draft_model "$OUT/train_after/final" --data "$D/heldout_questions.jsonl" --num_prompts 3
