@@ -19,7 +19,7 @@ For every prompt (chat template applied, batch size 1) the script runs, on the s
 It checks that 2 (and 3) produce exactly the tokens of 1 ("lossless"), and writes results.json
 plus a PNG of the acceptance rate by block position.
 
-How tau is counted (DESIGN §1, as in the DFlash reference implementation):
+How tau is counted (as in the DFlash reference implementation):
   tau = tokens committed by verify forwards / number of verify forwards, bonus token included.
   The prefill forward and the first token it produces are not counted. So for a prompt that
   generated N tokens with F verify forwards, N - 1 = tau * F exactly (truncation at EOS or at
@@ -178,7 +178,7 @@ def _sync(device: torch.device) -> None:
 class LayerOutputCapture:
     """Forward hooks that keep the outputs of target decoder layers `layer_ids` from the last forward.
 
-    Layer i's output is HF `hidden_states[i + 1]` (DESIGN §1). Hooks are used rather than
+    Layer i's output is HF `hidden_states[i + 1]`. Hooks are used rather than
     `output_hidden_states`, whose last entry transformers replaces with the final-norm output,
     and so the full target can run its normal cached, logits-producing forward (verification needs
     the logits; `TargetFeatureExtractor` calls the decoder without the LM head).

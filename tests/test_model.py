@@ -46,7 +46,7 @@ def tiny_drafter(block_size=4, num_draft_layers=2, seed=0):
 
 
 def reference_mask(anchors, anchor_valid, seq_len, block_size):
-    """Element-by-element mask, written from DESIGN §2 with plain loops."""
+    """Element-by-element mask, written from the training rule (anchor_block_mask_mod's docstring) with plain loops."""
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
     mask = torch.zeros(batch, 1, q_len, seq_len + q_len, dtype=torch.bool)

