@@ -199,7 +199,10 @@ def race_child(args) -> None:
                 weights = torch.rand(batch * q_len, device=device)
                 if train:
                     mode = args.loss_checkpoint
-                    h = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=mode == "reentrant")
+                    if args.no_layer_checkpoint:
+                        h = layer(x)
+                    else:
+                        h = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=mode == "reentrant")
                     loss = chunked_loss(h.reshape(-1, hidden), head_weight, labels, weights, q_len // 4, mode)
                     loss.backward()
                 else:
@@ -278,6 +281,8 @@ def race_run(args, run: int) -> dict:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.parallel))
     command = [sys.executable, os.path.abspath(__file__), "race-child", "--pattern", args.pattern, "--device", args.device,
                "--threads", str(args.threads), "--steps", str(args.steps), "--loss-checkpoint", args.loss_checkpoint]
+    if args.no_layer_checkpoint:
+        command.append("--no-layer-checkpoint")
     if args.lengths:
         command += ["--lengths", *map(str, args.lengths)]
     if args.size:
@@ -339,7 +344,8 @@ def race(args) -> None:
           f"{outcomes.count('error')} unrelated errors, {outcomes.count('clean')} clean")
     if not args.no_record:
         environment = next((r["environment"] for r in runs if r["environment"]), None) or environment_line(args.device)
-        settings = (f"{args.threads} threads at lengths {lengths}, loss checkpoint {args.loss_checkpoint}, "
+        settings = (f"{args.threads} threads at lengths {lengths}, loss checkpoint {args.loss_checkpoint}"
+                    f"{' (layer not checkpointed)' if args.no_layer_checkpoint else ''}, "
                     f"timeout {args.timeout:.0f} s, {args.parallel} runs in parallel")
         record(f"compile race, pattern {args.pattern}: reproduced in {reproduced} of {len(runs)} cold runs",
                [settings, "", *table, *details], environment, args.record_to)
@@ -448,6 +454,8 @@ def main() -> None:
         p.add_argument("--size", choices=sorted(SIZES), default=None, help="default: small on cuda, tiny on cpu")
         p.add_argument("--loss-checkpoint", choices=["reentrant", "nonreentrant"], default="reentrant",
                        help="checkpoint mode of the attention layer and the chunked loss (reentrant is the harder case)")
+        p.add_argument("--no-layer-checkpoint", action="store_true",
+                       help="run the attention layer without checkpointing (only the loss is checkpointed)")
         p.add_argument("--lengths", type=int, nargs="+", default=None,
                        help="sequence length of each thread, cycled (default: 256 384 512 on cuda, 64 96 128 on cpu)")
         p.add_argument("--compile-threads", type=int, default=None, help="inductor compile workers per run")

@@ -389,13 +389,14 @@ def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer
     return out
 
 
-def _report_truncation(stats: list[dict], max_seq_length: int, max_dropped_fraction: float) -> None:
+def _report_truncation(columns: dict[str, list], max_seq_length: int, max_dropped_fraction: float) -> None:
     """One warning about what max_seq_length cost (samples dropped, replies cut, share of assistant
     tokens lost); a ValueError when more than `max_dropped_fraction` of the samples were dropped.
 
-    stats: one dict per well-formed sample with `dropped`, `full_tokens`, `full_loss_tokens`,
-    `num_loss_tokens`.
+    columns: `dropped`, `full_tokens`, `full_loss_tokens`, `num_loss_tokens`, one entry per
+    well-formed sample (`_tokenize_rows`' output).
     """
+    stats = [dict(zip(columns, row)) for row in zip(*columns.values())]
     total = len(stats)
     dropped = [row for row in stats if row["dropped"]]
     cut = [row for row in stats if not row["dropped"] and row["num_loss_tokens"] < row["full_loss_tokens"]]
@@ -657,9 +658,9 @@ def build_train_dataset(
         )
         tokenized = tokenized.filter(lambda reason: not reason, input_columns="reason", desc="Dropping bad samples")
     if len(tokenized):
-        stats = tokenized.select_columns(["dropped", "full_tokens", "full_loss_tokens", "num_loss_tokens"]).to_list()
-        _report_truncation(stats, max_seq_length, max_dropped_fraction)
-        if any(row["dropped"] for row in stats):
+        columns = tokenized.select_columns(["dropped", "full_tokens", "full_loss_tokens", "num_loss_tokens"]).to_dict()
+        _report_truncation(columns, max_seq_length, max_dropped_fraction)
+        if any(columns["dropped"]):
             tokenized = tokenized.filter(lambda dropped: not dropped, input_columns="dropped", desc="Dropping samples with nothing to train on")
     if len(tokenized) == 0:
         raise ValueError(f"no usable training samples in {paths}")
