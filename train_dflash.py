@@ -543,8 +543,16 @@ def start_trackers(settings: TrainSettings, hparams: dict) -> list:
 
 def cut_log(log_file: Path, step: int) -> None:
     """Keep the rows of train_log.jsonl up to optimizer step `step` (a resume from the checkpoint of
-    that step writes the later ones again); rewritten through a temp file and a rename."""
-    kept = [line for line in log_file.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    that step writes the later ones again), and drop a half-written last line of a crashed run;
+    rewritten through a temp file and a rename."""
+
+    def row_step(line: str) -> float:
+        try:
+            return json.loads(line).get("step", 0)
+        except ValueError:
+            return math.inf  # not a whole JSON line: cut
+
+    kept = [line for line in log_file.read_text().splitlines() if line.strip() and row_step(line) <= step]
     tmp = log_file.with_name(f".tmp-{log_file.name}")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, log_file)

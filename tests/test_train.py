@@ -80,8 +80,10 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(tiny_qwen3_target, gsm8k_
     assert state["global_step"] == 3 and state["micro_step_in_epoch"] == 6, state
     straight = load_file(out / "final" / "model.safetensors")
     assert [row["step"] for row in read_log(out)] == [2, 4, 6]
-    # Resume in the same directory from the step-3 checkpoint, as after a crash at step 6: the log is
-    # cut back to step 3 (no duplicate steps 4 and 6) and the run ends with the same weights.
+    # Resume in the same directory from the step-3 checkpoint, as after a crash at step 6 that left half
+    # a line: the log is cut back to step 3 (no duplicate steps 4 and 6) and the run ends with the same weights.
+    with open(out / "train_log.jsonl", "a") as log:
+        log.write('{"step": 7, "lo')
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, resume_from_checkpoint=out / "checkpoint-3", **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
     resumed = load_file(out / "final" / "model.safetensors")
