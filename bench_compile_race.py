@@ -1,40 +1,45 @@
-"""Reproduce the flex_attention compile race of DESIGN §3 on one GPU, and measure what issue 3 asks to measure.
+"""Reproduce the flex_attention compile race on one GPU, and show that the trainer's compile locks prevent it.
 
 Each `race` run is a fresh process on a fresh, cold TORCHINDUCTOR_CACHE_DIR. Three threads start
-together, each doing training steps: an attention layer (flex_attention with the anchor BlockMask,
-inside activation checkpointing), a chunked LM-head cross-entropy under activation checkpointing,
-and the backward (on CUDA autograd runs it in its own device thread). Patterns:
+together, each with its OWN sequence length (--lengths, default 256, 384 and 512, as ranks with
+different batches have), so each triggers its own compile at the same moment. Each thread trains
+a few steps: an attention layer calling flex_attention with the anchor BlockMask, a chunked
+LM-head cross-entropy, both under reentrant activation checkpointing (use_reentrant=True: the
+layer's forward runs again inside backward, on CUDA in autograd's own thread), and the backward.
+Patterns:
 
-    naive      a plain per-device `torch.compile(flex_attention)`, built and called lazily by
-               whichever thread comes first, no locks (the code the project started from)
-    ours       dflash_model's path: setup_compile_cache, warm_up_flex_attention in the main thread
-               (compile + forward/backward warm-up under the compile locks), then the threads
-    ours-lazy  dflash_model's locks only, no warm-up: threads hit the first-seen shapes themselves
+    naive      a per-device `torch.compile(flex_attention)`, built lazily by whichever thread comes
+               first and called by every thread, no locks, no warm-up
+    ours       dflash_model's compile machinery: setup_compile_cache, then warm_up_flex_attention in
+               the main thread for every length (compile + forward/backward warm-up under the
+               compile locks), then the threads, whose flex calls go through the same locked path
+    ours-lazy  dflash_model's locks only, no warm-up: threads hit their first shapes themselves
 
-A run that does not finish within --timeout seconds is killed and counted as a timeout (the naive
-pattern hangs on torch 2.11). Results are printed as a table and appended to BENCHMARKS.md.
+Outcome of a run: "fx-error" (the text `Detected that you are using FX to symbolically trace a
+dynamo-optimized function` anywhere in the run's output) or "hang" (killed after --timeout
+seconds) reproduce the race; any other failure is "error (unrelated)", reported but never counted
+as a reproduction; "clean" finished without an error. A table per pattern (runs, reproduced,
+unrelated errors, clean, median seconds) is printed and appended to BENCHMARKS.md.
 
-    # on one H200, torch 2.11; each run is a cold compile (a minute or two), so split the runs
-    # over commands that each fit a 10-minute limit. On a machine whose working tree does not come
-    # back, append to a copy: cp BENCHMARKS.md $OUT/; ... --record-to $OUT/BENCHMARKS.md
-    python bench_compile_race.py race --pattern ours --runs 3 --log-dir $OUT
-    python bench_compile_race.py race --pattern ours --runs 2 --log-dir $OUT
-    python bench_compile_race.py race --pattern naive --runs 1 --timeout 150 --log-dir $OUT
-    python bench_compile_race.py race --pattern ours-lazy --runs 1 --log-dir $OUT
+    # one H200; cold runs in parallel, each on its own cache dir (tools/gpu/compile_race.sh runs both)
+    python bench_compile_race.py race --pattern naive --runs 3 --parallel 3 --timeout 90
+    python bench_compile_race.py race --pattern ours --runs 10 --parallel 5
     # checkpoint mode of the chunked loss: step time and peak memory, 8192 rows x 151936 vocab x 4096 hidden, bf16
     python bench_compile_race.py checkpoint
     # eager vs compiled create_block_mask at a real size
     python bench_compile_race.py mask
-    # CPU smoke of the logic (tiny, forward only: flex has no CPU backward), nothing recorded
+    # CPU smoke of the logic (tiny sizes, forward only: flex has no CPU backward), nothing recorded
     OMP_NUM_THREADS=1 python bench_compile_race.py race --device cpu --pattern ours --runs 1 --no-record
 """
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,21 +48,38 @@ import time
 import traceback
 from pathlib import Path
 
-# Attention and loss sizes of a race run. "small" is realistic-but-small for one GPU (one drafter
-# layer of a 1024-wide model, 64 anchors x 16 over a 1024-token context); "tiny" is for CPU smoke.
+# Attention and loss sizes of a race run (the sequence lengths come from --lengths). "small" is
+# realistic-but-small for one GPU (one drafter layer of a 1024-wide model, 64 anchors x 16);
+# "tiny" is for the CPU smoke.
 SIZES = {
-    "small": dict(batch=1, heads=8, kv_heads=2, head_dim=128, context_len=1024, num_anchors=64, block_size=16, vocab=32768),
-    "tiny": dict(batch=1, heads=2, kv_heads=1, head_dim=16, context_len=128, num_anchors=8, block_size=16, vocab=512),
+    "small": dict(batch=1, heads=8, kv_heads=2, head_dim=128, num_anchors=64, block_size=16, vocab=32768),
+    "tiny": dict(batch=1, heads=2, kv_heads=1, head_dim=16, num_anchors=8, block_size=16, vocab=512),
 }
+DEFAULT_LENGTHS = {"cuda": [256, 384, 512], "cpu": [64, 96, 128]}
 RESULT_PREFIX = "RESULT "
+# What a thread dies of when another thread of the process compiles (the FX-tracing flag is process-wide).
+FX_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+REPRODUCED = ("fx-error", "hang")
 
 
 # ----------------------------------------------------------------------------------------------
 # Shared pieces: the chunked loss with a selectable checkpoint mode, and BENCHMARKS.md
 
 
+def weighted_ce_chunk(rows, head_weight, labels, weights):
+    """One chunk of the loss: sum of w * CE(rows @ head_weight^T, labels), fp32 logits.
+
+    rows: [T, hidden]; head_weight: [vocab, hidden]; labels: [T] int64; weights: [T] float32.
+    Returns a scalar float32 (the weighted sum, not yet normalised).
+    """
+    import torch.nn.functional as F
+
+    logits = (rows @ head_weight.t()).float()  # [T, vocab]
+    return (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
+
+
 def chunked_loss(rows, head_weight, labels, weights, chunk_size: int, checkpoint_mode: str):
-    """dflash_loss's chunk loop (LM head + weighted CE per chunk) with the checkpoint mode as a knob.
+    """LM head + weighted CE in chunks (the shape of a DFlash loss), with the checkpoint mode as a knob.
 
     Args:
         rows: [T, hidden]; head_weight: [vocab, hidden]; labels: [T] int64; weights: [T] float32.
@@ -68,16 +90,13 @@ def chunked_loss(rows, head_weight, labels, weights, chunk_size: int, checkpoint
     """
     from torch.utils.checkpoint import checkpoint
 
-    from dflash_model import _weighted_ce_chunk
-
     total = rows.new_zeros((), dtype=weights.dtype)
     for start in range(0, rows.shape[0], chunk_size):
         chunk = (rows[start : start + chunk_size], head_weight, labels[start : start + chunk_size], weights[start : start + chunk_size])
         if checkpoint_mode == "none":
-            ce_sum, _ = _weighted_ce_chunk(*chunk)
+            total = total + weighted_ce_chunk(*chunk)
         else:
-            ce_sum, _ = checkpoint(_weighted_ce_chunk, *chunk, use_reentrant=checkpoint_mode == "reentrant")
-        total = total + ce_sum
+            total = total + checkpoint(weighted_ce_chunk, *chunk, use_reentrant=checkpoint_mode == "reentrant")
     return total / weights.sum()
 
 
@@ -119,19 +138,21 @@ def race_child(args) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s", stream=sys.stderr)
     size = SIZES[args.size or ("small" if args.device == "cuda" else "tiny")]
+    lengths = args.lengths or DEFAULT_LENGTHS[args.device]
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     train = device.type == "cuda"  # flex_attention has no CPU backward: CPU runs forward only
     batch, heads, kv_heads, head_dim = size["batch"], size["heads"], size["kv_heads"], size["head_dim"]
-    seq_len, num_anchors, block_size = size["context_len"], size["num_anchors"], size["block_size"]
+    num_anchors, block_size = size["num_anchors"], size["block_size"]
     q_len, hidden = num_anchors * block_size, heads * head_dim
 
-    # The naive pattern, as the project's first drafter had it: a lock around building the wrapper,
-    # none around the compile, which happens lazily inside the first call of each thread.
-    naive_compiled, naive_lock = {}, threading.Lock()
+    # The naive pattern: one compiled wrapper per device, built by the first thread to need it, and
+    # every thread's first call at its own length compiling at the same moment.
+    naive_compiled = {}
 
     def naive_attention(q, k, v, block_mask):
-        with naive_lock:
+        flex = naive_compiled.get(str(q.device))
+        if flex is None:
             flex = naive_compiled.setdefault(str(q.device), torch.compile(dm.flex_attention, dynamic=False))
         return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
@@ -140,16 +161,17 @@ def race_child(args) -> None:
     if args.pattern != "naive":
         dm.setup_compile_cache("shared", None, rank=0, compile_threads=args.compile_threads)
     if args.pattern == "ours":
-        shapes = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, context_len=seq_len,
-                      num_anchors=num_anchors, block_size=block_size, dtype=dtype)
-        if train:
-            dm.warm_up_flex_attention(device, **shapes, training=True)
-        if not train or args.loss_checkpoint == "reentrant":  # a reentrant checkpoint's first forward runs without grad
-            dm.warm_up_flex_attention(device, **shapes, training=False)
+        for seq_len in dict.fromkeys(lengths):
+            shapes = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, context_len=seq_len,
+                          num_anchors=num_anchors, block_size=block_size, dtype=dtype)
+            if train:
+                dm.warm_up_flex_attention(device, **shapes, training=True)
+            if not train or args.loss_checkpoint == "reentrant":  # a reentrant checkpoint's first forward runs without grad
+                dm.warm_up_flex_attention(device, **shapes, training=False)
     warm_seconds = time.perf_counter() - start
     compiles_before = dm.flex_compile_stats()["compiles"]
 
-    def train_steps(index: int, barrier: threading.Barrier, errors: list) -> None:
+    def train_steps(index: int, seq_len: int, barrier: threading.Barrier, errors: list) -> None:
         try:
             torch.manual_seed(index)
             proj = nn.ModuleDict({name: nn.Linear(hidden, hidden if name in ("q", "o") else kv_heads * head_dim, bias=False)
@@ -177,7 +199,10 @@ def race_child(args) -> None:
                 weights = torch.rand(batch * q_len, device=device)
                 if train:
                     mode = args.loss_checkpoint
-                    h = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=mode == "reentrant")
+                    if args.no_layer_checkpoint:
+                        h = layer(x)
+                    else:
+                        h = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=mode == "reentrant")
                     loss = chunked_loss(h.reshape(-1, hidden), head_weight, labels, weights, q_len // 4, mode)
                     loss.backward()
                 else:
@@ -187,12 +212,13 @@ def race_child(args) -> None:
                     raise FloatingPointError(f"loss {loss.item()} at step {step}")
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        except Exception as error:  # noqa: BLE001 - every thread's error goes into the result line
+        except Exception as error:  # every thread's error goes into the result line
             errors.append(f"thread {index}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
             traceback.print_exc()
 
     barrier, errors = threading.Barrier(args.threads), []
-    threads = [threading.Thread(target=train_steps, args=(i, barrier, errors), name=f"worker-{i}") for i in range(args.threads)]
+    threads = [threading.Thread(target=train_steps, args=(i, lengths[i % len(lengths)], barrier, errors), name=f"worker-{i}")
+               for i in range(args.threads)]
     threaded_start = time.perf_counter()
     for t in threads:
         t.start()
@@ -215,53 +241,114 @@ def race_child(args) -> None:
 # race: the runs (the parent process)
 
 
+def classify_run(timed_out: bool, result: dict | None, output: str) -> str:
+    """The outcome of one run: "hang" (killed at the timeout), "fx-error" (the FX-tracing error text
+    anywhere in its output), "error" (any other failure: unrelated to the race), or "clean".
+
+    Args:
+        timed_out: the run was killed after --timeout seconds.
+        result: the child's RESULT dict, or None if it printed none (it crashed).
+        output: everything the child wrote (its log).
+    """
+    if timed_out:
+        return "hang"
+    if FX_TRACE_ERROR in output or (result and any(FX_TRACE_ERROR in e for e in result["errors"])):
+        return "fx-error"
+    if result is None or result["status"] != "ok":
+        return "error"
+    return "clean"
+
+
+def summary_table(pattern: str, outcomes: list[str], seconds: list[float]) -> list[str]:
+    """The recorded table: one row per pattern. A hang counts at its cutoff in the median."""
+    reproduced = sum(o in REPRODUCED for o in outcomes)
+    unrelated = outcomes.count("error")
+    return [
+        "| pattern | runs | reproduced (FX error or hang) | unrelated errors | clean | median seconds |",
+        "|---|---|---|---|---|---|",
+        f"| {pattern} | {len(outcomes)} | {reproduced} | {unrelated} | {outcomes.count('clean')} | {statistics.median(seconds):.1f} |",
+    ]
+
+
+def race_run(args, run: int) -> dict:
+    """One child process on its own cold cache dir, killed (with its compile workers) after --timeout seconds."""
+    cache_dir = Path(tempfile.mkdtemp(prefix=f"race_{args.pattern}_{run}_", dir=args.cache_root))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
+    env.pop("DFLASH_COMPILE_LOCK_DIR", None)
+    if args.compile_threads:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
+    elif args.parallel > 1:  # parallel runs share the cores: inductor's default would start cores x runs workers
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.parallel))
+    command = [sys.executable, os.path.abspath(__file__), "race-child", "--pattern", args.pattern, "--device", args.device,
+               "--threads", str(args.threads), "--steps", str(args.steps), "--loss-checkpoint", args.loss_checkpoint]
+    if args.no_layer_checkpoint:
+        command.append("--no-layer-checkpoint")
+    if args.lengths:
+        command += ["--lengths", *map(str, args.lengths)]
+    if args.size:
+        command += ["--size", args.size]
+    if args.compile_threads:
+        command += ["--compile-threads", str(args.compile_threads)]
+    log_path = Path(args.log_dir) / f"race_{args.pattern}_{run}.log"
+    start = time.perf_counter()
+    with log_path.open("w") as log_file:
+        child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log_file, text=True, start_new_session=True)
+        try:
+            stdout, _ = child.communicate(timeout=args.timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the whole session: the child and its compile workers
+            stdout, _ = child.communicate()
+            timed_out = True
+    seconds = time.perf_counter() - start
+    if not args.keep_cache:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    result = next((json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)), None)
+    output = log_path.read_text(errors="replace") + stdout
+    outcome = classify_run(timed_out, result, output)
+    if timed_out:
+        error = f"killed after {args.timeout:.0f} s (log: {log_path})"
+    elif result is None:
+        tail = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
+        error = f"exit code {child.returncode}: {tail[0][:200]}"
+    else:
+        error = "; ".join(result["errors"])[:300]
+    if outcome == "fx-error" and FX_TRACE_ERROR not in error:
+        error = f"{FX_TRACE_ERROR} (in {log_path}); {error}"[:300]
+    compiles = "" if result is None or result["compiles_in_threads"] is None else str(result["compiles_in_threads"])
+    return {"run": run, "outcome": outcome, "seconds": seconds, "compiles": compiles, "error": error,
+            "environment": result["environment"] if result else None}
+
+
 def race(args) -> None:
-    """--runs fresh processes on fresh cold cache dirs, each killed after --timeout seconds; table + BENCHMARKS.md."""
-    log_dir = Path(args.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    rows, environment = [], None
-    for run in range(args.runs):
-        cache_dir = Path(tempfile.mkdtemp(prefix=f"race_{args.pattern}_{run}_", dir=args.cache_root))
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
-        env.pop("DFLASH_COMPILE_LOCK_DIR", None)
-        command = [sys.executable, os.path.abspath(__file__), "race-child", "--pattern", args.pattern, "--device", args.device,
-                   "--threads", str(args.threads), "--steps", str(args.steps), "--loss-checkpoint", args.loss_checkpoint]
-        if args.size:
-            command += ["--size", args.size]
-        if args.compile_threads:
-            command += ["--compile-threads", str(args.compile_threads)]
-        log_path = log_dir / f"race_{args.pattern}_{run}.log"
-        start = time.perf_counter()
-        with log_path.open("w") as log_file:
-            child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log_file, text=True, start_new_session=True)
-            try:
-                stdout, _ = child.communicate(timeout=args.timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)  # the whole session: the child and its compile workers
-                stdout, _ = child.communicate()
-                timed_out = True
-        seconds = time.perf_counter() - start
-        result = next((json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)), None)
-        if timed_out:
-            status, error = "timeout", f"killed after {args.timeout} s (log: {log_path})"
-        elif result is None:
-            tail = [line for line in log_path.read_text().splitlines() if line.strip()][-1:] or ["no output"]
-            status, error = "error", f"exit code {child.returncode}: {tail[0][:200]}"
-        else:
-            status, error = result["status"], "; ".join(result["errors"])[:300]
-            environment = environment or result["environment"]
-        compiles = "" if result is None or result["compiles_in_threads"] is None else str(result["compiles_in_threads"])
-        rows.append(f"| {args.pattern} | {run} | {status} | {seconds:.1f} | {compiles} | {error} |")
-        print(rows[-1], flush=True)
-        if not args.keep_cache:
-            shutil.rmtree(cache_dir, ignore_errors=True)
-    table = ["| pattern | run | result | seconds | compiles in threads | error |", "|---|---|---|---|---|---|", *rows]
-    print("\n".join(table))
-    ok = sum(" | ok | " in row for row in rows)
-    print(f"{args.pattern}: {ok}/{len(rows)} runs ok (threads {args.threads}, loss checkpoint {args.loss_checkpoint}, timeout {args.timeout} s)")
+    """--runs fresh processes on fresh cold cache dirs, --parallel at a time; summary table + BENCHMARKS.md."""
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    lengths = args.lengths or DEFAULT_LENGTHS[args.device]
+    print(f"{args.pattern}: {args.runs} cold runs, {args.parallel} at a time; {args.threads} threads at lengths {lengths}, "
+          f"loss checkpoint {args.loss_checkpoint}, timeout {args.timeout:.0f} s", flush=True)
+    runs = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        for run in pool.map(lambda i: race_run(args, i), range(args.runs)):
+            runs.append(run)
+            label = "error (unrelated)" if run["outcome"] == "error" else run["outcome"]
+            print(f"| {args.pattern} | {run['run']} | {label} | {run['seconds']:.1f} | {run['compiles']} | {run['error']} |", flush=True)
+    outcomes, seconds = [r["outcome"] for r in runs], [r["seconds"] for r in runs]
+    table = summary_table(args.pattern, outcomes, seconds)
+    details = ["", "| run | outcome | seconds | compiles in threads | error |", "|---|---|---|---|---|"] + [
+        f"| {r['run']} | {'error (unrelated)' if r['outcome'] == 'error' else r['outcome']} | {r['seconds']:.1f} | "
+        f"{r['compiles']} | {r['error']} |" for r in runs
+    ]
+    print("\n".join(table + details))
+    reproduced = sum(o in REPRODUCED for o in outcomes)
+    print(f"{args.pattern}: the race reproduced in {reproduced} of {len(runs)} runs (FX error or hang), "
+          f"{outcomes.count('error')} unrelated errors, {outcomes.count('clean')} clean")
     if not args.no_record:
-        record(f"compile race, pattern {args.pattern}: {ok}/{len(rows)} ok", table, environment or environment_line(args.device), args.record_to)
+        environment = next((r["environment"] for r in runs if r["environment"]), None) or environment_line(args.device)
+        settings = (f"{args.threads} threads at lengths {lengths}, loss checkpoint {args.loss_checkpoint}"
+                    f"{' (layer not checkpointed)' if args.no_layer_checkpoint else ''}, "
+                    f"timeout {args.timeout:.0f} s, {args.parallel} runs in parallel")
+        record(f"compile race, pattern {args.pattern}: reproduced in {reproduced} of {len(runs)} cold runs",
+               [settings, "", *table, *details], environment, args.record_to)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,10 +454,15 @@ def main() -> None:
         p.add_argument("--size", choices=sorted(SIZES), default=None, help="default: small on cuda, tiny on cpu")
         p.add_argument("--loss-checkpoint", choices=["reentrant", "nonreentrant"], default="reentrant",
                        help="checkpoint mode of the attention layer and the chunked loss (reentrant is the harder case)")
-        p.add_argument("--compile-threads", type=int, default=None, help="inductor compile workers (ours)")
+        p.add_argument("--no-layer-checkpoint", action="store_true",
+                       help="run the attention layer without checkpointing (only the loss is checkpointed)")
+        p.add_argument("--lengths", type=int, nargs="+", default=None,
+                       help="sequence length of each thread, cycled (default: 256 384 512 on cuda, 64 96 128 on cpu)")
+        p.add_argument("--compile-threads", type=int, default=None, help="inductor compile workers per run")
         if name == "race":
             p.add_argument("--runs", type=int, default=5)
-            p.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is killed and counted as a timeout")
+            p.add_argument("--parallel", type=int, default=1, help="runs at a time, each on its own cold cache dir")
+            p.add_argument("--timeout", type=float, default=90.0, help="seconds before a run is killed and counted as a hang")
             p.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "bench_compile_race"), help="one log per run")
             p.add_argument("--cache-root", default=None, help="where the fresh cache dirs go (default: the temp dir)")
             p.add_argument("--keep-cache", action="store_true")

@@ -1,4 +1,4 @@
-"""Benchmark DFlash training at Qwen3-8B shapes on one GPU, with random weights (issue 6).
+"""Benchmark DFlash training at Qwen3-8B shapes on one GPU, with random weights.
 
     python bench_dflash.py --quick                     # headline shapes, main variants (< 6 min on an H200, cold compile)
     python bench_dflash.py                             # + the whole (anchors x seq x batch) grid for baseline (< 10 min)
@@ -61,7 +61,7 @@ Variants (--variant, repeatable; join levers with '+'), each with its prediction
                       earlier checkpointed fp32-logit CE in 4096-row chunks as baseline). train_dflash.py now
                       trains as compile_layers+fused_ce_compiled (--compile_drafter auto, on with flex).
                       Prediction: ~105 ms/sample (~50 block GEMMs, ~15 eager elementwise, ~32 head + CE, ~7 the
-                      unsharded optimizer, ~8 flex + mask), ~325 useful TFLOP/s (the issue-2 run in BENCHMARKS.md:
+                      unsharded optimizer, ~8 flex + mask), ~325 useful TFLOP/s (the first colocated run in BENCHMARKS.md:
                       ~140 ms/sample colocated, ~22 of them target forward; bench_compile_race.py checkpoint:
                       67.4 ms for the checkpointed loss fwd+bwd over 8192 rows, 49.7 ms without checkpointing).
   loss_chunk_2048     same, 2048-row chunks. Prediction: time within +-3%, peak memory about -3 GB.
@@ -297,7 +297,7 @@ def loss_fn(variant: Variant):
 
 
 class MasterWeightAdamW:
-    """AdamW on fp32 master copies of low-precision params, with grad clipping (DESIGN §2: bf16 params, fp32 master weights).
+    """AdamW on fp32 master copies of low-precision params, with grad clipping (the paper's recipe: bf16 params, fp32 master weights).
 
     fp32 params (CPU) are stepped directly. State per trainable param: fp32 master + fp32 grad +
     2 fp32 Adam moments = 16 bytes, which ZeRO-2 shards over the drafter ranks.
@@ -655,7 +655,7 @@ def main(argv: list[str]) -> None:
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda":
-        setup_compile_cache("shared")  # before anything compiles (DESIGN §3)
+        setup_compile_cache("shared")  # before anything compiles (README, "Compile safety")
     else:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and a shared CPU loses a lot to them
     torch.manual_seed(0)

@@ -35,7 +35,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Why a sample was bad; `skip_bad_samples=True` counts skipped samples per reason.
+# Why a record is malformed; `skip_bad_samples=True` counts skipped records per reason. A well-formed
+# sample with nothing left to train on after truncation is not malformed: it is dropped and counted
+# (see build_train_dataset).
 BAD_SAMPLE_REASONS = (
     "invalid_json",  # not JSON, not a JSON object, or not UTF-8
     "unknown_format",  # none of messages / conversations / question+answer
@@ -43,7 +45,6 @@ BAD_SAMPLE_REASONS = (
     "missing_roles",  # no user turn or no assistant turn
     "empty_assistant_turn",  # an assistant message with empty (or whitespace) content
     "template_error",  # the chat template refused the conversation
-    "no_trainable_token",  # fewer than 2 assistant tokens left after truncation
 )
 
 # ShareGPT `from` values -> OpenAI roles.
@@ -268,11 +269,11 @@ def tokenize_conversation(
     messages: list[dict],
     tokenizer,
     *,
-    max_seq_length: int,
+    max_seq_length: int | None,
     chat_template_kwargs: dict | None = None,
     footer: tuple[str, str] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Messages -> (input_ids, loss_mask), both lists of length <= max_seq_length.
+    """Messages -> (input_ids, loss_mask), both lists of length <= max_seq_length (None: no cut).
 
     loss_mask[t] = 1 for tokens of assistant turns (content and the end-of-turn token),
     0 for everything else. A token that straddles a span edge counts as assistant (the
@@ -293,7 +294,7 @@ def tokenize_conversation(
             for t in range(len(input_ids) - 1):
                 if loss_mask[t] and not loss_mask[t + 1] and input_ids[t + 1] == end_of_turn_ids[0]:
                     loss_mask[t + 1] = 1
-        return input_ids[:max_seq_length], loss_mask[:max_seq_length]
+        return input_ids[:max_seq_length], loss_mask[:max_seq_length]  # [:None] keeps all
 
     if not getattr(tokenizer, "is_fast", True):
         raise ValueError("the loss mask needs a fast tokenizer (character offsets); load it with use_fast=True")
@@ -311,7 +312,7 @@ def tokenize_conversation(
             break
         if token_end > spans[span_index][0]:  # overlaps the span
             loss_mask[t] = 1
-    return input_ids[:max_seq_length], loss_mask[:max_seq_length]
+    return input_ids[:max_seq_length], loss_mask[:max_seq_length]  # [:None] keeps all
 
 
 def _tokenizer_fingerprint(tokenizer) -> str | None:
@@ -333,23 +334,32 @@ def _has_anchor(loss_mask: list[int]) -> bool:
     return any(a and b for a, b in zip(loss_mask, loss_mask[1:]))
 
 
+def _json_error_text(error: json.JSONDecodeError) -> str:
+    """'invalid JSON at column 15: Expecting value': the column within the line that `where` names."""
+    return f"invalid JSON at column {error.colno}: {error.msg}"
+
+
 def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer, code_version=None):
-    """datasets.map function (batched): raw records -> input_ids, loss_mask, num_tokens,
-    plus `reason`/`error` ("" for good rows) so bad rows can be reported or counted."""
-    out = {"input_ids": [], "loss_mask": [], "num_tokens": [], "num_loss_tokens": [], "reason": [], "error": []}
+    """datasets.map function (batched): raw records -> input_ids, loss_mask, num_tokens (cut to
+    max_seq_length), plus what truncation did (`full_tokens`, `full_loss_tokens`: before the cut;
+    `dropped`: no anchor left, nothing to train on) and `reason`/`error` ("" for well-formed rows)
+    so malformed rows can be reported or counted."""
+    out = {"input_ids": [], "loss_mask": [], "num_tokens": [], "num_loss_tokens": [], "full_tokens": [],
+           "full_loss_tokens": [], "dropped": [], "reason": [], "error": []}
     for record_text, read_error, where in zip(rows["record"], rows["error"], rows["where"]):
-        input_ids, loss_mask, reason, error = [], [], "", ""
+        input_ids, loss_mask, full_tokens, full_loss_tokens, reason, error = [], [], 0, 0, "", ""
         try:
             if read_error:
                 raise DataFormatError(f"{where}: {read_error}", "invalid_json")
             try:
-                record = json.loads(record_text)
+                # Without the line break, an error position is a column of this one line.
+                record = json.loads(record_text.rstrip("\r\n"))
             except json.JSONDecodeError as json_error:
-                raise DataFormatError(f"{where}: invalid JSON ({json_error})", "invalid_json") from json_error
+                raise DataFormatError(f"{where}: {_json_error_text(json_error)}", "invalid_json") from json_error
             messages = normalize_record(record, where)
             try:
                 input_ids, loss_mask = tokenize_conversation(
-                    messages, tokenizer, max_seq_length=max_seq_length, chat_template_kwargs=chat_template_kwargs, footer=footer
+                    messages, tokenizer, max_seq_length=None, chat_template_kwargs=chat_template_kwargs, footer=footer
                 )
             except DataFormatError as template_error:
                 raise DataFormatError(f"{where}: {template_error}", template_error.reason) from template_error
@@ -360,21 +370,61 @@ def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer
                 last = max((t for t, m in enumerate(loss_mask) if m), default=None)
                 if last is not None and end_of_turn_ids and input_ids[last] == end_of_turn_ids[-1]:
                     loss_mask[last] = 0
-            if not _has_anchor(loss_mask):
-                raise DataFormatError(
-                    f"{where}: fewer than 2 assistant tokens left after truncation to max_seq_length={max_seq_length} "
-                    "(nothing to train on)",
-                    "no_trainable_token",
-                )
+            full_tokens, full_loss_tokens = len(input_ids), sum(loss_mask)
+            input_ids, loss_mask = input_ids[:max_seq_length], loss_mask[:max_seq_length]
         except DataFormatError as bad:
             input_ids, loss_mask, reason, error = [], [], bad.reason, str(bad)
+        dropped = not reason and not _has_anchor(loss_mask)
+        if dropped:
+            input_ids, loss_mask = [], []  # nothing to train on; only the counts are kept
         out["input_ids"].append(input_ids)
         out["loss_mask"].append(loss_mask)
         out["num_tokens"].append(len(input_ids))
         out["num_loss_tokens"].append(sum(loss_mask))
+        out["full_tokens"].append(full_tokens)
+        out["full_loss_tokens"].append(full_loss_tokens)
+        out["dropped"].append(dropped)
         out["reason"].append(reason)
         out["error"].append(error)
     return out
+
+
+def _report_truncation(columns: dict[str, list], max_seq_length: int, max_dropped_fraction: float) -> None:
+    """One warning about what max_seq_length cost (samples dropped, replies cut, share of assistant
+    tokens lost); a ValueError when more than `max_dropped_fraction` of the samples were dropped.
+
+    columns: `dropped`, `full_tokens`, `full_loss_tokens`, `num_loss_tokens`, one entry per
+    well-formed sample (`_tokenize_rows`' output).
+    """
+    stats = [dict(zip(columns, row)) for row in zip(*columns.values())]
+    total = len(stats)
+    dropped = [row for row in stats if row["dropped"]]
+    cut = [row for row in stats if not row["dropped"] and row["num_loss_tokens"] < row["full_loss_tokens"]]
+    if not dropped and not cut:
+        return
+    too_long = sum(row["full_tokens"] > max_seq_length for row in dropped)
+    all_loss = sum(row["full_loss_tokens"] for row in stats)
+    lost = all_loss - sum(row["num_loss_tokens"] for row in stats if not row["dropped"])
+    lengths = sorted(row["full_tokens"] for row in stats)
+    keeps_95 = lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))]
+    parts = []
+    if dropped:
+        parts.append(
+            f"dropped {len(dropped)} of {total} samples ({len(dropped) / total:.1%}) with fewer than 2 assistant tokens "
+            "left after truncation"
+            + (f" ({len(dropped) - too_long} of them have fewer than 2 at any length)" if too_long < len(dropped) else "")
+        )
+    if cut:
+        parts.append(f"cut the assistant reply of {len(cut)} {'more' if dropped else f'of {total} samples'}")
+    summary = (f"max_seq_length={max_seq_length}: {', and '.join(parts)}; {lost / max(all_loss, 1):.1%} of all assistant "
+               "tokens are not trained.")
+    hint = f"--max_seq_length {keeps_95} would keep 95% of the samples whole"
+    if len(dropped) > max_dropped_fraction * total:
+        raise ValueError(
+            f"{summary} That is more than --max_dropped_fraction {max_dropped_fraction}: the length setting is likely "
+            f"wrong for this data. Raise --max_seq_length ({hint}), or raise --max_dropped_fraction to train anyway."
+        )
+    logger.warning("%s Raise --max_seq_length to keep them (%s).", summary, hint)
 
 
 # ----------------------------------------------------------------------------------------
@@ -398,7 +448,8 @@ def _read_json_files(files: list[tuple[int, str]], stamps=None, code_version=Non
                 records = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
                 where = f"{path}:{getattr(error, 'lineno', 1)}"
-                yield {"record": "", "error": f"invalid JSON file ({error})", "where": where, "source_index": source_index, "line": 0}
+                text = f"at column {error.colno}: {error.msg}" if isinstance(error, json.JSONDecodeError) else f"(not UTF-8: {error})"
+                yield {"record": "", "error": f"invalid JSON file {text}", "where": where, "source_index": source_index, "line": 0}
                 continue
             if not isinstance(records, list):
                 records = [records]  # a single record; normalize_record rejects non-objects
@@ -531,6 +582,7 @@ def build_train_dataset(
     seed: int = 0,
     skip_bad_samples: bool = False,
     max_samples: int | None = None,
+    max_dropped_fraction: float = 0.5,
 ) -> datasets.Dataset:
     """Conversations from `paths` -> tokenized training samples, shuffled by `seed`.
 
@@ -538,6 +590,11 @@ def build_train_dataset(
     0/1, same length; 1 on assistant tokens incl. the end-of-turn token) and `num_tokens`
     (int, = len(input_ids)). Every sample has at least one DFlash anchor (two consecutive
     assistant tokens).
+
+    Truncation to `max_seq_length` keeps the first tokens. A sample left with no anchor (a
+    prompt that fills max_seq_length) is dropped, not an error; samples dropped and replies cut
+    are counted in one warning with the share of assistant tokens lost. More than
+    `max_dropped_fraction` of the samples dropped is an error: the length is likely wrong.
 
     `chat_template_kwargs` are passed to the template (e.g. {"enable_thinking": False} for
     Qwen3). `max_samples` keeps the first `max_samples` records of the shuffled order,
@@ -548,7 +605,7 @@ def build_train_dataset(
 
     Raises:
         ValueError: the tokenizer has no chat template; a path is neither a data file nor a
-            dataset; nothing usable is left.
+            dataset; more than `max_dropped_fraction` dropped; nothing usable is left.
         DataFormatError: a bad record (message names file and line and the reason), unless
             `skip_bad_samples`, which drops bad records and logs the count per reason.
     """
@@ -600,6 +657,11 @@ def build_train_dataset(
             "Skipped %d of %d samples (%s). First: %s", len(bad), len(reasons), summary, bad_rows[0]["error"]
         )
         tokenized = tokenized.filter(lambda reason: not reason, input_columns="reason", desc="Dropping bad samples")
+    if len(tokenized):
+        columns = tokenized.select_columns(["dropped", "full_tokens", "full_loss_tokens", "num_loss_tokens"]).to_dict()
+        _report_truncation(columns, max_seq_length, max_dropped_fraction)
+        if any(columns["dropped"]):
+            tokenized = tokenized.filter(lambda dropped: not dropped, input_columns="dropped", desc="Dropping samples with nothing to train on")
     if len(tokenized) == 0:
         raise ValueError(f"no usable training samples in {paths}")
     logger.info(
@@ -712,9 +774,9 @@ def load_prompts(path: str, tokenizer=None, *, num_prompts: int | None = None) -
         if row["error"]:
             raise DataFormatError(f"{where}: {row['error']}", "invalid_json")
         try:
-            record = json.loads(row["record"])
+            record = json.loads(row["record"].rstrip("\r\n"))
         except json.JSONDecodeError as error:
-            raise DataFormatError(f"{where}: invalid JSON ({error})", "invalid_json") from error
+            raise DataFormatError(f"{where}: {_json_error_text(error)}", "invalid_json") from error
         messages = _prompt_messages(record, where)
         if tokenizer is not None:
             try:

@@ -2,8 +2,7 @@
 forward pass, conditioned on the target's hidden states.
 
 Reference: "DFlash: Block Diffusion for Flash Speculative Decoding" (arXiv 2602.06036), and the
-checkpoint format its released drafters, SGLang and vLLM load. ../shared/DESIGN.md (sections 1,
-2 and 5) is the specification this file implements.
+checkpoint format its released drafters, SGLang and vLLM load (README, "Export format and serving").
 
 Reading order: config -> pure helpers (anchors, blocks, labels, masks) -> attention backends ->
 RMSNorm, attention, MLP, decoder layer -> drafter -> loss and metrics.
@@ -40,7 +39,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers whose outputs feed the drafter, one per drafter layer (DESIGN §1).
+    """Target layers whose outputs feed the drafter, one per drafter layer (the reference recipe).
 
     Spread evenly from layer 1 to layer L-3: `round(1 + i * (L - 4) / (n - 1))`, i = 0..n-1.
     Worked example: L = 36 target layers, n = 5 drafter layers -> [1, 9, 17, 25, 33].
@@ -66,18 +65,42 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return sorted({min(i, num_target_layers - 1) for i in ids})
 
 
-# Decay of the per-position loss weight w_k = exp(-(k - 1) / gamma), by block size (DESIGN §2).
+# Decay of the per-position loss weight w_k = exp(-(k - 1) / gamma), by block size: the paper's
+# values (arXiv 2602.06036). Other block sizes use `default_loss_gamma`'s fitted line.
 DEFAULT_LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_loss_gamma(block_size: int) -> float:
+    """The loss decay gamma for a block size: the paper's value for B = 16, 10, 8, else a fitted line.
+
+    The line is the least-squares fit through the paper's three points (8, 4), (10, 5), (16, 7):
+    gamma = (19 * B + 62) / 52, about 0.365 * B + 1.19 (it gives 4.12, 4.85, 7.04 at those points).
+    Worked examples: B = 4 -> 2.65, B = 12 -> 5.58, B = 32 -> 12.88. It grows with B, so a longer
+    block still weights its later positions, and stays above 1.9 for every B >= 2.
+
+    Args:
+        block_size: B, tokens per block (anchor included), >= 2.
+    Returns:
+        gamma > 0.
+    Raises:
+        ValueError: if block_size < 2.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (an anchor plus at least one drafted token), got {block_size}")
+    return DEFAULT_LOSS_GAMMA.get(block_size, (19 * block_size + 62) / 52)
 
 
 @strict
 class DFlashConfig(Qwen3Config):
-    """Drafter config: a Qwen3 config plus the DFlash fields that serving engines read (DESIGN §5).
+    """Drafter config: a Qwen3 config plus the DFlash fields that serving engines read (README, "Export format").
 
     It stays `model_type = "qwen3"` (a second class registering "qwen3" would collide in
     AutoConfig); the DFlash fields are `block_size`, `num_target_layers` and
     `dflash_config = {"mask_token_id": int, "target_layer_ids": [int, ...]}`.
-    `rope_theta` is written at the top level too, because older loaders read it there.
+    `rope_theta` is written at the top level too, because older loaders read it there, and a scaled
+    RoPE (llama3, yarn, dynamic, ...) is also written as the transformers-4 `rope_scaling` field,
+    which those loaders read instead of `rope_parameters` (without it they would silently use
+    plain RoPE).
 
     Raises:
         ValueError: on a block size < 2, target layer ids out of range, or a mask token id
@@ -111,6 +134,15 @@ class DFlashConfig(Qwen3Config):
                     f"mask_token_id {self.dflash_config['mask_token_id']} is not a row of the target's "
                     f"embedding ({self.vocab_size} rows); pass --mask_token_id with an existing token id"
                 )
+
+    def to_dict(self) -> dict:
+        """The config as saved to config.json, with `rope_scaling` beside `rope_parameters` for a scaled RoPE."""
+        output = super().to_dict()
+        rope = output.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            # The transformers-4 layout: scaling fields in rope_scaling, rope_theta at the top level.
+            output["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        return output
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -174,13 +206,13 @@ class DFlashConfig(Qwen3Config):
 
 
 # ----------------------------------------------------------------------------------------------
-# Pure helpers: anchors, blocks, labels, masks (DESIGN §2)
+# Pure helpers: anchors, blocks, labels, masks (the training objective, arXiv 2602.06036)
 
 
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample anchor positions without replacement, per row (DESIGN §2).
+    """Sample anchor positions without replacement, per row.
 
     A position p is eligible when `loss_mask[p]` and `loss_mask[p + 1]` are both set: the anchor
     token is known and at least its first label trains. Rows with fewer eligible positions than
@@ -270,7 +302,7 @@ def block_labels(
 
 
 def anchor_block_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int):
-    """The training attention rule as a flex_attention `mask_mod` (DESIGN §2).
+    """The training attention rule as a flex_attention `mask_mod`.
 
     KV layout: `[context 0..S-1 | block 0 | block 1 | ... | block N-1]`, KV_LEN = S + N*B.
     Query side: `[block 0 | ... | block N-1]`, Q_LEN = N*B; query q is in block j = q // B.
@@ -328,7 +360,7 @@ def create_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, 
 #
 # flex_attention runs the block-sparse training mask without materialising scores only when it is
 # compiled; eager flex_attention is dense math attention (hundreds of GB at real sizes). Compiling
-# is where training used to die (DESIGN §3): threads or ranks compiling at once on a cold cache.
+# is where training used to die: threads or ranks compiling at once on a cold cache (README, "Compile safety").
 # The rules of this section:
 #   1. `setup_compile_cache` picks the inductor/Triton cache dirs and the node-wide lock dir,
 #      once per process, before anything compiles.
@@ -939,7 +971,7 @@ class RMSNorm(nn.Module):
 
 
 class DFlashAttention(nn.Module):
-    """Attention whose keys/values come from the fused context AND the block (KV injection, DESIGN §1).
+    """Attention whose keys/values come from the fused context AND the block (KV injection).
 
     `K = k_norm(k_proj([ctx; block]))`, `V = v_proj([ctx; block])`, queries from block tokens only.
     The context enters k_proj/v_proj without input_layernorm (it was normalised once by
@@ -1088,7 +1120,7 @@ class DFlashStaticContextCache:
 
 
 class DFlashDraftModel(PreTrainedModel):
-    """The DFlash drafter (DESIGN §1).
+    """The DFlash drafter (arXiv 2602.06036): Qwen3-style layers conditioned on the target's hidden states.
 
     Trainable: `layers`, `fc` (context fusion), `hidden_norm`, `norm`. The block embedding and the
     LM head are the target's, attached by `attach_target` and held by reference: they are never
@@ -1170,7 +1202,7 @@ class DFlashDraftModel(PreTrainedModel):
         anchor_valid: torch.Tensor,
         attention_backend: str = "sdpa",
     ) -> torch.Tensor:
-        """Training forward: every anchor's block in one pass, under the DESIGN §2 mask.
+        """Training forward: every anchor's block in one pass, under the training mask (`anchor_block_mask_mod`).
 
         Args:
             context_features: [batch, S, len(target_layer_ids) * hidden], the target's layer
@@ -1287,25 +1319,23 @@ class DFlashDraftModel(PreTrainedModel):
 
 
 def loss_weights(block_size: int, gamma: float | None = None, device=None) -> torch.Tensor:
-    """Per-position loss weights `w_k = exp(-(k - 1) / gamma)` for k = 1..B-1 (DESIGN §2).
+    """Per-position loss weights `w_k = exp(-(k - 1) / gamma)` for k = 1..B-1 (arXiv 2602.06036).
 
     Early positions matter most: a draft is accepted only up to its first miss. Worked example,
     B = 16, gamma = 7: w_1 = 1.0, w_2 = 0.867, w_8 = 0.368, w_15 = 0.135.
 
     Args:
-        gamma: decay; default 7 for B = 16, 5 for B = 10, 4 for B = 8.
+        gamma: decay; default `default_loss_gamma(block_size)` (7 for B = 16, 5 for B = 10, 4 for
+            B = 8, a fitted line elsewhere).
     Returns:
         [B-1] float32.
     Raises:
-        ValueError: if gamma is not given and B has no default.
+        ValueError: if block_size < 2 or gamma <= 0.
     """
     if gamma is None:
-        if block_size not in DEFAULT_LOSS_GAMMA:
-            raise ValueError(
-                f"no default loss decay for block_size {block_size} (known: {sorted(DEFAULT_LOSS_GAMMA)}); "
-                "pass --loss_decay_gamma"
-            )
-        gamma = DEFAULT_LOSS_GAMMA[block_size]
+        gamma = default_loss_gamma(block_size)
+    if gamma <= 0:
+        raise ValueError(f"--loss_decay_gamma must be > 0, got {gamma}")
     k = torch.arange(1, block_size, dtype=torch.float32, device=device)
     return torch.exp(-(k - 1) / gamma)
 
@@ -1396,7 +1426,7 @@ def dflash_loss(
     chunk_size: int = 4096,
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position-weighted cross-entropy through the target's LM head, in chunks (DESIGN §2).
+    """Position-weighted cross-entropy through the target's LM head, in chunks (arXiv 2602.06036).
 
     loss = sum_i w_k(i) * CE_i / sum_i w_k(i) over valid positions i of the micro-batch, never a
     plain mean over padded positions.

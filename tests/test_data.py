@@ -226,12 +226,46 @@ def test_bad_line_names_file_and_line(tmp_path, qwen3_tokenizer, reason):
     assert "skip_bad_samples" in str(error.value)
 
 
-def test_no_trainable_token_after_truncation(tmp_path, qwen3_tokenizer):
-    long_user = {"messages": [{"role": "user", "content": "word " * 100}, {"role": "assistant", "content": "ok fine"}]}
-    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_user])
-    with pytest.raises(DataFormatError, match=rf"{path}:2: fewer than 2 assistant tokens left after truncation") as error:
+def test_invalid_json_names_the_file_line_and_the_column_in_it(tmp_path, qwen3_tokenizer):
+    # A line cut short: the parser runs into the line break, which it used to report as "line 2 column 1".
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD] * 5 + ['{"messages": [', GOOD])
+    with pytest.raises(DataFormatError) as error:
+        build_train_dataset([path], qwen3_tokenizer, max_seq_length=128)
+    assert f"{path}:6: invalid JSON at column 15: Expecting value" in str(error.value)
+    assert "line 2" not in str(error.value)
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Hi"}, '{"prompt": "Hi",, "x": 1}'])
+    with pytest.raises(DataFormatError, match=rf"{path}:2: invalid JSON at column 17: Expecting property name"):
+        load_prompts(path)
+
+
+def _long_prompt(words: int) -> dict:
+    return {"messages": [{"role": "user", "content": "word " * words}, {"role": "assistant", "content": "ok fine"}]}
+
+
+def test_samples_with_nothing_left_after_truncation_are_dropped_and_counted(tmp_path, qwen3_tokenizer, caplog):
+    long_reply = {"messages": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one two " * 30}]}
+    records = [GOOD, _long_prompt(100), GOOD, long_reply, GOOD]
+    path = write_jsonl(tmp_path / "data.jsonl", records)
+    with caplog.at_level(logging.WARNING, logger="dflash_data"):
+        dataset = build_train_dataset([path], qwen3_tokenizer, max_seq_length=40)
+    assert len(dataset) == 4 and max(dataset["num_tokens"]) == 40  # the long prompt is dropped, the long reply cut
+    full = [tokenize_conversation(normalize_record(r), qwen3_tokenizer, max_seq_length=None)[1] for r in records]
+    lost = sum(full[1]) + sum(full[3][40:])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(
+        "max_seq_length=40: dropped 1 of 5 samples (20.0%) with fewer than 2 assistant tokens left after truncation, "
+        f"and cut the assistant reply of 1 more; {lost / sum(map(sum, full)):.1%} of all assistant tokens are not trained."
+    ), warnings[0]
+    assert "Raise --max_seq_length" in warnings[0]
+
+
+def test_too_many_samples_dropped_is_an_error(tmp_path, qwen3_tokenizer):
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, _long_prompt(100), _long_prompt(120)])
+    with pytest.raises(ValueError, match=r"dropped 2 of 3 samples \(66.7%\).*more than --max_dropped_fraction 0.5.*"
+                                         r"Raise --max_seq_length \(--max_seq_length \d+ would keep 95%"):
         build_train_dataset([path], qwen3_tokenizer, max_seq_length=40)
-    assert error.value.reason == "no_trainable_token"
+    assert len(build_train_dataset([path], qwen3_tokenizer, max_seq_length=40, max_dropped_fraction=0.7)) == 1
 
 
 def test_template_error_names_file_and_line(tmp_path, smollm2_tokenizer):

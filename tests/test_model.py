@@ -21,6 +21,7 @@ from dflash_model import (
     dense_anchor_block_mask,
     dflash_loss,
     estimate_acceptance_length,
+    default_loss_gamma,
     loss_weights,
     sample_anchors,
 )
@@ -45,7 +46,7 @@ def tiny_drafter(block_size=4, num_draft_layers=2, seed=0):
 
 
 def reference_mask(anchors, anchor_valid, seq_len, block_size):
-    """Element-by-element mask, written from DESIGN §2 with plain loops."""
+    """Element-by-element mask, written from the training rule (anchor_block_mask_mod's docstring) with plain loops."""
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
     mask = torch.zeros(batch, 1, q_len, seq_len + q_len, dtype=torch.bool)
@@ -139,7 +140,7 @@ def test_sample_anchors_eligibility_and_determinism():
 
 
 def test_default_target_layer_ids():
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, DESIGN §1
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B's drafters
     assert default_target_layer_ids(28, 5) == [1, 7, 13, 19, 25]
     assert default_target_layer_ids(6, 2) == [1, 3]
 
@@ -149,8 +150,23 @@ def test_loss_weights_worked_example():
     assert w.shape == (15,) and w[0] == 1.0
     torch.testing.assert_close(w[7], torch.tensor(math.exp(-1.0)), rtol=0, atol=1e-7)
     torch.testing.assert_close(loss_weights(8)[4], torch.tensor(math.exp(-1.0)), rtol=0, atol=1e-7)
-    with pytest.raises(ValueError, match="--loss_decay_gamma"):
-        loss_weights(12)
+
+
+def test_every_block_size_has_a_default_gamma():
+    assert [default_loss_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]  # the paper's values, exactly
+    # Elsewhere the least-squares line through the paper's points: (19 B + 62) / 52.
+    assert default_loss_gamma(12) == pytest.approx(5.5769, abs=1e-4) and default_loss_gamma(4) == pytest.approx(2.6538, abs=1e-4)
+    for b, paper in ((16, 7.0), (10, 5.0), (8, 4.0)):
+        assert abs((19 * b + 62) / 52 - paper) < 0.16  # the line stays close to the points it was fitted to
+    gammas = [default_loss_gamma(b) for b in range(2, 65)]
+    assert all(g > 1.9 for g in gammas) and gammas == sorted(gammas)  # positive and growing with B
+    w = loss_weights(12)
+    assert w.shape == (11,)
+    torch.testing.assert_close(w[5], torch.tensor(math.exp(-5 / default_loss_gamma(12))), rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        loss_weights(1)
+    with pytest.raises(ValueError, match="--loss_decay_gamma must be > 0"):
+        loss_weights(8, gamma=0.0)
 
 
 def test_weighted_loss_equals_hand_computed_value():
@@ -320,3 +336,28 @@ def test_config_from_llama_target_and_errors():
         DFlashConfig.from_target_config(llama, mask_token_id=100)
     with pytest.raises(ValueError, match="target_layer_ids"):
         DFlashConfig.from_target_config(llama, mask_token_id=7, target_layer_ids=[1, 30])
+
+
+def test_scaled_rope_is_exported_for_older_loaders_too(tmp_path):
+    """A Llama-3.1-style target: config.json carries rope_scaling (what transformers 4 and the engines'
+    parsers read) beside rope_parameters, and both load back to the same scaled RoPE."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    llama31 = LlamaConfig(hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=64, vocab_size=100, rope_theta=500000.0, rope_scaling=dict(scaling),  # a copy: the config adds rope_theta to it
+                          max_position_embeddings=131072)
+    config = DFlashConfig.from_target_config(llama31, mask_token_id=7, num_draft_layers=2)
+    DFlashDraftModel(config).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["rope_scaling"] == scaling and saved["rope_theta"] == 500000.0
+    assert saved["rope_parameters"] == {**scaling, "rope_theta": 500000.0}
+    # A transformers-4 style reader sees only rope_scaling + rope_theta; the drafter reloads the same table.
+    old_style = {k: v for k, v in saved.items() if k != "rope_parameters"}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old_style))
+    assert DFlashConfig.from_pretrained(tmp_path / "old").rope_parameters == saved["rope_parameters"]
+    reloaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert reloaded.rotary_emb.rope_type == "llama3"
+    torch.testing.assert_close(reloaded.rotary_emb.inv_freq, DFlashDraftModel(config).rotary_emb.inv_freq, rtol=0, atol=0)
+    # Plain RoPE writes no rope_scaling.
+    assert "rope_scaling" not in DFlashConfig.from_target_config(LlamaConfig(num_hidden_layers=4), mask_token_id=7).to_dict()

@@ -274,3 +274,15 @@ def test_server_failures_are_counted_and_retried(tmp_path, prompts_file):
                                     "--server_timeout_s", "5"])
     assert summary["failed"] == 3 and summary["written"] == 0
     assert not output.exists() or output.read_text() == ""
+
+
+def test_resume_reads_replies_with_unicode_line_separators(tmp_path, prompts_file):
+    """json.dumps(ensure_ascii=False) leaves U+2028 / U+0085 unescaped: a resumed run must not split a
+    record there (str.splitlines would, and call the file corrupt)."""
+    prompts = regenerate_data.load_prompts(prompts_file)
+    output = tmp_path / "out.jsonl"
+    records = [{"id": i, "sample": 0, "prompt_hash": prompt_hash(prompts[i]),
+                "messages": prompts[i] + [{"role": "assistant", "content": f"a\u2028b\x85c {i}"}],
+                "num_new_tokens": 3, "finished": True} for i in range(3)]
+    output.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert regenerate_data.read_done(str(output), prompts) == {(0, 0), (1, 0), (2, 0)}

