@@ -237,13 +237,13 @@ class CUDAGraphCall:
     small model is launch-bound, so this is most of the speed of decoding on a GPU.
 
     `fn` must take and return tensors, run no host sync, and keep its other state at fixed
-    addresses (a static KV cache). `before()` runs before every execution, eager or replayed: it
-    resets state that `fn` advances in place. The returned tensors are the graph's own buffers,
-    overwritten by the next replay: use them before calling again.
+    addresses (a static KV cache) that it resets from its inputs (a replay re-runs only what the
+    graph recorded). The returned tensors are the graph's own buffers, overwritten by the next
+    replay: use them before calling again.
     """
 
-    def __init__(self, fn, before=None):
-        self.fn, self.before = fn, before or (lambda: None)
+    def __init__(self, fn):
+        self.fn = fn
         self.graphs: dict[tuple, tuple] = {}
 
     def __call__(self, *inputs: torch.Tensor):
@@ -254,18 +254,15 @@ class CUDAGraphCall:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.before()
                     self.fn(*static_inputs)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            self.before()
             with torch.cuda.graph(graph):
                 static_outputs = self.fn(*static_inputs)
             self.graphs[key] = (graph, static_inputs, static_outputs)
         graph, static_inputs, static_outputs = self.graphs[key]
         for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value, non_blocking=True)
-        self.before()
         graph.replay()
         return static_outputs
 
@@ -337,16 +334,14 @@ class StaticTargetRunner(TargetRunner):
         self.max_length = max_length
         self.additive_mask = implementation == "eager"
         self.dtype = target.get_input_embeddings().weight.dtype
-        self.graphed = CUDAGraphCall(self._forward_at, before=self._rewind) if cuda_graphs else None
-        self._write_position = 0
-
-    def _rewind(self) -> None:
-        # StaticCache writes at, and then advances, each layer's cumulative_length (a device tensor).
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(self._write_position)
+        self.graphed = CUDAGraphCall(self._forward_at) if cuda_graphs else None
 
     def _forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions [1, T] -> (logits [1, T or logits_to_keep, vocab], features [1, T, F]); no host sync."""
+        # StaticCache writes at, then advances, each layer's cumulative_length (a device tensor):
+        # point it at this forward's first position, from the inputs, so a replay does it too.
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(positions[0, 0])
         slots = torch.arange(self.max_length, device=tokens.device)
         mask = (slots[None, :] <= positions[0][:, None])[None, None]  # [1, 1, T, max_length], True = attend
         if self.additive_mask:
@@ -366,12 +361,10 @@ class StaticTargetRunner(TargetRunner):
         if self.length + length > self.max_length:
             raise ValueError(f"{self.length + length} positions do not fit the static KV cache of {self.max_length}")
         positions = torch.arange(self.length, self.length + length, device=tokens.device)[None]  # [1, T]
-        self._write_position = self.length
         if graphed and self.graphed is not None:
             logits, features = self.graphed(tokens, positions)
             logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
         else:
-            self._rewind()
             logits, features = self._forward_at(tokens, positions, logits_to_keep)
         self.length += length
         return logits, features

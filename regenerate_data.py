@@ -261,9 +261,13 @@ def regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwar
         group = todo[start : start + args.batch_size]
         filled = group + [group[-1]] * (args.batch_size - len(group)) if static else group
         try:
+            began = time.time()
             replies = generate_replies(model, tokenizer, [prompts[i] for i, _ in filled],
                                        [reply_seed(args.seed, i, k) for i, k in filled], args, chat_template_kwargs,
                                        eos_ids, prompt_width, static)
+            tokens = sum(n for _, n, _ in replies[: len(group)])
+            logger.info("batch of %d replies: %d new tokens in %.1f s (%.0f tokens/s%s)", len(group), tokens, time.time() - began,
+                        tokens / max(time.time() - began, 1e-9), ", compile included" if static and start == 0 else "")
             yield from zip(group, replies)
         except Exception as error:  # e.g. out of memory on one long prompt: retry one by one
             logger.warning("batch starting at prompt %d failed (%s: %s); retrying its replies one by one", group[0][0], type(error).__name__, error)
