@@ -35,10 +35,10 @@ step() {  # name, seconds cap, command...: log to OUT/name.log, "name seconds rc
   printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/steps.tsv"
 }
 head -n 4096 "$DATA_DIR/gsm8k/train.jsonl" > "$OUT/questions.jsonl"
+evaluate=(--target_model "$T" --draft_model "$T/drafter" --data "$OUT/questions.jsonl" --max_new_tokens 128)
+step eval_after 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 5 --output "$OUT/eval_after.json"
+step eval_before 60 python3 "$BEFORE/eval_dflash.py" "${evaluate[@]}" --num_prompts 2 --baseline none --output "$OUT/eval_before.json"
 regen=(--target_model "$T" --prompts "$OUT/questions.jsonl" --temperature 0 --max_new_tokens 320)
 step regen_before 90 python3 "$BEFORE/regenerate_data.py" "${regen[@]}" --output "$OUT/regen_before.jsonl" --num_prompts 512 --batch_size 512
 step regen_after 150 python3 regenerate_data.py "${regen[@]}" --output "$OUT/regen_after.jsonl" --num_prompts 4096 --batch_size 2048
-evaluate=(--target_model "$T" --draft_model "$T/drafter" --data "$OUT/questions.jsonl" --max_new_tokens 128)
-step eval_before 60 python3 "$BEFORE/eval_dflash.py" "${evaluate[@]}" --num_prompts 2 --baseline none --output "$OUT/eval_before.json"
-step eval_after 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 5 --output "$OUT/eval_after.json"
 step eval_after_dynamic 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 2 --baseline none --kv_cache dynamic --output "$OUT/eval_after_dynamic.json"
