@@ -34,9 +34,10 @@ batch, on --batch_size, or on where a run was resumed (up to GPU numerics; a ser
 itself from the `seed` it is sent).
 
 Speed on a GPU (`--kv_cache static`, the default there): every batch has the same shape (prompts
-left-padded to the longest prompt of the run, the last batch filled up), so transformers' `generate`
-compiles its decode step once with a static KV cache and replays it as a CUDA graph
-(BENCHMARKS.md has the tokens/s against the growing cache).
+left-padded to the longest prompt of the run, the last batch filled up), so one static KV cache
+serves the run and the whole decode step (the target forward over every row) is captured once as a
+CUDA graph and replayed (`StaticBatchDecoder`); transformers' `generate` spends most of a step in
+Python for a small target. BENCHMARKS.md has the tokens/s.
 """
 
 import hashlib
@@ -73,7 +74,7 @@ class RegenerateArgs:
     num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of the file."})
     chat_template_kwargs: str = field(default="{}", metadata={"help": "JSON dict for the chat template, e.g. '{\"enable_thinking\": false}'."})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 on a CPU with AVX512-BF16/AMX is faster."})
-    kv_cache: str = field(default="auto", metadata={"help": "static (fixed batch shape, decode step compiled and replayed as a CUDA graph), dynamic (a growing cache) or auto: static on CUDA, dynamic on CPU."})
+    kv_cache: str = field(default="auto", metadata={"help": "static (a fixed batch shape; on CUDA the whole decode step is replayed as one CUDA graph), dynamic (transformers' generate with a growing cache) or auto: static on CUDA, dynamic on CPU."})
     server_url: str | None = field(default=None, metadata={"help": "An OpenAI-compatible endpoint to generate with instead of a local model, e.g. http://localhost:8000/v1 (vLLM, SGLang, transformers serve)."})
     server_model: str | None = field(default=None, metadata={"help": "Model name sent to --server_url (default: --target_model)."})
     server_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Environment variable that holds the server's API key (unset: no key)."})
@@ -146,13 +147,16 @@ class SeededSampling(LogitsProcessor):
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.perturb(scores, input_ids.shape[1] - self.prompt_width)
+
+    def perturb(self, scores: torch.Tensor, step: int) -> torch.Tensor:
+        """scores [batch, vocab] of reply token `step` -> [batch, vocab] float32 whose argmax is the draw."""
         logits = scores.float() / self.temperature  # [batch, vocab]
         if self.top_p < 1.0:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             mass_before = sorted_logits.softmax(dim=-1).cumsum(dim=-1) - sorted_logits.softmax(dim=-1)
             drop = mass_before >= self.top_p  # the most likely token always stays (its mass before is 0)
             logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        step = input_ids.shape[1] - self.prompt_width
         uniform = counter_uniform(self.seeds.to(logits.device), step, logits.shape[-1])
         return logits - torch.log(-torch.log(uniform))
 
@@ -199,15 +203,100 @@ def read_done(output_path: str, prompts: list[list[dict]]) -> set[tuple[int, int
 # A local model
 
 
+class StaticBatchDecoder:
+    """Decoding of left-padded prompt batches from a static KV cache, the decode step replayed as one
+    CUDA graph: the GPU path of `regenerate_locally`.
+
+    For a small target transformers' `generate` spends most of a decode step in Python (19 ms per
+    step at batch 512 for SmolLM2-135M on an H200, with its static cache and compiled forward;
+    BENCHMARKS.md). Here a step copies three small inputs into the captured buffers, replays the
+    graph (the whole target forward), picks the next tokens on the device and, every
+    `CHECK_EVERY` steps, asks the host whether every row has ended. The cache and the graph are made
+    once for the run: every batch has `batch_size` rows of `prompt_width` columns (left padding).
+
+    The attention mask is built inside the forward from a per-row table of the cache columns that
+    hold real tokens (`valid`: the prompt's, then every generated one) and the query's column, so the
+    graph serves every step. A query sees valid columns up to its own, and always its own column (a
+    left-pad query would otherwise see nothing, and SDPA returns NaN for a fully masked row).
+
+    Raises:
+        ValueError: for targets whose attention takes no 4D mask or whose cache has sliding-window
+            layers (use --kv_cache dynamic).
+    """
+
+    CHECK_EVERY = 8  # steps between host checks for "every row has ended" (each check is a sync)
+
+    def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool):
+        from transformers import StaticCache
+
+        from eval_dflash import CUDAGraphCall, _cache_argument
+
+        implementation = getattr(model.config, "_attn_implementation", None)
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(f"a static KV cache needs sdpa or eager attention; this target uses {implementation!r}: use --kv_cache dynamic")
+        self.model, self.width, self.max_new_tokens = model, prompt_width, max_new_tokens
+        self.length = prompt_width + max_new_tokens
+        self.cache = StaticCache(config=model.config, max_cache_len=self.length)
+        if not all(hasattr(layer, "cumulative_length") and not getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise ValueError("this target's static cache has sliding-window layers; use --kv_cache dynamic")
+        self.cache_argument = _cache_argument(model)
+        self.additive_mask = implementation == "eager"
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.valid = torch.zeros(batch_size, self.length, dtype=torch.bool, device=model.device)  # [batch, columns]
+        self.graphed = CUDAGraphCall(self._forward) if cuda_graphs else None
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        """tokens, positions [batch, T] written at cache columns column..column+T-1 (column: [1] int64)
+        -> logits [batch, vocab] of the last of them. No host sync (it is replayed as a graph)."""
+        for layer in self.cache.layers:  # StaticCache writes at, then advances, each layer's cumulative_length
+            layer.cumulative_length.copy_(column[0])
+        slots = torch.arange(self.length, device=tokens.device)  # [columns]
+        query_columns = column + torch.arange(tokens.shape[1], device=tokens.device)  # [T]
+        mask = self.valid[:, None, None, :] & (slots <= query_columns[:, None])[None, None]  # [batch, 1, T, columns]
+        mask |= (slots == query_columns[:, None])[None, None]  # a query always sees itself
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=tokens.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+        logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                            **{self.cache_argument: self.cache}).logits
+        return logits[:, -1]  # [batch, vocab]
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_ids: list[int], pad_token_id: int,
+                 sampler: "SeededSampling | None" = None) -> torch.Tensor:
+        """input_ids, attention_mask [batch, prompt_width] (left padding) -> new tokens [batch, N] int64
+        (N <= max_new_tokens; after a row's EOS it holds pad_token_id). Greedy, or `sampler`'s draws."""
+        batch, width = input_ids.shape
+        device = input_ids.device
+        if (batch, width) != (self.valid.shape[0], self.width):
+            raise ValueError(f"a batch of {batch} x {width}; this decoder was made for {self.valid.shape[0]} x {self.width}")
+        self.valid.zero_()
+        self.valid[:, :width] = attention_mask.bool()
+        self.valid[:, width:] = True  # generated columns; the causal part of the mask hides the future ones
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [batch, width]
+        logits = self._forward(input_ids, positions, torch.zeros(1, dtype=torch.long, device=device))  # prefill, eager
+        next_position = attention_mask.long().sum(-1, keepdim=True)  # [batch, 1]
+        eos = torch.tensor(eos_ids, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        out = torch.full((batch, self.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        for step in range(self.max_new_tokens):
+            tokens = (sampler.perturb(logits, step) if sampler is not None else logits).argmax(dim=-1)  # [batch]
+            out[:, step] = tokens.masked_fill(finished, pad_token_id)
+            finished |= torch.isin(tokens, eos)
+            if step + 1 == self.max_new_tokens or (step % self.CHECK_EVERY == self.CHECK_EVERY - 1 and bool(finished.all())):
+                return out[:, : step + 1]
+            inputs = (tokens[:, None], next_position + step, torch.full((1,), width + step, dtype=torch.long, device=device))
+            logits = self.graphed(*inputs) if self.graphed is not None else self._forward(*inputs)
+        return out
+
+
 @torch.no_grad()
-def generate_replies(model, tokenizer, prompts, seeds, args, chat_template_kwargs, eos_ids, prompt_width=None, static=False):
+def generate_replies(model, tokenizer, prompts, seeds, args, chat_template_kwargs, eos_ids, decoder: StaticBatchDecoder | None = None):
     """Generate one reply per prompt in a single batched call (left padding).
 
     Args:
         prompts: message lists; seeds: their reply seeds (`reply_seed`), used when sampling.
-        prompt_width: left-pad every prompt to this many tokens (a fixed shape for the static cache);
-            default the longest prompt of the batch.
-        static: transformers' static KV cache (compiled decode step replayed as a CUDA graph on CUDA).
+        decoder: a `StaticBatchDecoder` (static KV cache; prompts padded to its width, the batch must
+            have its rows); default transformers' `generate` with a growing cache.
     Returns:
         (text, num_new_tokens, finished) per prompt; `finished` is True when the reply ended with an
         end-of-turn/EOS token rather than at max_new_tokens.
@@ -216,24 +305,25 @@ def generate_replies(model, tokenizer, prompts, seeds, args, chat_template_kwarg
         tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **chat_template_kwargs) for p in prompts
     ]
     # The template already wrote BOS/special tokens; don't let the tokenizer add more.
-    padding = {"padding": "max_length", "max_length": prompt_width} if prompt_width else {"padding": True}
+    padding = {"padding": "max_length", "max_length": decoder.width} if decoder is not None else {"padding": True}
     batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False, **padding).to(model.device)
     width = batch["input_ids"].shape[1]
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=False,  # sampling, when asked for, is SeededSampling's argmax
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        eos_token_id=eos_ids,
-        pad_token_id=tokenizer.pad_token_id,
-        cache_implementation="static" if static else None,
-    )
-    processors = LogitsProcessorList()
-    if args.temperature > 0:
-        processors.append(SeededSampling(torch.tensor(seeds, dtype=torch.int64), width, args.temperature, args.top_p))
-    output = model.generate(**batch, generation_config=config, logits_processor=processors)  # [batch, width + new]
-    new_tokens = output[:, width:].tolist()  # left padding: all prompts end at the same column
+    sampler = SeededSampling(torch.tensor(seeds, dtype=torch.int64), width, args.temperature, args.top_p) if args.temperature > 0 else None
+    if decoder is not None:
+        new_tokens = decoder.generate(batch["input_ids"], batch["attention_mask"], eos_ids, tokenizer.pad_token_id, sampler).tolist()
+    else:
+        config = GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,  # sampling, when asked for, is SeededSampling's argmax
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=eos_ids,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        processors = LogitsProcessorList([sampler] if sampler is not None else [])
+        output = model.generate(**batch, generation_config=config, logits_processor=processors)  # [batch, width + new]
+        new_tokens = output[:, width:].tolist()  # left padding: all prompts end at the same column
     replies = []
     for tokens in new_tokens:
         end = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
@@ -249,14 +339,16 @@ def regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwar
     config_eos = model.generation_config.eos_token_id
     eos_ids |= set(config_eos if isinstance(config_eos, list) else [config_eos])
     eos_ids = sorted(i for i in eos_ids if i is not None)
-    prompt_width = None
+    decoder = None
     if static:
-        # One shape for every batch, so the decode step compiles once: the longest prompt of the run,
-        # and full batches.
+        # One shape for every batch, so the cache and the CUDA graph are made once: the longest prompt
+        # of the run, and full batches.
         texts = [tokenizer.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
                  for i in sorted({i for i, _ in todo})]
         prompt_width = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
-        logger.info("static KV cache: batches of %d, prompts left-padded to %d tokens", args.batch_size, prompt_width)
+        decoder = StaticBatchDecoder(model, args.batch_size, prompt_width, args.max_new_tokens, cuda_graphs=model.device.type == "cuda")
+        logger.info("static KV cache: batches of %d, prompts left-padded to %d tokens%s", args.batch_size, prompt_width,
+                    ", decode step replayed as a CUDA graph" if decoder.graphed is not None else "")
     for start in range(0, len(todo), args.batch_size):
         group = todo[start : start + args.batch_size]
         filled = group + [group[-1]] * (args.batch_size - len(group)) if static else group
@@ -264,10 +356,10 @@ def regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwar
             began = time.time()
             replies = generate_replies(model, tokenizer, [prompts[i] for i, _ in filled],
                                        [reply_seed(args.seed, i, k) for i, k in filled], args, chat_template_kwargs,
-                                       eos_ids, prompt_width, static)
+                                       eos_ids, decoder)
             tokens = sum(n for _, n, _ in replies[: len(group)])
             logger.info("batch of %d replies: %d new tokens in %.1f s (%.0f tokens/s%s)", len(group), tokens, time.time() - began,
-                        tokens / max(time.time() - began, 1e-9), ", compile included" if static and start == 0 else "")
+                        tokens / max(time.time() - began, 1e-9), ", CUDA graph capture included" if decoder is not None and decoder.graphed is not None and start == 0 else "")
             yield from zip(group, replies)
         except Exception as error:  # e.g. out of memory on one long prompt: retry one by one
             logger.warning("batch starting at prompt %d failed (%s: %s); retrying its replies one by one", group[0][0], type(error).__name__, error)

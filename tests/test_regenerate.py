@@ -286,3 +286,14 @@ def test_resume_reads_replies_with_unicode_line_separators(tmp_path, prompts_fil
                 "num_new_tokens": 3, "finished": True} for i in range(3)]
     output.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     assert regenerate_data.read_done(str(output), prompts) == {(0, 0), (1, 0), (2, 0)}
+
+
+def test_static_decoder_writes_what_generate_writes(tmp_path, tiny_target, prompts_file):
+    """The static-cache decoder (the GPU path, run here without CUDA graphs) against transformers'
+    generate with a growing cache: the same greedy replies, left padding and a filled-up last batch
+    included (10 prompts in batches of 4)."""
+    dynamic, static = tmp_path / "dynamic.jsonl", tmp_path / "static.jsonl"
+    regenerate(tiny_target, prompts_file, dynamic, "--batch_size", "4", "--kv_cache", "dynamic")
+    regenerate(tiny_target, prompts_file, static, "--batch_size", "4", "--kv_cache", "static")
+    assert replies(read_output(static)) == replies(read_output(dynamic))
+    assert [r["num_new_tokens"] for r in read_output(static)] == [r["num_new_tokens"] for r in read_output(dynamic)]
