@@ -286,6 +286,8 @@ class TargetFeatureExtractor:
         self.layers, self.truncated = layers, truncate
 
         self._captured: dict[int, torch.Tensor] | None = None  # only filled during __call__
+        self._graphed = None  # a CUDAGraphCall of the forward, after use_cuda_graphs()
+        self.additive_mask = getattr(target.config, "_attn_implementation", None) == "eager"
         self._hook_handles = [layers[i].register_forward_hook(self._make_hook(i)) for i in target_layer_ids]
 
     def _make_hook(self, layer_id: int):
@@ -301,13 +303,47 @@ class TargetFeatureExtractor:
         """input_ids [batch, S] long, attention_mask [batch, S] (1 = real token, right padding)
         -> context_features [batch, S, len(target_layer_ids) * hidden] in the target dtype,
         layer outputs concatenated in `target_layer_ids` order."""
+        if self._graphed is not None and input_ids.is_cuda:
+            # A copy: the graph's output buffer is overwritten by the next replay, while the drafter's
+            # autograd (and in split mode the sender thread) may still hold these features.
+            return self._graphed(input_ids, attention_mask).clone()
+        return self._features(input_ids, attention_mask, explicit_mask=False)
+
+    def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, explicit_mask: bool) -> torch.Tensor:
+        """The forward behind `__call__`. explicit_mask: pass the decoder a ready 4D mask (causal and
+        padding, [batch, 1, S, S]) instead of the 2D one, so that transformers builds nothing from
+        the data (its mask code may check the padding on the host, which a CUDA graph cannot hold)."""
+        mask = attention_mask
+        if explicit_mask:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            mask = (positions[None, :] <= positions[:, None])[None, None] & attention_mask.bool()[:, None, None, :]  # [batch, 1, S, S]
+            if self.additive_mask:
+                mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(~mask, torch.finfo(self.dtype).min)
         self._captured = {}
         try:
-            self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            self.decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
             features = [self._captured[i] for i in self.target_layer_ids]  # each [batch, S, hidden]
         finally:
             self._captured = None
         return torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
+
+    def use_cuda_graphs(self) -> None:
+        """Replay the feature forward from CUDA graphs, one per input shape (`CUDAGraphCall`, one
+        memory pool for all), on CUDA inputs: the whole truncated target forward then costs one
+        launch instead of one per kernel, which is most of its time for a small target at a small
+        batch. Training pads lengths to a fixed multiple and fills short batches up, so few shapes
+        occur. Compiled layers (`compile_layers`) compile in the warm-up before the capture.
+
+        Raises:
+            ValueError: if the target's attention takes no 4D mask (flash attention, flex).
+        """
+        from dflash_model import CUDAGraphCall
+
+        implementation = getattr(self.decoder.config, "_attn_implementation", None)
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(f"CUDA graphs for the target need sdpa or eager attention; this target uses {implementation!r}")
+        self.additive_mask = implementation == "eager"
+        self._graphed = CUDAGraphCall(lambda input_ids, attention_mask: self._features(input_ids, attention_mask, explicit_mask=True))
 
     def compile_layers(self) -> None:
         """torch.compile the forward of each decoder layer that runs (dynamic=False, no grad).

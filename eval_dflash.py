@@ -62,7 +62,7 @@ from transformers import DynamicCache, GenerationConfig, HfArgumentParser
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_data import load_prompts
-from dflash_model import DFlashDraftModel, DFlashStaticContextCache
+from dflash_model import CUDAGraphCall, DFlashDraftModel, DFlashStaticContextCache
 
 logger = logging.getLogger(__name__)
 
@@ -226,45 +226,6 @@ def _cache_argument(target) -> str:
     """transformers 5.24 names the forward's cache argument `cache` (and warns on `past_key_values`);
     5.17 only accepts `past_key_values`."""
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-
-
-class CUDAGraphCall:
-    """`fn(*inputs)` replayed from one CUDA graph per input shape.
-
-    The first call at a shape runs `fn` twice on a side stream (warm-up: lazy initialisation,
-    cuBLAS workspaces), then captures it; every later call copies the inputs into the captured
-    buffers and replays the graph, which launches all of `fn`'s kernels at once. At batch size 1 a
-    small model is launch-bound, so this is most of the speed of decoding on a GPU.
-
-    `fn` must take and return tensors, run no host sync, and keep its other state at fixed
-    addresses (a static KV cache) that it resets from its inputs (a replay re-runs only what the
-    graph recorded). The returned tensors are the graph's own buffers, overwritten by the next
-    replay: use them before calling again.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.graphs: dict[tuple, tuple] = {}
-
-    def __call__(self, *inputs: torch.Tensor):
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        if key not in self.graphs:
-            static_inputs = [t.clone() for t in inputs]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.fn(*static_inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_outputs = self.fn(*static_inputs)
-            self.graphs[key] = (graph, static_inputs, static_outputs)
-        graph, static_inputs, static_outputs = self.graphs[key]
-        for buffer, value in zip(static_inputs, inputs):
-            buffer.copy_(value, non_blocking=True)
-        graph.replay()
-        return static_outputs
 
 
 class TargetRunner:

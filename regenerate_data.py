@@ -229,7 +229,8 @@ class StaticBatchDecoder:
     def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool):
         from transformers import StaticCache
 
-        from eval_dflash import CUDAGraphCall, _cache_argument
+        from dflash_model import CUDAGraphCall
+        from eval_dflash import _cache_argument
 
         implementation = getattr(model.config, "_attn_implementation", None)
         if implementation not in ("sdpa", "eager"):

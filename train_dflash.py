@@ -149,6 +149,7 @@ class TrainSettings:
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
     compile_target: str = field(default="auto", metadata={"help": "torch.compile the truncated target's decoder layers (feature supply; each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Not with --eval_data in colocated mode, which keeps the target whole"})
+    target_cuda_graphs: bool = field(default=False, metadata={"help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
     compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
     compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
     compile_threads: int | None = field(default=None, metadata={"help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
@@ -844,6 +845,8 @@ def main(argv: list[str]) -> None:
         extractor.compile_layers()
     elif settings.compile_target == "on":
         logger.warning("--compile_target on: not applied, the target is kept whole for --eval_data (only split-mode target ranks truncate it then)")
+    if settings.target_cuda_graphs and on_cuda:
+        extractor.use_cuda_graphs()
 
     # ---- split: ranks [0, N) run the target, the rest train ----
     if settings.target_ranks != "auto":
@@ -889,6 +892,8 @@ def main(argv: list[str]) -> None:
             extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=True)
             if compile_target:
                 extractor.compile_layers()
+            if settings.target_cuda_graphs and on_cuda:
+                extractor.use_cuda_graphs()
         elif not layout.is_target:
             extractor.remove_hooks()
             if not (layout.is_lead and settings.eval_data):

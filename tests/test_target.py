@@ -226,3 +226,21 @@ def test_compiled_target_layers_equal_eager_and_compile_once_per_shape(tiny_qwen
     assert dm.flex_compile_stats()["compiles"] - before == 6 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     for a, b in zip(compiled + [again], eager + [eager[0]]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_explicit_mask_forward_equals_the_default_one(tiny_qwen3_target, attention):
+    """The feature forward that CUDA graphs replay hands the decoder a ready 4D causal + padding mask;
+    on real positions it computes what transformers' own mask gives (right padding, two lengths)."""
+    target, _ = load_target(str(tiny_qwen3_target))
+    target.config._attn_implementation = attention
+    extractor = TargetFeatureExtractor(target, [1, 3], truncate=False)
+    extractor.additive_mask = attention == "eager"
+    input_ids, attention_mask = _batch(extractor.vocab_size)
+    default = extractor._features(input_ids, attention_mask, explicit_mask=False)
+    explicit = extractor._features(input_ids, attention_mask, explicit_mask=True)
+    real = attention_mask.bool()
+    torch.testing.assert_close(explicit[real], default[real], **TOL)
+    target.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="sdpa or eager"):
+        extractor.use_cuda_graphs()

@@ -21,14 +21,6 @@ D=$RECIPE/data
 mkdir -p "$D"
 head -n -500 "$DATA_DIR/gsm8k/train.jsonl" > "$D/train_questions.jsonl"
 tail -n 500 "$DATA_DIR/gsm8k/train.jsonl" > "$D/heldout_questions.jsonl"
-step() {  # name, seconds cap, command...: log to OUT/name.log, "name seconds rc" to OUT/steps.tsv
-  local name=$1 cap=$2 start ms rc=0
-  shift 2
-  start=$(date +%s%N)
-  timeout "$cap" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  ms=$((($(date +%s%N) - start) / 1000000))
-  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/steps.tsv"
-}
 regen=(--prompts "$D/train_questions.jsonl" --temperature 0 --max_new_tokens 320)
 step regen_before 90 python3 "$BEFORE/regenerate_data.py" --target_model "$SMOLLM2" "${regen[@]}" \
   --output "$OUT/regen_before.jsonl" --num_prompts 1024 --batch_size 512

@@ -37,3 +37,14 @@ flock -u 9
 # One compile cache for every call on this machine: later runs load what earlier ones compiled.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/inductor_cache}
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+# For the benchmark scripts: run a step with a time cap, its output in $OUT/NAME.log, and append
+# "NAME<TAB>seconds<TAB>exit code" to $OUT/steps.tsv (a failed or capped step does not stop the script).
+step() {  # name, seconds cap, command...: log to OUT/name.log, "name seconds rc" to OUT/steps.tsv
+  local name=$1 cap=$2 start ms rc=0
+  shift 2
+  start=$(date +%s%N)
+  timeout "$cap" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  ms=$((($(date +%s%N) - start) / 1000000))
+  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/steps.tsv"
+}
