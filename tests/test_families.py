@@ -24,7 +24,7 @@ from dflash_model import (
     scale_and_cap_logits,
 )
 from dflash_target import TargetFeatureExtractor, check_target_scaling
-from eval_dflash import TargetRunner, greedy_generate, speculative_generate
+from eval_dflash import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem
 
 VOCAB = 96
 MASK_ID = VOCAB - 1
@@ -58,6 +58,7 @@ FAMILIES = {
 HYBRID = {"qwen3_next", "qwen3_5_moe"}  # linear-attention layers: verification restores and re-runs
 MOE = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "gpt_oss"}
 PARTIAL_ROTARY = {"qwen3_next", "qwen3_5_moe"}
+STATIC_CACHE = {"qwen3", "qwen3_moe", "llama3.1", "granite"}  # no sliding-window or linear-attention layers
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -199,6 +200,10 @@ def test_train_export_reload_and_decode(family, tmp_path):
     reloaded.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
 
     assert TargetRunner(target, []).rollback == (family in HYBRID)
+    # A static cache (the GPU default) serves only targets without sliding or linear layers; auto falls back.
+    problem = static_cache_problem(target)
+    assert (problem is None) == (family in STATIC_CACHE), problem
+    assert resolve_kv_cache("auto", "auto", torch.device("cuda", 0), target) == (("static", True) if problem is None else ("dynamic", False))
     prompt = torch.randint(0, MASK_ID, (1, 11), generator=torch.Generator().manual_seed(2))
     eos = target.generation_config.eos_token_id
     eos = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
