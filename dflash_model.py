@@ -185,7 +185,8 @@ class DFlashConfig(Qwen3Config):
     AutoConfig); the DFlash fields are `block_size`, `num_target_layers` and
     `dflash_config = {"mask_token_id": int, "target_layer_ids": [int, ...]}`, plus, when the target
     needs them, `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` inside
-    `dflash_config` (where the reference implementation, SGLang and vLLM's DFlash2 read them).
+    `dflash_config` (the reference implementation reads all three there, SGLang the last two, the
+    DFlash2 drafters' vLLM plugin the first).
     `rope_theta` is written at the top level too, because older loaders read it there, and a scaled
     RoPE (llama3, yarn, dynamic, ...) is also written as the transformers-4 `rope_scaling` field,
     which those loaders read instead of `rope_parameters` (without it they would silently use
