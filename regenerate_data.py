@@ -220,8 +220,8 @@ class StaticBatchDecoder:
     left-pad query would otherwise see nothing, and SDPA returns NaN for a fully masked row).
 
     Raises:
-        ValueError: for targets whose attention takes no 4D mask or whose cache has sliding-window
-            layers (use --kv_cache dynamic).
+        ValueError: for targets that cannot decode from a static cache (`eval_dflash.static_cache_problem`:
+            attention without a 4D mask, sliding-window or linear-attention layers); use --kv_cache dynamic.
     """
 
     CHECK_EVERY = 8  # steps between host checks for "every row has ended" (each check is a sync)
@@ -230,18 +230,16 @@ class StaticBatchDecoder:
         from transformers import StaticCache
 
         from dflash_model import CUDAGraphCall
-        from eval_dflash import _cache_argument
+        from eval_dflash import _cache_argument, static_cache_problem
 
-        implementation = getattr(model.config, "_attn_implementation", None)
-        if implementation not in ("sdpa", "eager"):
-            raise ValueError(f"a static KV cache needs sdpa or eager attention; this target uses {implementation!r}: use --kv_cache dynamic")
+        problem = static_cache_problem(model)
+        if problem is not None:
+            raise ValueError(f"{problem}: use --kv_cache dynamic")
         self.model, self.width, self.max_new_tokens = model, prompt_width, max_new_tokens
         self.length = prompt_width + max_new_tokens
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
-        if not all(hasattr(layer, "cumulative_length") and not getattr(layer, "is_sliding", False) for layer in self.cache.layers):
-            raise ValueError("this target's static cache has sliding-window layers; use --kv_cache dynamic")
         self.cache_argument = _cache_argument(model)
-        self.additive_mask = implementation == "eager"
+        self.additive_mask = getattr(model.config, "_attn_implementation", None) == "eager"
         self.dtype = model.get_input_embeddings().weight.dtype
         self.valid = torch.zeros(batch_size, self.length, dtype=torch.bool, device=model.device)  # [batch, columns]
         self.graphed = CUDAGraphCall(self._forward) if cuda_graphs else None
@@ -473,6 +471,13 @@ def main(argv: list[str] | None = None) -> dict:
                  "float32": torch.float32}[args.dtype]
         model, _ = load_target(target_path, gguf_file=gguf_file, dtype=dtype, device=device)
         static = args.kv_cache == "static" or (args.kv_cache == "auto" and device.type == "cuda")
+        if static and args.kv_cache == "auto":
+            from eval_dflash import static_cache_problem
+
+            problem = static_cache_problem(model)
+            if problem is not None:
+                logger.warning("%s: decoding with a growing cache (transformers' generate)", problem)
+                static = False
         replies = regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwargs, static)
     else:
         replies = regenerate_from_server(args, prompts, todo, chat_template_kwargs)

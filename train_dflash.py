@@ -99,6 +99,7 @@ from dflash_model import (
 from dflash_target import (
     SMOLLM2_PACKAGE,
     TargetFeatureExtractor,
+    check_target_scaling,
     load_target_config,
     load_target_model,
     resolve_mask_token_id,
@@ -130,6 +131,13 @@ class TrainSettings:
     num_draft_layers: int = field(default=5, metadata={"help": "Drafter decoder layers (paper: 5)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "0-based target layers feeding the drafter (default: one per drafter layer, spread evenly from layer 1 to L-3)"})
     block_size: int = field(default=16, metadata={"help": "Tokens per block, anchor included (B)"})
+    layer_types: str | None = field(default=None, metadata={"help": "Attention of each drafter layer: all_full (default), last_full (every layer sliding but the last: the layout of released long-context drafters), all_sliding, or a comma list of full_attention / sliding_attention, one per layer"})
+    sliding_window: int | None = field(default=None, metadata={"help": "Tokens a sliding layer's query sees, itself included (q - k < window), e.g. 2048; required with sliding layers"})
+    is_causal: bool | None = field(default=None, metadata={"help": "Override causality for every drafter layer (the config's is_causal): unset = sliding layers causal, full layers bidirectional, as the engines default; false makes sliding windows two-sided. SGLang ignores the field"})
+    draft_intermediate_size: int | None = field(default=None, metadata={"help": "Drafter MLP width (default: the target's intermediate_size, 3 x hidden for a mixture-of-experts target)"})
+    draft_num_attention_heads: int | None = field(default=None, metadata={"help": "Drafter query heads (default: the target's; 32 for partial-rotary targets such as Qwen3.5)"})
+    draft_num_key_value_heads: int | None = field(default=None, metadata={"help": "Drafter KV heads (default: the target's; its KV width / 128 for partial-rotary targets)"})
+    draft_head_dim: int | None = field(default=None, metadata={"help": "Drafter head dimension (default: the target's; 128 for partial-rotary targets)"})
     # topology (README, "Target and drafter ranks")
     target_ranks: str = field(default="0", metadata={"help": "Ranks [0, N) only run the target and send context features to the others, which train the drafter: 0 = colocated (every rank does both), N, or auto (time both sides on a few batches, pick N)"})
     prefetch_batches: int = field(default=2, metadata={"help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
@@ -221,6 +229,10 @@ class TrainSettings:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (an anchor plus at least one drafted token), got {self.block_size}")
+        if isinstance(self.layer_types, (list, tuple)):  # a YAML list
+            self.layer_types = ",".join(str(t) for t in self.layer_types)
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"--sliding_window must be >= 1 (a query always sees itself), got {self.sliding_window}")
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
             raise ValueError(f"--loss_decay_gamma must be > 0, got {self.loss_decay_gamma}")
         if not 0 <= self.max_dropped_fraction <= 1:
@@ -450,6 +462,7 @@ def model_card(settings: TrainSettings, config: DFlashConfig, *, steps: int, num
         ("training data", ", ".join(f"`{p}`" for p in settings.train_data) + f" ({num_samples} samples)"),
         ("block size", config.block_size),
         ("drafter layers", config.num_hidden_layers),
+        ("layer types", ", ".join(config.layer_types) + (f" (window {config.sliding_window})" if config.sliding_window else "")),
         ("target_layer_ids (0-based)", config.target_layer_ids),
         ("mask token id", config.mask_token_id),
         ("anchors per sequence", settings.num_anchors),
@@ -748,13 +761,30 @@ def main(argv: list[str]) -> None:
         block_size=settings.block_size,
         target_layer_ids=settings.target_layer_ids,
         vocab_size=vocab_rows,
+        layer_types=settings.layer_types,
+        sliding_window=settings.sliding_window,
+        is_causal=settings.is_causal,
+        intermediate_size=settings.draft_intermediate_size,
+        num_attention_heads=settings.draft_num_attention_heads,
+        num_key_value_heads=settings.draft_num_key_value_heads,
+        head_dim=settings.draft_head_dim,
     )
+    if settings.sliding_window is not None and "sliding_attention" not in draft_config.layer_types:
+        logger.warning("--sliding_window %d has no effect: every drafter layer is full attention (set --layer_types)", settings.sliding_window)
     gamma = settings.loss_decay_gamma or default_loss_gamma(settings.block_size)
     weights = loss_weights(settings.block_size, gamma, device=device)
     logger.info(
         "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, backend %s, compiled drafter %s",
         settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
         draft_config.target_layer_ids, mask_token_id, settings.block_size, backend, compile_drafter,
+    )
+    logger.info(
+        "Drafter: %d layers %s%s; heads %d / %d KV x %d, MLP %d; target scaling %s",
+        draft_config.num_hidden_layers, draft_config.layer_types,
+        f", window {draft_config.sliding_window}" if draft_config.sliding_window else "",
+        draft_config.num_attention_heads, draft_config.num_key_value_heads, draft_config.head_dim,
+        draft_config.intermediate_size,
+        {k: v for k, v in draft_config.dflash_config.items() if k not in ("mask_token_id", "target_layer_ids")} or "none",
     )
     logger.info(
         "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s)", gamma,
@@ -819,6 +849,7 @@ def main(argv: list[str]) -> None:
             f"--target_model {settings.target_model}: its embedding has {target.get_input_embeddings().weight.shape[0]} rows "
             f"but its config says vocab_size {vocab_rows}; fix the config.json"
         )
+    check_target_scaling(target, draft_config)
     # Truncating the target after its deepest captured layer saves compute and memory, but tau
     # evaluation verifies drafts with the target's logits, so it needs the full model.
     extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=settings.eval_data is None)
@@ -838,7 +869,8 @@ def main(argv: list[str]) -> None:
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=backend)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
         return dflash_loss(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size,
-                           compiled=compile_drafter)
+                           compiled=compile_drafter, output_multiplier=draft_config.output_multiplier,
+                           final_logit_softcapping=draft_config.final_logit_softcapping)
 
     # Before the calibration below, so that it times the target as it will run.
     if compile_target and extractor.truncated:
@@ -987,6 +1019,7 @@ def main(argv: list[str]) -> None:
             kv_heads=draft_config.num_key_value_heads, head_dim=draft_config.head_dim,
             context_len=-(-max(lengths[i] for i in first_batch) // pad_multiple) * pad_multiple,
             num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=engine.module.fc.weight.dtype,
+            rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),
         )
         logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
 

@@ -287,6 +287,26 @@ def test_cli_writes_consistent_results_and_plot(qwen3_dirs, tmp_path):
     assert set(results["versions"]) >= {"torch", "transformers"} and results["device"].startswith("cpu")
 
 
+def test_cli_samples_at_temperature(qwen3_dirs, tmp_path):
+    """--temperature > 0: tau and acceptance by position are counted as at temperature 0, there is no
+    per-prompt lossless check, and a seed makes the run reproducible."""
+    target_dir, drafter_dir, prompts, _ = qwen3_dirs
+    args = ["--target_model", str(target_dir), "--draft_model", str(drafter_dir), "--data", str(prompts),
+            "--max_new_tokens", "13", "--temperature", "0.9", "--top_p", "0.95", "--seed", "3", "--device", "cpu",
+            "--prompt_lookup_num_tokens", "4", "--num_prompts", "1"]
+    first = eval_dflash.main(args + ["--output", str(tmp_path / "a.json")])
+    again = eval_dflash.main(args + ["--output", str(tmp_path / "b.json"), "--baseline", "none"])
+    assert first["lossless"] is None and first["mismatches"] == [] and first["baseline"]["lossless"] is None
+    assert all(row["lossless"] is None for row in first["per_prompt"])
+    assert first["acceptance_length"] == pytest.approx((first["generated_tokens"] - first["num_prompts"]) / first["verify_forwards"])
+    rates = first["acceptance_rate_by_position"]
+    assert len(rates) == 5 and rates == sorted(rates, reverse=True)
+    assert first["settings"]["temperature"] == 0.9 and first["settings"]["top_p"] == 0.95
+    # The same seed draws the same tokens.
+    assert {k: first["per_prompt"][0][k] for k in ("generated_tokens", "verify_forwards", "acceptance_length")} == \
+        {k: again["per_prompt"][0][k] for k in ("generated_tokens", "verify_forwards", "acceptance_length")}
+
+
 def test_evaluate_acceptance_restores_training_mode(qwen3_dirs):
     from dflash_data import load_prompts
     from dflash_target import load_target
@@ -315,8 +335,10 @@ def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path):
     tiny_target(seed=3).config.save_pretrained(not_dflash)
     with pytest.raises(ValueError, match="dflash_config"):
         eval_dflash.main(base + ["--draft_model", str(not_dflash)])
-    with pytest.raises(ValueError, match="temperature"):
-        eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "0.7"])
+    with pytest.raises(ValueError, match="--temperature must be >= 0 and --top_p in \\(0, 1\\]"):
+        eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "-0.5"])
+    with pytest.raises(ValueError, match="--top_p"):
+        eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "0.7", "--top_p", "0"])
     with pytest.raises(ValueError, match="block_size 7"):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--block_size", "7", "--baseline", "none"])
 

@@ -19,6 +19,7 @@ from bench_dflash import (
     drafter_step_flops,
     fused_dflash_loss,
     target_forward_flops,
+    visible_pairs,
 )
 from dflash_model import (
     DFlashConfig,
@@ -123,6 +124,16 @@ def test_visible_keys_equal_the_dense_masks_true_entries():
     # By hand for one valid anchor: B queries x (a context keys + B block keys).
     one = drafter_step_flops(config, seq_len, torch.tensor([[7]]), torch.tensor([[True]]), torch.ones(1, 1, BLOCK - 1, dtype=torch.bool))
     assert one["attention"][0] == per_pair * BLOCK * (7 + BLOCK)
+
+
+@pytest.mark.parametrize("causal, window", [(True, 3), (False, 3), (True, None), (True, 30)])
+def test_visible_pairs_of_every_layer_rule_equal_the_masks_true_entries(causal, window):
+    config = tiny_drafter().config
+    input_ids, _, anchors, anchor_valid, _, _ = tiny_batch(config)
+    mask = dense_anchor_block_mask(anchors, anchor_valid, input_ids.shape[1], BLOCK, causal, window)
+    # Padded slots (anchor 0) see only their own block, under the same rule.
+    assert visible_pairs(anchors, anchor_valid, BLOCK, causal, window) + visible_pairs(anchors, ~anchor_valid, BLOCK, causal, window) == int(mask.sum())
+    assert visible_pairs(torch.tensor([[7]]), torch.tensor([[True]]), BLOCK, True, 3) == 12  # the docstring's worked example
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, Qwen3Config
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
+    DFlashStaticContextCache,
     block_input_ids,
     block_labels,
     block_position_ids,
@@ -23,22 +24,25 @@ from dflash_model import (
     estimate_acceptance_length,
     default_loss_gamma,
     loss_weights,
+    resolve_layer_types,
     sample_anchors,
+    scale_and_cap_logits,
 )
 
 VOCAB = 64
 MASK_ID = 63
 
 
-def tiny_drafter(block_size=4, num_draft_layers=2, seed=0):
-    """A drafter at hidden 16 over a tiny Qwen3 target config, with random target tables attached."""
+def tiny_drafter(block_size=4, num_draft_layers=2, seed=0, **layout):
+    """A drafter at hidden 16 over a tiny Qwen3 target config, with random target tables attached.
+    `layout`: layer_types / sliding_window / is_causal for `DFlashConfig.from_target_config`."""
     torch.manual_seed(seed)
     target_config = Qwen3Config(
         hidden_size=16, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
         intermediate_size=32, vocab_size=VOCAB,
     )
     config = DFlashConfig.from_target_config(
-        target_config, mask_token_id=MASK_ID, num_draft_layers=num_draft_layers, block_size=block_size
+        target_config, mask_token_id=MASK_ID, num_draft_layers=num_draft_layers, block_size=block_size, **layout
     )
     drafter = DFlashDraftModel(config).eval()
     drafter.attach_target(nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB, bias=False))
@@ -361,3 +365,165 @@ def test_scaled_rope_is_exported_for_older_loaders_too(tmp_path):
     torch.testing.assert_close(reloaded.rotary_emb.inv_freq, DFlashDraftModel(config).rotary_emb.inv_freq, rtol=0, atol=0)
     # Plain RoPE writes no rope_scaling.
     assert "rope_scaling" not in DFlashConfig.from_target_config(LlamaConfig(num_hidden_layers=4), mask_token_id=7).to_dict()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sliding-window layers
+
+
+def reference_sliding_mask(anchors, anchor_valid, seq_len, block_size, causal, window):
+    """Element by element, in plain loops: the full training rule, then for a sliding layer the
+    absolute positions (query a_j + i, context key kv, own-block key a_j + i') with
+    k <= q when causal and q - k < window (both ways when not causal)."""
+    full = reference_mask(anchors, anchor_valid, seq_len, block_size)
+    batch, num_anchors = anchors.shape
+    for b in range(batch):
+        for j in range(num_anchors):
+            a = int(anchors[b, j])
+            for i in range(block_size):
+                q, q_pos = j * block_size + i, a + i
+                for kv in range(full.shape[-1]):
+                    if not full[b, 0, q, kv]:
+                        continue
+                    k_pos = kv if kv < seq_len else a + (kv - seq_len - j * block_size)
+                    ok = True
+                    if causal and k_pos > q_pos:
+                        ok = False
+                    if window is not None and (q_pos - k_pos >= window or (not causal and k_pos - q_pos >= window)):
+                        ok = False
+                    full[b, 0, q, kv] = ok
+    return full
+
+
+# Windows shorter than a block (3 < 4), anchors near the window's edge (window 6: anchor 9's first
+# query still sees context key 4, its last query no longer), a two-sided window, a causal full layer.
+@pytest.mark.parametrize("causal, window", [(True, 3), (True, 6), (False, 3), (True, None)])
+def test_sliding_mask_equals_hand_built_reference(causal, window):
+    seq_len, block_size = 20, 4
+    anchors = torch.tensor([[0, 3, 4, 9, 18], [5, 9, 10, 0, 0]])  # overlapping anchors, padded slots in row 2
+    anchor_valid = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    expected = reference_sliding_mask(anchors, anchor_valid, seq_len, block_size, causal, window)
+    dense = dense_anchor_block_mask(anchors, anchor_valid, seq_len, block_size, causal, window)
+    assert torch.equal(dense, expected)
+    assert not torch.equal(dense, dense_anchor_block_mask(anchors, anchor_valid, seq_len, block_size))  # the rule binds
+    assert dense.any(dim=-1).all(), "no fully masked query row"
+    block_mask = create_anchor_block_mask(anchors, anchor_valid, seq_len, block_size, causal, window)
+    q_len = anchors.shape[1] * block_size
+    b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(q_len), torch.arange(seq_len + q_len), indexing="ij")
+    assert torch.equal(block_mask.mask_mod(b, 0, q, kv), expected[:, 0])
+
+
+def test_sliding_mask_semantics_spelled_out():
+    seq_len, block_size, window = 12, 4, 3
+    anchors, valid = torch.tensor([[6]]), torch.tensor([[True]])
+    mask = dense_anchor_block_mask(anchors, valid, seq_len, block_size, True, window)[0, 0]  # [4, 16]
+    own = slice(seq_len, seq_len + block_size)
+    # The anchor query (position 6) sees context 4, 5 (6 - 3 < k) and itself; not context 3, nor the block's future.
+    assert mask[0, :seq_len].nonzero().flatten().tolist() == [4, 5]
+    assert mask[0, own].tolist() == [True, False, False, False]
+    # The last query (position 9) sees positions 7, 8, 9: only its own block, no context at all.
+    assert not mask[3, :seq_len].any() and mask[3, own].tolist() == [False, True, True, True]
+    # Two-sided (is_causal false): position 7 sees 5 .. 9, the block's future included.
+    two_sided = dense_anchor_block_mask(anchors, valid, seq_len, block_size, False, window)[0, 0]
+    assert two_sided[1, :seq_len].nonzero().flatten().tolist() == [5] and two_sided[1, own].all()
+
+
+def test_layer_types_settings_and_config_errors():
+    assert resolve_layer_types(None, 3) == ["full_attention"] * 3
+    assert resolve_layer_types("last_full", 5) == ["sliding_attention"] * 4 + ["full_attention"]
+    assert resolve_layer_types("sliding_attention, full_attention", 2) == ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="--layer_types has unknown entries \\['sliding'\\]"):
+        resolve_layer_types("sliding,full_attention", 2)
+    with pytest.raises(ValueError, match="lists 1 layers but the drafter has 2"):
+        resolve_layer_types(["full_attention"], 2)
+    with pytest.raises(ValueError, match="--sliding_window"):
+        tiny_drafter(layer_types="last_full")  # a sliding layer needs a window
+    config = tiny_drafter(num_draft_layers=3, layer_types="last_full", sliding_window=5).config
+    assert [config.attention_rule(i) for i in range(3)] == [(True, 5), (True, 5), (False, None)]
+    config = tiny_drafter(num_draft_layers=2, layer_types="last_full", sliding_window=5, is_causal=False).config
+    assert [config.attention_rule(i) for i in range(2)] == [(False, 5), (False, None)]
+
+
+@pytest.mark.parametrize("is_causal", [None, False])
+def test_training_forward_equals_draft_pass_at_every_anchor_mixed_layers(is_causal):
+    """sliding (window 3 < B), sliding, full: the training forward's logits at every anchor equal the
+    draft pass over a growing cache and over a static one with stale entries past its length."""
+    block_size, seq_len = 4, 20
+    drafter = tiny_drafter(block_size=block_size, num_draft_layers=3, layer_types="last_full", sliding_window=3,
+                           is_causal=is_causal)
+    input_ids, _ = _batch(seq_len=seq_len, batch=1)
+    width = len(drafter.config.target_layer_ids) * 16
+    features = torch.randn(1, seq_len, width)
+    anchors = torch.arange(1, seq_len)[None]  # every anchor with some context: overlapping blocks throughout
+    with torch.no_grad():
+        hidden = drafter(features, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))  # [1, N, B, hidden]
+        expected = drafter.compute_logits(hidden[0, :, 1:])  # [N, B-1, vocab]
+        full_only = tiny_drafter(block_size=block_size, num_draft_layers=3)  # same weights, all layers full
+        assert not torch.allclose(full_only(features, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool)), hidden)
+        static = DFlashStaticContextCache(drafter.config, 1, seq_len + 4, torch.float32, "cpu")
+        drafter.extend_context(static, torch.randn(1, seq_len + 4, width))  # stale values everywhere
+        for j, anchor in enumerate(anchors[0].tolist()):
+            growing = drafter.extend_context(None, features[:, :anchor])
+            static.crop(0)
+            drafter.extend_context(static, features[:, :anchor])
+            token = input_ids[:, anchor]
+            torch.testing.assert_close(drafter.draft_logits(growing, token)[0], expected[j], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(drafter.draft_logits(static, token)[0], expected[j], rtol=1e-4, atol=1e-5)
+
+
+def test_export_round_trip_keeps_the_window(tmp_path):
+    drafter = tiny_drafter(block_size=8, num_draft_layers=5, layer_types="last_full", sliding_window=2048)
+    drafter.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert saved["use_sliding_window"] is True and saved["sliding_window"] == 2048 and saved["max_window_layers"] == 5
+    # What an engine's transformers parses: plain Qwen3Config keeps every field.
+    plain = Qwen3Config.from_pretrained(tmp_path)
+    assert plain.layer_types == saved["layer_types"] and plain.sliding_window == 2048
+    reloaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert [reloaded.config.attention_rule(i) for i in range(5)] == [(True, 2048)] * 4 + [(False, None)]
+    # All-full drafters write no window.
+    tiny_drafter(num_draft_layers=2).save_pretrained(tmp_path / "full")
+    full = json.loads((tmp_path / "full" / "config.json").read_text())
+    assert full["use_sliding_window"] is False and full["sliding_window"] is None and full["max_window_layers"] == 2
+    # A released-style config that leaves the window out is refused, not loaded as full attention.
+    del saved["sliding_window"]
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="sliding_window is None"):
+        DFlashConfig.from_pretrained(tmp_path / "partial")
+
+
+def test_compiled_flex_forward_equals_sdpa_mixed_layers_on_cpu():
+    """Same shapes as the all-full flex test (its graph is reused); the sliding rule compiles its own."""
+    drafter = tiny_drafter(block_size=4, layer_types="last_full", sliding_window=5)
+    input_ids, loss_mask = _batch()
+    features = torch.randn(2, input_ids.shape[1], 2 * 16)
+    anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
+    valid[0, -1] = False
+    with torch.no_grad():
+        sdpa = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
+        flex = drafter(features, input_ids, anchors, valid, attention_backend="flex")
+    torch.testing.assert_close(flex, sdpa, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("multiplier, cap", [(0.125, None), (1.0, 3.0), (4.0, 2.0)])
+def test_loss_applies_the_logit_multiplier_and_cap(multiplier, cap):
+    """Loss and gradient through the scaled, capped logits equal autograd on scale_and_cap_logits."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 3, 5, 8, requires_grad=True)
+    head = torch.randn(40, 8)
+    labels = torch.randint(0, 40, (2, 3, 5))
+    valid = torch.rand(2, 3, 5) > 0.3
+    weights = loss_weights(6, gamma=2.0)
+    loss, _ = dflash_loss(hidden, head, labels, valid, weights, chunk_size=4, output_multiplier=multiplier,
+                          final_logit_softcapping=cap)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    z = scale_and_cap_logits(hidden @ head.t(), multiplier, cap)  # [2, 3, 5, vocab]
+    w = weights.expand_as(labels)[valid]
+    expected = (F.cross_entropy(z[valid], labels[valid], reduction="none") * w).sum() / w.sum()
+    (expected_grad,) = torch.autograd.grad(expected, hidden)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    plain, _ = dflash_loss(hidden, head, labels, valid, weights)
+    assert abs(plain.item() - loss.item()) > 1e-3  # the transform changes the loss

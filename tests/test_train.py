@@ -191,6 +191,14 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
         parse_settings(["--target_model", "x", "--train_data", "a", "--num_anchor", "3"])  # a typo never matches --num_anchors as an abbreviation
     with pytest.raises(ValueError, match="--push_to_hub needs --hub_model_id"):
         parse_settings(["--target_model", "x", "--train_data", "a", "--push_to_hub"])
+    # Drafter layouts: a YAML list or a comma list, a causality override, a window >= 1.
+    config.write_text("target_model: x\ntrain_data: [a]\nlayer_types: [sliding_attention, full_attention]\nsliding_window: 128\n")
+    settings, _ = parse_settings(["--config", str(config), "--is_causal", "false"])
+    assert settings.layer_types == "sliding_attention,full_attention" and settings.sliding_window == 128
+    assert settings.is_causal is False
+    assert parse_settings(["--target_model", "x", "--train_data", "a"])[0].is_causal is None
+    with pytest.raises(ValueError, match="--sliding_window must be >= 1"):
+        parse_settings(["--target_model", "x", "--train_data", "a", "--sliding_window", "0"])
 
 
 
@@ -332,7 +340,7 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
 
 def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(tiny_qwen3_target, train_env, tmp_path):
     """The train_dflash.py smoke run: 2 steps on the repo's demo data, a checkpoint after each, TensorBoard on,
-    pushed to a local stand-in for the Hub on a branch."""
+    pushed to a local stand-in for the Hub on a branch; the drafter has a sliding layer and a full one."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     FakeHub.requests = []
@@ -341,7 +349,7 @@ def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(tiny_
                HF_HOME=str(tmp_path / "hf_home"))
     args = tiny_args(tiny_qwen3_target, REPO / "data" / "demo_conversations.jsonl", out, max_samples=8, max_steps=2,
                      save_steps=1, logging_steps=10, target_layer_ids="1 3", report_to="tensorboard", push_to_hub="true",
-                     hub_model_id="me/tiny-dflash", hub_revision="dev")
+                     hub_model_id="me/tiny-dflash", hub_revision="dev", layer_types="last_full", sliding_window=64)
     try:
         result = subprocess.run([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, capture_output=True,
                                 text=True, timeout=300, umask=0o022)
@@ -354,7 +362,11 @@ def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(tiny_
         "config.json": 0o644, "model.safetensors": 0o644, "training_settings.json": 0o644, "README.md": 0o644}
     card = ModelCard((final / "README.md").read_text())
     assert card.data.library_name == "transformers" and "dflash" in card.data.tags and card.data.base_model is None  # a local target
+    config = json.loads((final / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 64
+    assert config["use_sliding_window"] is True and config["max_window_layers"] == 2
     for text in ("| block size | 8 |", "| drafter layers | 2 |", "| target_layer_ids (0-based) | [1, 3] |",
+                 "| layer types | sliding_attention, full_attention (window 64) |",
                  "| mask token id | 151669 |", "--speculative-draft-model-path me/tiny-dflash",
                  '"method": "dflash", "model": "me/tiny-dflash", "num_speculative_tokens": 7', "not measured"):
         assert text in card.text, text
