@@ -108,6 +108,7 @@ from dflash_target import (
     SMOLLM2_PACKAGE,
     TargetFeatureExtractor,
     check_target_fits,
+    estimate_target_bytes,
     load_target_config,
     load_target_embeddings,
     load_target_model,
@@ -620,6 +621,11 @@ def debug_log(rank: int, record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of the parameters' bytes (as float32, in order): equal digests, equal weights."""
+    return hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
 def plot_training_curves(output_dir: Path) -> None:
     """{output_dir}/training_curves.png: loss, and tau (estimated and held-out) over steps."""
     import matplotlib
@@ -892,6 +898,10 @@ def main(argv: list[str]) -> None:
                                    device=device, random_init=settings.target_random_init, tp_group=tp_group)
         if settings.target_random_init:
             logger.warning("--target_random_init: the target has RANDOM weights; the drafter learns nothing useful")
+        if tp_group is not None:
+            logger.info("Rank %d holds %d bytes of the target's parameters (%d in all; tensor parallelism over ranks %s)",
+                        rank, parameter_bytes(target), estimate_target_bytes(target_config, dtype)[0],
+                        torch.distributed.get_process_group_ranks(tp_group))
         if target.get_input_embeddings().weight.shape[0] != vocab_rows:
             raise ValueError(
                 f"--target_model {settings.target_model}: its embedding has {target.get_input_embeddings().weight.shape[0]} rows "
@@ -1022,6 +1032,7 @@ def main(argv: list[str]) -> None:
 
             def evaluate():
                 broadcast_drafter_weights(drafter, layout.eval_group, src=layout.drafter_ranks[0])
+                debug_log(rank, {"eval_weights_sha256": weights_digest(drafter)})
                 result = evaluate_acceptance(target, drafter, tokenizer, eval_prompts, settings.eval_max_new_tokens,
                                              chat_template_kwargs=chat_kwargs, kv_cache=kv_cache, cuda_graphs=graphs)
                 values = [result["acceptance_length"], result["speculative_tokens_per_s"]] if layout.is_sender else None
@@ -1182,7 +1193,8 @@ def main(argv: list[str]) -> None:
         engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
         if trains and DEBUG_LOG:
             debug_log(rank, {"epoch": epoch, "ids": list(indices), "loss": loss.item(),
-                             "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()]})
+                             "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
+                             "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else rank})
 
         if trains:
             window["loss"] += loss.detach()  # on the device: no host sync per micro-batch
@@ -1269,8 +1281,7 @@ def main(argv: list[str]) -> None:
     if receiver is not None:
         receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
     if DEBUG_LOG:
-        digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in drafter.parameters()))
-        debug_log(rank, {"step": global_step, "weights_sha256": digest.hexdigest()})
+        debug_log(rank, {"step": global_step, "weights_sha256": weights_digest(drafter)})
 
     # ---- final evaluation, curves, export ----
     final_dir = Path(settings.output_dir) / "final"
