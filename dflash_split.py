@@ -1,10 +1,16 @@
 """Split mode (--target_ranks N): target ranks make context features, drafter ranks train on them.
 
-Ranks [0, N) run the frozen target; ranks [N, world) train the drafter under DeepSpeed ZeRO-2
-with the drafter group as its data-parallel group (README, "Target and drafter ranks"). train_dflash.py uses the pieces
-below in the order a run meets them:
+On every node, local ranks [0, N) run the frozen target, alone or in tensor-parallel groups of
+--target_tp_size ranks that share one copy; the node's other ranks train the drafter under
+DeepSpeed ZeRO-2 with all drafter ranks as its data-parallel group (README, "Target and drafter
+ranks", "More than one node"). train_dflash.py uses the pieces below in the order a run meets them:
 
-- `make_rank_layout`: who does what, and the process groups (created on every rank).
+- `node_ranks`, `check_shared_output_dir`, `check_split`: the nodes, one --output_dir they all see,
+  a split that fits them.
+- `make_tensor_parallel_groups`, `join_tensor_parallel_init`: the target groups, and the other
+  ranks' part in DeepSpeed AutoTP's one world broadcast.
+- `make_rank_layout`: who does what, which target group feeds which micro-batch (always one on the
+  drafter's own node), and the process groups (created on every rank).
 - `DrafterGroupMPU`: the `mpu` object that points DeepSpeed's data parallelism at the drafter group.
 - `FeatureSender` / `FeatureReceiver`: `(input_ids, loss_mask, context features)` from a target rank
   to a drafter rank, point to point (NCCL on GPU, gloo on CPU) behind a fixed-size int64 header.
@@ -15,6 +21,7 @@ below in the order a run meets them:
 - `Liveness`: a heartbeat per rank in the launcher's TCPStore and a watchdog thread: a rank that
   dies stops the others with a clear error within a minute instead of a hang. Also used in
   colocated mode whenever there is more than one rank.
+- `broadcast_drafter_weights` / `broadcast_scalars`: held-out evaluation on the first target group.
 - `measure_rates` / `choose_target_ranks`: the `--target_ranks auto` calibration.
 """
 

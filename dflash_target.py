@@ -397,8 +397,12 @@ def check_target_fits(config: PretrainedConfig, dtype: torch.dtype, device: torc
     else:
         hint = (f"even {ranks_per_node - 1} ranks (a node's ranks but one drafter rank) cannot hold it: use devices "
                 f"with more memory, more ranks per node, or --dtype bfloat16")
-    mode = "every rank holds the whole target in colocated mode (--target_ranks 0)" if colocated else \
-        f"each target rank holds 1/{tp_size} of its linear layers and all of the rest (--target_tp_size {tp_size})"
+    if colocated:
+        mode = "every rank holds the whole target in colocated mode (--target_ranks 0)"
+    elif tp_size == 1:
+        mode = "each target rank holds the whole target (--target_tp_size 1)"
+    else:
+        mode = f"each target rank holds 1/{tp_size} of its linear layers and all of the rest (--target_tp_size {tp_size})"
     raise ValueError(
         f"The target does not fit: {line}, but {device} has {free / 2**30:.1f} GiB free and a target rank may use "
         f"{TARGET_MEMORY_SHARE:.0%} of it; {mode}. {hint[0].upper() + hint[1:]}."
@@ -447,6 +451,14 @@ def _load_tensor_parallel(model_name_or_path: str, config: PretrainedConfig, dty
                      "into host memory, then keeps its slices")
     if checkpoint is None:
         model = load_target_model(model_name_or_path, config, dtype=dtype, device="cpu", random_init=random_init)
+    if torch.distributed.get_backend() == "gloo":
+        # On a CPU DeepSpeed would build (minutes of g++) and use a shared-memory all-reduce for
+        # AutoTP's row-parallel layers that ignores the group: over a subgroup of the ranks it
+        # crashes (SIGSEGV, seen with deepspeed 0.19.8). Without it AutoTP all-reduces over the group.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        if hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
+            raise RuntimeError("DeepSpeed's shared-memory all-reduce is already loaded in this process; it ignores the "
+                               "tensor-parallel group. Load the target before anything builds deepspeed_shm_comm.")
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # deepspeed.comm over the existing process group
     engine = deepspeed.init_inference(
         model, tensor_parallel={"tp_size": size, "tp_group": tp_group, "mpu": _TensorParallelMPU(tp_group)},

@@ -13,12 +13,21 @@ One GPU, your own data:
     accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py \
         --target_model Qwen/Qwen3-8B --train_data my_chats.jsonl --output_dir outputs/qwen3-8b
 
+A target too large for one GPU: target ranks in tensor-parallel groups of 2 (DeepSpeed AutoTP):
+    accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --target_model Qwen/Qwen3-32B \
+        --train_data my_chats.jsonl --target_ranks 4 --target_tp_size 2
+
+Two nodes (the same command on each, with its --machine_rank; --output_dir on a shared filesystem):
+    accelerate launch --config_file accelerate_configs/2x8gpu.yaml --machine_rank 0 --main_process_ip NODE0 \
+        train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 2 --output_dir /shared/outputs/qwen3-8b
+
 Colocated mode (--target_ranks 0, the default): every rank runs the frozen target (context features,
 no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ranks N or auto; README,
-"Target and drafter ranks"): ranks [0, N) only run the target and send the features to ranks
-[N, world), which train the drafter under ZeRO-2 on their own process group; the plumbing is in
-dflash_split.py. The objective is the DFlash paper's (arXiv 2602.06036); the model and loss are in
-dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
+"Target and drafter ranks"): on every node, local ranks [0, N) only run the target (alone, or
+--target_tp_size of them sharing one copy) and send the features to the node's other ranks, which
+train the drafter under ZeRO-2 on their own process group and never load a target layer; the
+plumbing is in dflash_split.py. The objective is the DFlash paper's (arXiv 2602.06036); the model
+and loss are in dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
 
 Order of work: settings, the target's tokenizer and config, the data (tokenized and checked), and
 only then the target's weights, so a bad setting or data file fails in seconds, not after minutes
@@ -1039,6 +1048,7 @@ def main(argv: list[str]) -> None:
                 broadcast_scalars(values, 2, layout.eval_group, layout.target_groups[0][0], device)
         else:
             del drafter
+            embed_tokens = lm_head = None  # a tensor-parallel group's own copies (--target_ranks auto): unused here
         serve_context_features(plan(), dataset, tokenizer, extractor, layout, settings, device, pad_multiple, global_step, evaluate)
         if liveness:
             liveness.finish()
