@@ -1039,13 +1039,15 @@ def main(argv: list[str]) -> None:
             # heads from the config, and each rank holds a slice of them).
             kv_cache, graphs = ("dynamic", "off") if layout.tp_size > 1 else ("auto", "auto")
 
-            def evaluate():
+            def evaluate_for_lead():
                 broadcast_drafter_weights(drafter, layout.eval_group, src=layout.drafter_ranks[0])
                 debug_log(rank, {"eval_weights_sha256": weights_digest(drafter)})
                 result = evaluate_acceptance(target, drafter, tokenizer, eval_prompts, settings.eval_max_new_tokens,
                                              chat_template_kwargs=chat_kwargs, kv_cache=kv_cache, cuda_graphs=graphs)
                 values = [result["acceptance_length"], result["speculative_tokens_per_s"]] if layout.is_sender else None
                 broadcast_scalars(values, 2, layout.eval_group, layout.target_groups[0][0], device)
+
+            evaluate = evaluate_for_lead
         else:
             del drafter
             embed_tokens = lm_head = None  # a tensor-parallel group's own copies (--target_ranks auto): unused here
