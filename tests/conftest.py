@@ -1,6 +1,9 @@
 """Shared pytest fixtures. Slow loads (tokenizers, the SmolLM2 GGUF target) are session-scoped."""
 
+import socket
+import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -144,3 +147,23 @@ def train_env(tmp_path_factory) -> dict:
         PYTHONUNBUFFERED="1",
     )
     return env
+
+
+def launch_ranks(args, env, world, log_dir, rank_env=None):
+    """Start the ranks of one run as plain processes, each with torchrun's environment, around a
+    TCPStore hosted here (as torchrun's agent hosts it). Not torchrun itself: its agent kills the
+    other ranks as soon as one dies, which would hide whether the trainer notices by itself; and
+    each rank can have an environment of its own (`rank_env[rank]`, added to `env`). Returns (the
+    store, which must outlive the ranks; the processes), each rank's output in log_dir/rank{r}.log."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    procs = []
+    for rank in range(world):
+        own_env = dict(env, **(rank_env or {}).get(rank, {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+        output = open(log_dir / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO_ROOT, env=own_env,
+                                      stdout=output, stderr=subprocess.STDOUT))
+    return store, procs

@@ -21,7 +21,6 @@ from dflash_model import (
     dflash_loss,
     loss_weights,
     sample_anchors,
-    scale_and_cap_logits,
 )
 from dflash_target import TargetFeatureExtractor, check_target_scaling
 from eval_dflash import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem

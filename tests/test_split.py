@@ -11,16 +11,16 @@ import json
 import math
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from conftest import launch_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -141,24 +141,6 @@ def test_resume_in_split_mode_is_bit_identical(split_run, trainable_qwen3_target
     for rank in (1, 2):  # the resumed run trains exactly what the straight run trained after step 3
         straight = [r for r in read_jsonl(f"{debug}.rank{rank}.jsonl") if "ids" in r]
         assert [r for r in read_jsonl(f"{resumed_debug}.rank{rank}.jsonl") if "ids" in r] == straight[3:]
-
-
-def launch_ranks(args, env, world, log_dir):
-    """Start the ranks of one run as plain processes, each with torchrun's environment, around a
-    TCPStore hosted here (as torchrun's agent hosts it). Not torchrun itself: its agent kills the
-    other ranks as soon as one dies, which would hide whether the trainer notices by itself."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    procs = []
-    for rank in range(world):
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-        output = open(log_dir / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=rank_env,
-                                      stdout=output, stderr=subprocess.STDOUT))
-    return store, procs
 
 
 @pytest.mark.parametrize("victim, how", [(2, signal.SIGSTOP), (0, signal.SIGKILL)], ids=["freeze-drafter", "kill-target"])
