@@ -99,12 +99,10 @@ from dflash_model import (
     block_labels,
     create_anchor_block_mask,
     dflash_loss,
-    get_compiled_flex_attention,
     loss_weights,
     sample_anchors,
-    setup_compile_cache,
-    warm_up_flex_attention,
 )
+from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
 from dflash_target import TargetFeatureExtractor
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -520,7 +518,7 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
         start = time.perf_counter()
         if ctx["backend"] == "flex":
             warm_up_flex_attention(
-                device, batch=batch, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                device, create_anchor_block_mask, batch=batch, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                 head_dim=config.head_dim, context_len=seq_len, num_anchors=num_anchors, block_size=config.block_size,
                 dtype=dtype, rules=tuple(config.attention_rule(i) for i in range(config.num_hidden_layers)),
             )

@@ -46,7 +46,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from dflash_model import compile_once_locked, running_compiled, target_output_scaling
+from dflash_compile import CUDAGraphCall, compile_once_locked, running_compiled
+from dflash_model import target_output_scaling
 
 log = logging.getLogger("dflash_target")
 
@@ -697,7 +698,6 @@ class TargetFeatureExtractor:
         Raises:
             ValueError: if the target's attention takes no 4D mask (flash attention, flex).
         """
-        from dflash_model import CUDAGraphCall
 
         implementation = getattr(self.decoder.config, "_attn_implementation", None)
         if implementation not in ("sdpa", "eager"):
@@ -711,7 +711,7 @@ class TargetFeatureExtractor:
         Fuses the norms, RoPE, SwiGLU and residual adds around the matmuls (measured at Qwen3-8B
         shapes on an H200 in BENCHMARKS.md). Layers of one architecture share one graph per shape;
         the first call at each new shape (per layer) compiles under the compile lock, like the
-        drafter's (`dflash_model.compile_once_locked`). The capture hooks stay eager around it.
+        drafter's (`dflash_compile.compile_once_locked`). The capture hooks stay eager around it.
         Only for a truncated target: an untruncated one also verifies drafts with a growing KV
         cache, whose every new length would compile a graph.
 

@@ -71,7 +71,8 @@ from transformers import DynamicCache, GenerationConfig, HfArgumentParser
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_data import load_prompts
-from dflash_model import CUDAGraphCall, DFlashDraftModel, DFlashStaticContextCache, sampling_probs
+from dflash_compile import CUDAGraphCall
+from dflash_model import DFlashDraftModel, DFlashStaticContextCache, sampling_probs
 
 logger = logging.getLogger(__name__)
 

@@ -99,19 +99,18 @@ from dflash_split import (
     start_liveness,
     strip_target_layers,
 )
+from dflash_compile import flex_compile_stats, setup_compile_cache, warm_up_flex_attention
 from dflash_model import (
     DEFAULT_LOSS_GAMMA,
     DFlashConfig,
     DFlashDraftModel,
     block_labels,
+    create_anchor_block_mask,
     default_loss_gamma,
     dflash_loss,
     estimate_acceptance_length,
-    flex_compile_stats,
     loss_weights,
     sample_anchors,
-    setup_compile_cache,
-    warm_up_flex_attention,
 )
 from dflash_target import (
     SMOLLM2_PACKAGE,
@@ -626,7 +625,7 @@ def setup_logging(rank: int) -> None:
     for handler in list(hub_logger.handlers):
         hub_logger.removeHandler(handler)
     # Every rank reports its own compile-lock waits and compiles: who compiled, who waited.
-    logging.getLogger("dflash_model").setLevel(logging.INFO)
+    logging.getLogger("dflash_compile").setLevel(logging.INFO)
     if rank != 0:
         logging.getLogger("dflash_data").setLevel(logging.ERROR)  # the data warnings once, from rank 0
 
@@ -1158,7 +1157,7 @@ def main(argv: list[str]) -> None:
     if backend == "flex" and not compile_drafter:  # compiled layers trace flex into their own (locked) compiles
         first_batch = epoch_batches(lengths, settings, start_epoch, drafters)[dp_rank] or [0]
         seconds = warm_up_flex_attention(
-            device, batch=len(first_batch), heads=draft_config.num_attention_heads,
+            device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads,
             kv_heads=draft_config.num_key_value_heads, head_dim=draft_config.head_dim,
             context_len=-(-max(lengths[i] for i in first_batch) // pad_multiple) * pad_multiple,
             num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=engine.module.fc.weight.dtype,
