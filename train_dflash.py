@@ -27,7 +27,8 @@ no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ran
 --target_tp_size of them sharing one copy) and send the features to the node's other ranks, which
 train the drafter under ZeRO-2 on their own process group and never load a target layer; the
 plumbing is in dflash_split.py. The objective is the DFlash paper's (arXiv 2602.06036); the model
-and loss are in dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
+and loss are in dflash_model.py (its compile safety in dflash_compile.py), the target side in
+dflash_target.py, the data in dflash_data.py.
 
 Order of work: settings, the target's tokenizer and config, the data (tokenized and checked), and
 only then the target's weights, so a bad setting or data file fails in seconds, not after minutes
