@@ -13,7 +13,6 @@ Notation used in every shape comment:
     hidden  hidden size                heads / kv_heads / head_dim   attention sizes
 """
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash_compile import compile_once_locked, get_compiled_flex_attention, running_compiled
+from dflash_fused_ce import fused_linear_weighted_ce
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -816,6 +816,8 @@ class DFlashContextCache:
 
     keys[i], values[i]: [batch, kv_heads, S, head_dim]. Draft passes never write into it, so after
     each draft the cache holds the context only; `crop` cuts it back when the context shrinks.
+    A cache is any object with `length`, `keys`, `values`, `extend` and `key_layout` (eval_dflash.py's
+    static cache for CUDA graphs is another).
     """
 
     keys: list
@@ -829,30 +831,16 @@ class DFlashContextCache:
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
 
+    def extend(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "DFlashContextCache":
+        """A cache grown by the new positions' (k, v) of every layer, each [batch, kv_heads, s_new, head_dim]."""
+        if not self.keys:
+            return DFlashContextCache(keys=[k for k, _ in kv], values=[v for _, v in kv])
+        return DFlashContextCache(keys=[torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, kv)],
+                                  values=[torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, kv)])
 
-class DFlashStaticContextCache:
-    """`DFlashContextCache` in preallocated buffers of `max_length` positions, for CUDA graphs.
-
-    keys[i], values[i]: [batch, kv_heads, max_length, head_dim], written in place by
-    `extend_context`; positions >= `length` hold stale values that `draft_block` masks out. The
-    buffers never move, so a CUDA graph of `draft_block` captured once stays valid: it reads the
-    context length from `length_tensor` (a 0-dim int64 on the device), not from Python.
-    """
-
-    def __init__(self, config: "DFlashConfig", batch: int, max_length: int, dtype: torch.dtype, device):
-        shape = (batch, config.num_key_value_heads, max_length, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.max_length = max_length
-        self.length = 0
-        self.length_tensor = torch.zeros((), dtype=torch.long, device=device)
-
-    def crop(self, length: int) -> None:
-        """Set the context length (shorter or longer: the caller knows which positions are valid)."""
-        if not 0 <= length <= self.max_length:
-            raise ValueError(f"context length {length} outside the static cache's 0..{self.max_length}")
-        self.length = length
-        self.length_tensor.fill_(length)  # a device-side write: no host sync
+    def key_layout(self, block_size: int, device) -> tuple[int, torch.Tensor, None]:
+        """(the block's first position S, key positions [S + B] of cache then block, None: every key is valid)."""
+        return self.length, torch.arange(self.length + block_size, device=device), None
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -998,7 +986,7 @@ class DFlashDraftModel(PreTrainedModel):
         """Append new context positions to the drafter's cache.
 
         Args:
-            cache: a `DFlashContextCache` (grown by concatenation), a `DFlashStaticContextCache`
+            cache: a `DFlashContextCache` (grown by concatenation), eval_dflash.py's static cache
                 (written in place), or None to start a `DFlashContextCache`.
             context_features: [batch, s_new, len(target_layer_ids) * hidden], the target's layer
                 outputs for the next s_new positions (cache.length .. cache.length + s_new - 1).
@@ -1011,21 +999,7 @@ class DFlashDraftModel(PreTrainedModel):
         batch, s_new, _ = context.shape
         positions = torch.arange(start, start + s_new, device=context.device).expand(batch, s_new)
         cos, sin = self._rope(context, positions)
-        if isinstance(cache, DFlashStaticContextCache):
-            if start + s_new > cache.max_length:
-                raise ValueError(f"context of {start + s_new} positions does not fit the static cache ({cache.max_length})")
-            for i, layer in enumerate(self.layers):
-                k, v = layer.self_attn.project_kv(context, cos, sin)
-                cache.keys[i][:, :, start : start + s_new] = k
-                cache.values[i][:, :, start : start + s_new] = v
-            cache.crop(start + s_new)
-            return cache
-        keys, values = [], []
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(context, cos, sin)
-            keys.append(k if start == 0 else torch.cat([cache.keys[i], k], dim=2))
-            values.append(v if start == 0 else torch.cat([cache.values[i], v], dim=2))
-        return DFlashContextCache(keys=keys, values=values)
+        return cache.extend([layer.self_attn.project_kv(context, cos, sin) for layer in self.layers])
 
     @torch.no_grad()
     def draft_logits(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:
@@ -1038,9 +1012,9 @@ class DFlashDraftModel(PreTrainedModel):
         (context keys 0..S-1, block S..S+B-1), as in training. The cache is not written, so it
         stays cut back to the context.
 
-        With a `DFlashStaticContextCache` the pass attends over all `max_length` cached positions
-        with the stale ones masked out, and takes the context length from `cache.length_tensor`,
-        so it can be captured once as a CUDA graph and replayed at every length (no host sync).
+        With eval_dflash.py's static cache the pass attends over all `max_length` cached positions
+        with the stale ones masked out, and takes the context length from a device tensor, so it
+        can be captured once as a CUDA graph and replayed at every length (no host sync).
 
         Args:
             cache: the drafter's context cache, length S.
@@ -1056,15 +1030,7 @@ class DFlashDraftModel(PreTrainedModel):
         x = self.embed_block(block)  # [batch, B, hidden]
         device = x.device
         offsets = torch.arange(block_size, device=device)
-        if isinstance(cache, DFlashStaticContextCache):
-            start = cache.length_tensor  # 0-dim int64 on the device
-            slots = torch.arange(cache.max_length, device=device)
-            key_positions = torch.cat([slots, start + offsets])  # [max_length + B]
-            key_valid = torch.cat([slots < start, torch.ones(block_size, dtype=torch.bool, device=device)])
-        else:
-            start = cache.length
-            key_positions = torch.arange(start + block_size, device=device)  # [S + B]: the cache holds exactly the context
-            key_valid = None
+        start, key_positions, key_valid = cache.key_layout(block_size, device)  # [KV] each; key_valid None: all
         query_positions = start + offsets  # [B]
         masks = {}
         for rule in dict.fromkeys(self.config.attention_rule(i) for i in range(self.config.num_hidden_layers)):
@@ -1122,107 +1088,6 @@ def loss_weights(block_size: int, gamma: float | None = None, device=None) -> to
     return torch.exp(-(k - 1) / gamma)
 
 
-def _weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                                multiplier: float = 1.0, softcap: float | None = None):
-    """One chunk of the loss: logits [rows, vocab] -> (sum w*CE fp32, dlogits in the logits dtype,
-    hit [rows] bool). Works in place on one fp32 copy of the chunk, so eager mode makes few
-    vocab-sized passes.
-
-    The CE is taken on z = `scale_and_cap_logits(logits, multiplier, softcap)`, what the engines
-    sample from. dCE/dz = w * (softmax(z) - onehot), and the chain rule back to the raw logits
-    multiplies by dz/dlogits = multiplier * (1 - tanh^2) (the tanh factor only with a cap).
-    """
-    x = logits.float()  # [rows, vocab]
-    if multiplier != 1.0:
-        x.mul_(multiplier)
-    capped = None
-    if softcap:
-        capped = x.div_(softcap).tanh_()  # tanh(z / c), kept for the chain rule
-        x = capped * softcap
-    lse = torch.logsumexp(x, dim=-1)  # [rows]
-    ce = lse - x.gather(1, targets[:, None]).squeeze(1)
-    hit = x.argmax(dim=-1) == targets
-    x.sub_(lse[:, None]).exp_().mul_(weights[:, None])  # w * softmax
-    x.scatter_add_(1, targets[:, None], -weights[:, None])  # - w * onehot
-    if capped is not None:
-        x.mul_(1 - capped.square_())
-    if multiplier != 1.0:
-        x.mul_(multiplier)
-    return (ce * weights).sum(), x.to(logits.dtype), hit
-
-
-def _weighted_ce_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                                           multiplier: float = 1.0, softcap: float | None = None):
-    """`_weighted_ce_and_grad_chunk` without in-place ops, for torch.compile to fuse into a few kernels."""
-    x = logits.float() * multiplier  # [rows, vocab]
-    if softcap:
-        capped = torch.tanh(x / softcap)
-        x = capped * softcap
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [rows, 1]
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]  # fused, never stored
-    dz = weights[:, None] * (torch.exp(x - lse) - onehot.float())
-    if softcap:
-        dz = dz * (1 - capped * capped)
-    dlogits = (dz * multiplier).to(logits.dtype)
-    ce = lse.squeeze(1) - x.gather(1, targets[:, None]).squeeze(1)
-    return (ce * weights).sum(), dlogits, x.argmax(dim=-1) == targets
-
-
-_compiled_ce = None
-
-
-def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                           multiplier: float = 1.0, softcap: float | None = None):
-    """`_weighted_ce_and_grad_chunk`, torch.compile'd (dynamic shapes: the rows vary per step);
-    `dflash_loss(..., compiled=True)` uses it. Compiles under the compile lock
-    at the first call (and again for a 1-row chunk, which dynamo specialises). Measured at
-    Qwen3-8B shapes on an H200 (bench_dflash.py): 92.4 -> 83.8 ms/sample. Runs outside autograd
-    (inside the fused loss's forward), so nothing compiles in a backward thread."""
-    global _compiled_ce
-    if _compiled_ce is None:
-        _compiled_ce = torch.compile(_weighted_ce_and_grad_chunk_functional, dynamic=True)
-    key = ("ce_grad_chunk", str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1], multiplier, softcap)
-    what = f"loss chunk (softmax, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
-    compile_once_locked(key, what, lambda: _compiled_ce(logits, targets, weights, multiplier, softcap), logits.device)
-    with running_compiled():
-        return _compiled_ce(logits, targets, weights, multiplier, softcap)
-
-
-class _FusedLinearWeightedCE(torch.autograd.Function):
-    """sum_i w_i * CE(rows_i @ W^T, t_i) with d/d rows computed in the forward, chunk by chunk.
-
-    The gradient of CE with respect to the logits is known in closed form (softmax - onehot), so
-    each chunk's logits are used for the loss and the input gradient at once and then dropped:
-    the head matmul runs twice per chunk (logits, dlogits @ W) instead of three times (logits,
-    checkpoint recompute, dlogits @ W), and nothing vocab-sized is kept for backward (the idea of
-    Liger-Kernel's fused linear cross-entropy). W is the target's frozen head: no weight gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, rows, weight, targets, row_weights, chunk_size, ce_grad_chunk):
-        needs_grad = rows.requires_grad
-        grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden]
-        hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
-        total = rows.new_zeros((), dtype=torch.float32)
-        for start in range(0, rows.shape[0], chunk_size):
-            end = min(start + chunk_size, rows.shape[0])
-            logits = rows[start:end] @ weight.t()  # [rows, vocab], bf16 on GPU
-            ce_sum, dlogits, hit = ce_grad_chunk(logits, targets[start:end], row_weights[start:end])
-            del logits
-            if needs_grad:
-                grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
-            total = total + ce_sum
-            hits[start:end] = hit
-        ctx.save_for_backward(grad_rows if needs_grad else rows.new_empty(0))
-        ctx.mark_non_differentiable(hits)
-        return total, hits
-
-    @staticmethod
-    def backward(ctx, grad_total, grad_hits):
-        (grad_rows,) = ctx.saved_tensors
-        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None, None
-
-
 def dflash_loss(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
@@ -1241,7 +1106,7 @@ def dflash_loss(
 
     Only valid label positions go through the head (padding and block position 0 never cost a
     vocab-sized matmul), and at most `chunk_size x vocab` logits exist at once instead of
-    `N*(B-1) x vocab`. The input gradient is computed in the forward (`_FusedLinearWeightedCE`),
+    `N*(B-1) x vocab`. The input gradient is computed in the forward (`fused_linear_weighted_ce`),
     so there is no activation checkpointing, no recompute of the head, and nothing compiled runs
     in autograd's backward threads. Measured on an H200 at Qwen3-8B shapes (BENCHMARKS.md,
     bench_dflash.py): 92.4 vs 98.9 ms/sample and 37.3 vs 38.2 GB against the earlier
@@ -1254,8 +1119,7 @@ def dflash_loss(
         labels, label_valid: [batch, N, B-1] from `block_labels`.
         weights: [B-1] float32 from `loss_weights`.
         chunk_size: rows per chunk.
-        compiled: run the per-chunk softmax / dlogits / argmax through `compiled_ce_grad_chunk`
-            (GPU training) instead of the eager `_weighted_ce_and_grad_chunk`.
+        compiled: run the per-chunk softmax / dlogits / argmax compiled (GPU training; dflash_fused_ce.py).
         output_multiplier, final_logit_softcapping: the drafter config's logit scaling and cap
             (`scale_and_cap_logits`), applied to the head's logits before the CE, as the engines
             apply them before sampling.
@@ -1270,10 +1134,8 @@ def dflash_loss(
     row_weights = weights.to(rows.device)[k_index]  # [T]
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
-    ce_grad_chunk = compiled_ce_grad_chunk if compiled else _weighted_ce_and_grad_chunk
-    if output_multiplier != 1.0 or final_logit_softcapping:
-        ce_grad_chunk = functools.partial(ce_grad_chunk, multiplier=output_multiplier, softcap=final_logit_softcapping)
-    weighted_ce, hit = _FusedLinearWeightedCE.apply(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk)
+    weighted_ce, hit = fused_linear_weighted_ce(rows, head_weight.detach(), targets, row_weights, chunk_size, compiled,
+                                                output_multiplier, final_logit_softcapping)
     loss = weighted_ce / row_weights.sum()
     hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())
     counts = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.ones_like(row_weights))

@@ -72,7 +72,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from dflash_compile import CUDAGraphCall
 from dflash_data import load_prompts
-from dflash_model import DFlashDraftModel, DFlashStaticContextCache, sampling_probs
+from dflash_model import DFlashDraftModel, sampling_probs
 
 logger = logging.getLogger(__name__)
 
@@ -430,6 +430,51 @@ class StaticTargetRunner(TargetRunner):
 
     def crop(self, length: int) -> None:
         self.length = length
+
+
+class DFlashStaticContextCache:
+    """`dflash_model.DFlashContextCache` in preallocated buffers of `max_length` positions, for CUDA graphs.
+
+    keys[i], values[i]: [batch, kv_heads, max_length, head_dim], written in place by
+    `extend_context`; positions >= `length` hold stale values that `draft_block` masks out. The
+    buffers never move, so a CUDA graph of `draft_block` captured once stays valid: it reads the
+    context length from `length_tensor` (a 0-dim int64 on the device), not from Python.
+    """
+
+    def __init__(self, config, batch: int, max_length: int, dtype: torch.dtype, device):
+        shape = (batch, config.num_key_value_heads, max_length, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.max_length = max_length
+        self.length = 0
+        self.length_tensor = torch.zeros((), dtype=torch.long, device=device)
+
+    def crop(self, length: int) -> None:
+        """Set the context length (shorter or longer: the caller knows which positions are valid)."""
+        if not 0 <= length <= self.max_length:
+            raise ValueError(f"context length {length} outside the static cache's 0..{self.max_length}")
+        self.length = length
+        self.length_tensor.fill_(length)  # a device-side write: no host sync
+
+    def extend(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "DFlashStaticContextCache":
+        """Write the new positions' (k, v) of every layer, each [batch, kv_heads, s_new, head_dim], in place."""
+        start, s_new = self.length, kv[0][0].shape[2]
+        if start + s_new > self.max_length:
+            raise ValueError(f"context of {start + s_new} positions does not fit the static cache ({self.max_length})")
+        for i, (k, v) in enumerate(kv):
+            self.keys[i][:, :, start : start + s_new] = k
+            self.values[i][:, :, start : start + s_new] = v
+        self.crop(start + s_new)
+        return self
+
+    def key_layout(self, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the block's first position as a 0-dim device tensor, key positions [max_length + B] of every
+        slot then the block, which keys are valid [max_length + B] bool): no host sync."""
+        start = self.length_tensor
+        slots = torch.arange(self.max_length, device=device)
+        key_positions = torch.cat([slots, start + torch.arange(block_size, device=device)])
+        key_valid = torch.cat([slots < start, torch.ones(block_size, dtype=torch.bool, device=device)])
+        return start, key_positions, key_valid
 
 
 class Drafting:

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
-from dflash_model import DFlashConfig, DFlashDraftModel, DFlashStaticContextCache
+from dflash_model import DFlashConfig, DFlashDraftModel
 from eval_dflash import (
+    DFlashStaticContextCache,
     check_drafter_matches_target,
     evaluate_acceptance,
     greedy_generate,

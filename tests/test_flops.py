@@ -21,10 +21,9 @@ from bench_dflash import (
     target_forward_flops,
     visible_pairs,
 )
+from dflash_fused_ce import weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
 from dflash_model import (
     DFlashConfig,
-    _weighted_ce_and_grad_chunk,
-    _weighted_ce_and_grad_chunk_functional,
     DFlashDraftModel,
     block_labels,
     dense_anchor_block_mask,
@@ -203,5 +202,5 @@ def test_compiled_ce_chunk_equals_eager_chunk():
     logits = torch.randn(9, VOCAB, generator=generator).bfloat16()
     targets = torch.randint(0, VOCAB, (9,), generator=generator)
     weights = torch.rand(9, generator=generator)
-    for a, b in zip(_weighted_ce_and_grad_chunk(logits, targets, weights), _weighted_ce_and_grad_chunk_functional(logits, targets, weights)):
+    for a, b in zip(weighted_ce_and_grad_chunk(logits, targets, weights), weighted_ce_and_grad_chunk_functional(logits, targets, weights)):
         torch.testing.assert_close(a, b)

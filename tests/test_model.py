@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig, Qwen3Config
 
+from eval_dflash import DFlashStaticContextCache  # the static cache lives where it is used
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
-    DFlashStaticContextCache,
     block_input_ids,
     block_labels,
     block_position_ids,
