@@ -581,6 +581,31 @@ def compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], devi
         log.log(logging.INFO if seconds >= 0.1 else logging.DEBUG, "Compilation time: %.2f seconds (%s)", seconds, what)
 
 
+def call_compiled_module(compiled: torch.nn.Module, key: tuple, what: str, tensors: tuple, *rest):
+    """`compiled(*tensors, *rest)` for a torch.compile'd module (a drafter decoder layer), whose first call
+    at `key` compiles under the compile lock (`compile_once_locked`).
+
+    That first call runs the module once on detached clones of `tensors` (same shapes, strides, dtypes,
+    requires_grad) with a backward when grad is on (torch.autograd.grad to the clones, else to the
+    parameters: it returns the gradients without writing .grad, so the parameters' .grad and
+    DeepSpeed's gradient hooks are untouched), so both graphs exist before the real call and
+    AOTAutograd's lazy backward compile never runs in autograd's own thread. `rest` (a mask) is
+    passed as it is.
+    """
+    grad = torch.is_grad_enabled()
+
+    def warm_up():
+        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        out = compiled(*inputs, *rest)
+        needs = [t for t in inputs if t.requires_grad] or [p for p in compiled.parameters() if p.requires_grad]
+        if grad and needs:
+            torch.autograd.grad(out, needs, torch.ones_like(out))
+
+    compile_once_locked(key, what, warm_up, tensors[0].device)
+    with running_compiled():
+        return compiled(*tensors, *rest)
+
+
 def flex_compile_stats() -> dict:
     """Compile counters of this process, for the training log: every locked first call at a new
     shape key (flex, compiled drafter layers, the loss chunk, compiled target layers; a key whose

@@ -13,7 +13,6 @@ Notation used in every shape comment:
     hidden  hidden size                heads / kv_heads / head_dim   attention sizes
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ from transformers import PreTrainedModel, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_compile import compile_once_locked, get_compiled_flex_attention, running_compiled
+from dflash_compile import call_compiled_module, get_compiled_flex_attention
 from dflash_fused_ce import fused_linear_weighted_ce
 
 # ----------------------------------------------------------------------------------------------
@@ -785,29 +784,15 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _run_compiled_layer(compiled: Callable, index: int, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
-    """One compiled decoder layer call (DFlashDraftModel.compile_layers). The first call at a new
-    shape runs the layer once on detached clones (same shapes, strides, dtypes, requires_grad) under
-    the compile lock, with a backward (torch.autograd.grad to the clones: the parameters' .grad and
-    DeepSpeed's gradient hooks are untouched), so both graphs exist before the real call."""
-    grad = torch.is_grad_enabled()
+def _run_compiled_layer(compiled: nn.Module, index: int, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+    """One call of compiled decoder layer `index` (DFlashDraftModel.compile_layers); its first call at a new
+    shape compiles forward and backward under the compile lock (`dflash_compile.call_compiled_module`)."""
     tensors = (x, cos, sin, context_k, context_v)
+    grad = torch.is_grad_enabled()
     key = ("drafter_layer", index, str(x.device), x.dtype, grad, tuple(x.shape), tuple(context_k.shape),
            tuple(t.requires_grad for t in tensors), type(mask).__name__)
-
-    def warm_up():
-        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
-        out = compiled(*inputs, mask)
-        # Gradients to the clones, or else to the parameters: torch.autograd.grad returns them
-        # without writing .grad, so nothing of this call reaches the optimizer.
-        needs = [t for t in inputs if t.requires_grad] or [p for p in compiled.parameters() if p.requires_grad]
-        if grad and needs:
-            torch.autograd.grad(out, needs, torch.ones_like(out))
-
     what = f"drafter layer {index} {'forward+backward' if grad else 'forward'} on {x.device}, {x.dtype}, x {list(x.shape)}, context kv {list(context_k.shape)}"
-    compile_once_locked(key, what, warm_up, x.device)
-    with running_compiled():
-        return compiled(*tensors, mask)
+    return call_compiled_module(compiled, key, what, tensors, mask)
 
 
 @dataclass
