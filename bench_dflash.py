@@ -266,7 +266,7 @@ def target_forward_flops(config: Qwen3Config, num_layers: int, batch: int, seq_l
 
 def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False):
     """`dflash_model.dflash_loss` (the fused form, gradient in the forward), optionally with the
-    per-chunk elementwise work compiled (`dflash_fused_ce.compiled_ce_grad_chunk`, as in training)."""
+    per-chunk elementwise work compiled (`dflash_model.compiled_ce_grad_chunk`, as in training)."""
     return dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, compiled=compiled)
 
 

@@ -16,8 +16,6 @@ from collections.abc import Callable
 
 import torch
 
-from dflash_compile import compile_once_locked, running_compiled
-
 def weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                                 multiplier: float = 1.0, softcap: float | None = None):
     """One chunk of the loss: logits [rows, vocab] -> (sum w*CE fp32, dlogits in the logits dtype,
@@ -64,26 +62,6 @@ def weighted_ce_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.T
     return (ce * weights).sum(), dlogits, x.argmax(dim=-1) == targets
 
 
-_compiled_ce = None
-
-
-def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                           multiplier: float = 1.0, softcap: float | None = None):
-    """`weighted_ce_and_grad_chunk`, torch.compile'd (dynamic shapes: the rows vary per step);
-    `fused_linear_weighted_ce(..., compiled=True)` (the training loss) uses it. Compiles under the compile lock
-    at the first call (and again for a 1-row chunk, which dynamo specialises). Measured at
-    Qwen3-8B shapes on an H200 (bench_dflash.py): 92.4 -> 83.8 ms/sample. Runs outside autograd
-    (inside the fused loss's forward), so nothing compiles in a backward thread."""
-    global _compiled_ce
-    if _compiled_ce is None:
-        _compiled_ce = torch.compile(weighted_ce_and_grad_chunk_functional, dynamic=True)
-    key = ("ce_grad_chunk", str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1], multiplier, softcap)
-    what = f"loss chunk (softmax, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
-    compile_once_locked(key, what, lambda: _compiled_ce(logits, targets, weights, multiplier, softcap), logits.device)
-    with running_compiled():
-        return _compiled_ce(logits, targets, weights, multiplier, softcap)
-
-
 class _FusedLinearWeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(rows_i @ W^T, t_i) with d/d rows computed in the forward, chunk by chunk.
 
@@ -120,7 +98,7 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
 
 
 def fused_linear_weighted_ce(rows: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor,
-                             chunk_size: int, compiled: bool = False, multiplier: float = 1.0,
+                             chunk_size: int, ce_grad_chunk: Callable = weighted_ce_and_grad_chunk, multiplier: float = 1.0,
                              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_i w_i * CE_i over the rows, and each row's argmax hit.
 
@@ -129,14 +107,14 @@ def fused_linear_weighted_ce(rows: torch.Tensor, head_weight: torch.Tensor, targ
         head_weight: [vocab, hidden], the frozen LM head (no gradient reaches it).
         targets: [T] int64; row_weights: [T] float32.
         chunk_size: rows per chunk.
-        compiled: the per-chunk softmax / dlogits / argmax through `compiled_ce_grad_chunk` (GPU
-            training) instead of the eager `weighted_ce_and_grad_chunk`.
+        ce_grad_chunk: the per-chunk softmax / dlogits / argmax: the eager `weighted_ce_and_grad_chunk`,
+            or a compiled `weighted_ce_and_grad_chunk_functional` (GPU training,
+            `dflash_model.compiled_ce_grad_chunk`).
         multiplier, softcap: the logit scaling and cap applied before the CE (as the engines apply
             them before sampling).
     Returns:
         (weighted CE sum, scalar float32; backpropagate it once), hits [T] bool.
     """
-    ce_grad_chunk: Callable = compiled_ce_grad_chunk if compiled else weighted_ce_and_grad_chunk
     if multiplier != 1.0 or softcap:
         ce_grad_chunk = functools.partial(ce_grad_chunk, multiplier=multiplier, softcap=softcap)
     return _FusedLinearWeightedCE.apply(rows, head_weight, targets, row_weights, chunk_size, ce_grad_chunk)
