@@ -886,7 +886,7 @@ class DFlashDraftModel(PreTrainedModel):
 
         dynamic=False: one static graph per shape, like flex's; flex_attention is traced into the
         layer's graph. The first forward at each new shape (per layer, grad or not) compiles and runs
-        forward and backward on clones under `compile_lock` (`_run_compiled_layer`), so no
+        forward and backward on clones under the compile lock (`_run_compiled_layer`), so no
         compile ever happens outside the lock, including AOTAutograd's lazy backward compile in
         autograd's thread. Inference passes (`extend_context`, `draft_block`) stay eager.
         Measured at Qwen3-8B shapes on an H200 (bench_dflash.py): 83.8 -> 70.2 ms/sample.

@@ -382,3 +382,16 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
     loss_again, _ = step(drafter, compiled=True)
     assert dc.flex_compile_stats()["compiles"] == 3 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     torch.testing.assert_close(loss_again, loss)
+
+
+def test_compile_safety_and_the_fused_loss_import_nothing_of_the_project(repo_root):
+    """dflash_compile.py (and dflash_fused_ce.py) sit under the model: what a warm-up needs from the
+    drafter (the mask builder, the shapes) is passed in, so neither imports a module of this repo."""
+    import ast
+
+    project = {p.stem for p in repo_root.glob("*.py")}
+    for name in ("dflash_compile.py", "dflash_fused_ce.py"):
+        tree = ast.parse((repo_root / name).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & project, (name, imported & project)
