@@ -103,7 +103,7 @@ from dflash_model import (
     sample_anchors,
 )
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
-from dflash_target import TargetFeatureExtractor
+from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
 REPO_DIR = Path(__file__).resolve().parent
 H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 datasheet figure (H100/H200 SXM)
@@ -807,7 +807,7 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and a shared CPU loses a lot to them
     torch.manual_seed(0)
     s = shapes(args)
-    config = DFlashConfig.from_target_config(s["target"], mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
+    config = drafter_config_for_target(s["target"], mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
                                              layer_types=args.layer_types, sliding_window=args.sliding_window)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     progress(f"{gpu}, torch {torch.__version__}, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")

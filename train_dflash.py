@@ -114,6 +114,7 @@ from dflash_model import (
     sample_anchors,
 )
 from dflash_target import (
+    drafter_config_for_target,
     SMOLLM2_PACKAGE,
     TargetFeatureExtractor,
     check_target_fits,
@@ -904,7 +905,7 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
     """The drafter's config, sized after the target's (seconds: no weights loaded yet), logged."""
     vocab_rows = target_config.get_text_config().vocab_size  # rows of the target's embedding
     mask_token_id = resolve_mask_token_id(tokenizer, vocab_rows, settings.mask_token_id, settings.mask_token)
-    draft_config = DFlashConfig.from_target_config(
+    draft_config = drafter_config_for_target(
         target_config,
         mask_token_id=mask_token_id,
         num_draft_layers=settings.num_draft_layers,
