@@ -3,9 +3,12 @@
 Each `race` run is a fresh process on a fresh, cold TORCHINDUCTOR_CACHE_DIR. Three threads start
 together, each with its OWN sequence length (--lengths, default 256, 384 and 512, as ranks with
 different batches have), so each triggers its own compile at the same moment. Each thread trains
-a few steps: an attention layer calling flex_attention with the anchor BlockMask, a chunked
+--steps steps: an attention layer calling flex_attention with the anchor BlockMask, a chunked
 LM-head cross-entropy, both under reentrant activation checkpointing (use_reentrant=True: the
 layer's forward runs again inside backward, on CUDA in autograd's own thread), and the backward.
+Then it goes on training until every thread has done its steps, as a rank keeps training while
+its neighbours compile: its calls into the compiled flex land while another thread is tracing,
+and tracing sets a process-wide FX flag that the compiled function's entry checks.
 Patterns:
 
     naive      a per-device `torch.compile(flex_attention)`, built lazily by whichever thread comes
@@ -179,7 +182,10 @@ def race_child(args) -> None:
                                   for name in ("q", "k", "v", "o")}).to(device, dtype)
             head_weight = torch.randn(size["vocab"], hidden, device=device, dtype=dtype) * hidden**-0.5  # frozen LM head
             barrier.wait()
-            for step in range(args.steps):
+            step = 0
+            # A thread keeps stepping until every thread has done --steps: its flex calls then overlap
+            # the other threads' compiles, as a training rank's steps do.
+            while step < args.steps or not all_done.is_set():
                 context = torch.randn(batch, seq_len, hidden, device=device, dtype=dtype)
                 x = torch.randn(batch, q_len, hidden, device=device, dtype=dtype, requires_grad=train)
                 loss_mask = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
@@ -211,13 +217,25 @@ def race_child(args) -> None:
                         loss = chunked_loss(layer(x).reshape(-1, hidden), head_weight, labels, weights, q_len // 4, "none")
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"loss {loss.item()} at step {step}")
+                step += 1
+                if step == args.steps:
+                    count_done()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as error:  # every thread's error goes into the result line
             errors.append(f"thread {index}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
             traceback.print_exc()
+            all_done.set()  # the others stop too: the run has failed
 
     barrier, errors = threading.Barrier(args.threads), []
+    all_done, done_lock, done_count = threading.Event(), threading.Lock(), [0]
+
+    def count_done() -> None:  # one more thread has done its --steps
+        with done_lock:
+            done_count[0] += 1
+            if done_count[0] == args.threads:
+                all_done.set()
+
     threads = [threading.Thread(target=train_steps, args=(i, lengths[i % len(lengths)], barrier, errors), name=f"worker-{i}")
                for i in range(args.threads)]
     threaded_start = time.perf_counter()
@@ -346,7 +364,8 @@ def race(args) -> None:
     if not args.no_record:
         environment = next((r["environment"] for r in runs if r["environment"]), None) or environment_line(args.device)
         settings = (f"{args.threads} threads at lengths {lengths}, loss checkpoint {args.loss_checkpoint}"
-                    f"{' (layer not checkpointed)' if args.no_layer_checkpoint else ''}, "
+                    f"{' (layer not checkpointed)' if args.no_layer_checkpoint else ''}"
+                    f"{f', {args.compile_threads} inductor compile worker(s)' if args.compile_threads else ''}, "
                     f"timeout {args.timeout:.0f} s, {args.parallel} runs in parallel")
         record(f"compile race, pattern {args.pattern}: reproduced in {reproduced} of {len(runs)} cold runs",
                [settings, "", *table, *details], environment, args.record_to)
@@ -451,7 +470,8 @@ def main() -> None:
         common(p)
         p.add_argument("--pattern", choices=["naive", "ours", "ours-lazy"], default="ours")
         p.add_argument("--threads", type=int, default=3, help="threads training at once")
-        p.add_argument("--steps", type=int, default=3, help="training steps per thread")
+        p.add_argument("--steps", type=int, default=3,
+                       help="training steps per thread at least; a thread goes on stepping until every thread has done them")
         p.add_argument("--size", choices=sorted(SIZES), default=None, help="default: small on cuda, tiny on cpu")
         p.add_argument("--loss-checkpoint", choices=["reentrant", "nonreentrant"], default="reentrant",
                        help="checkpoint mode of the attention layer and the chunked loss (reentrant is the harder case)")

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The compile-race check on one GPU (requirements installed): 3 cold naive runs (expected to
-# reproduce the race: FX-tracing error or a hang past 90 s), then 10 cold runs of the trainer's
-# locked compile path (expected clean; 5 compiling at once are slower, hence its longer cutoff).
-# Logs and a BENCHMARKS.md with both tables go to $1.
-#   bash tools/gpu/compile_race.sh OUTPUT_DIR      (about 10 minutes on an H200)
+# The compile-race check on one GPU (requirements installed): cold naive runs, expected to
+# reproduce the race (FX-tracing error or a hang past 90 s): 3 with inductor's default compile
+# workers and, beside them, 3 with one compile worker (compiles in the process itself). Then 10
+# cold runs of the trainer's locked compile path, expected clean (5 compiling at once are slower,
+# hence its longer cutoff). Logs and a BENCHMARKS.md with the tables go to $1.
+#   bash tools/gpu/compile_race.sh OUTPUT_DIR      (about 4 minutes on an H200)
 set -uo pipefail  # a run that reproduces the race is not a script failure
 out=$(realpath -m "${1:?usage: bash tools/gpu/compile_race.sh OUTPUT_DIR}")
 cd "$(dirname "$0")/../.."
-mkdir -p "$out/logs"
+mkdir -p "$out/logs" "$out/logs1"
 cp BENCHMARKS.md "$out/BENCHMARKS.md"
 python3 bench_compile_race.py race --pattern naive --runs 3 --parallel 3 --timeout 90 \
-  --log-dir "$out/logs" --record-to "$out/BENCHMARKS.md" 2>&1 | tee "$out/naive.txt"
+  --log-dir "$out/logs" --record-to "$out/BENCHMARKS.md" > "$out/naive.txt" 2>&1 &
+python3 bench_compile_race.py race --pattern naive --runs 3 --parallel 3 --timeout 90 --compile-threads 1 \
+  --log-dir "$out/logs1" --record-to "$out/BENCHMARKS.md" > "$out/naive_one_worker.txt" 2>&1 &
+wait
+cat "$out/naive.txt" "$out/naive_one_worker.txt"
 python3 bench_compile_race.py race --pattern ours --runs 10 --parallel 5 --timeout 240 \
   --log-dir "$out/logs" --record-to "$out/BENCHMARKS.md" 2>&1 | tee "$out/ours.txt"

@@ -1,7 +1,7 @@
 # Sourced by the scripts in tools/gpu/ (bash), from the repository root. A GPU machine with the
 # requirements installed and internet access needs none of this; it stages a machine without
 # internet from what a run carried along:
-#   .whl/*.whl        Python packages the machine lacks (../shared/tools/device_wheels.sh), installed into /tmp/site
+#   .whl/*.whl        Python packages the machine lacks (../shared/tools/device_wheels.sh), installed into $ROOT/site
 #   .stage/a/part00   first half of the SmolLM2-135M-Instruct GGUF (../shared/tools/device_smollm2.sh), kept in $ROOT/st
 #   .stage/b/part01   second half, in a later call; joined to $ROOT/st/smollm2.gguf
 #   .devdata/         a copy of ../shared/data (GSM8K), kept in $ROOT/data
@@ -11,12 +11,10 @@ ROOT=${ROOT:-/root}
 mkdir -p "$ROOT/st" "$ROOT/data"
 exec 9> /tmp/dflash_setup.lock
 flock 9  # scripts started side by side stage one at a time
-if ls .whl/*.whl >/dev/null 2>&1; then
-  if [[ ! -f /tmp/site/.staged ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.staged
-  fi
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1 && [[ ! -f $ROOT/site/.staged ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ROOT/site" .whl/*.whl && touch "$ROOT/site/.staged"
 fi
+[[ -f $ROOT/site/.staged ]] && export PYTHONPATH=$ROOT/site${PYTHONPATH:+:$PYTHONPATH}  # also in later calls that carry no wheels
 [[ -f .stage/a/part00 && ! -f $ROOT/st/part00 ]] && cp .stage/a/part00 "$ROOT/st/"
 [[ -d .devdata && ! -f $ROOT/data/gsm8k/train.jsonl ]] && cp -r .devdata/. "$ROOT/data/"
 if [[ -f .stage/b/part01 && ! -f $ROOT/st/smollm2.gguf ]]; then

@@ -3,6 +3,7 @@
 # (rerun the script after a crash: finished steps are skipped, unfinished ones continue).
 #
 #   bash tools/gpu/smollm2_gsm8k.sh [OUT_DIR]        # default outputs/smollm2-gsm8k-gpu
+#   TRAIN_ARGS="--learning_rate 1e-3" bash tools/gpu/smollm2_gsm8k.sh   # extra train_dflash.py settings
 #
 # GSM8K: $DATA_DIR/gsm8k/train.jsonl (../shared/data here; elsewhere the public GSM8K train split,
 # 7,473 questions in its published order, as {"question", "answer"} JSON lines). The last 500 lines are
@@ -37,12 +38,14 @@ timed regenerate_sampled python3 regenerate_data.py --target_model "$SMOLLM2" --
 if [[ ! -f $OUT/train/final/model.safetensors ]]; then
   timed train accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py --config configs/smollm2-gsm8k-gpu.yaml \
     --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" "$D/sampled4.jsonl" --eval_data "$D/heldout_questions.jsonl" \
-    --output_dir "$OUT/train" --resume_from_checkpoint latest
+    --output_dir "$OUT/train" --resume_from_checkpoint latest ${TRAIN_ARGS:-}
 fi
 
-# 3. Held-out tau: 100 questions, block size 16, temperature 0, prompt lookup beside it.
+# 3. Held-out tau: 100 questions, block size 16, temperature 0 (add --baseline prompt_lookup for
+# transformers' prompt lookup beside it: it decodes without CUDA graphs, ~3 s a question).
 if [[ ! -f $OUT/eval.json ]]; then
   timed evaluate python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$OUT/train/final" \
-    --data "$D/heldout_questions.jsonl" --num_prompts 100 --max_new_tokens 256 --block_size 16 --output "$OUT/eval.json"
+    --data "$D/heldout_questions.jsonl" --num_prompts 100 --max_new_tokens 256 --block_size 16 --baseline none \
+    --output "$OUT/eval.json"
 fi
 cat "$OUT/timings.tsv"

@@ -1,38 +1,49 @@
 #!/usr/bin/env bash
-# Training speed of a small target, one lever at a time, on one GPU: 120 optimizer steps per variant
-# (256 anchors, <= 512 tokens, GSM8K question/answer pairs), samples/s in 20-step windows and the wall
-# time of the whole run. The target has random weights and the shape and tokenizer of TARGET_FILES
-# (speed does not depend on the weights). BEFORE_DIR: an earlier checkout, run with its defaults.
+# Training speed of a small target on one GPU: an earlier checkout against this one, in one run.
+# 100 optimizer steps per variant (256 anchors, <= 512 tokens, GSM8K question/answer pairs);
+# samples/s in 20-step windows (median of the windows after the first, which compiles) and the
+# wall time of the whole run (load, tokenize, compile, train). Target: $TARGET, default SmolLM2 as
+# an HF folder (tools/gpu/setup.sh). BEFORE_DIR: an earlier checkout, run with its own defaults.
+#   before        BEFORE_DIR, batch 16
+#   b16           this checkout, batch 16, one padded shape, the target's forward from CUDA graphs,
+#                 a short held-out evaluation at the end (as the quality recipe runs)
+#   b32           the same at batch 32
+# If the CUDA-graph target fails, b16 and b32 run without it (b16_eager, b32_eager).
+# Writes OUT_DIR/table.md.
 #
-#   bash tools/gpu/train_speed.sh OUT_DIR TARGET_FILES [BEFORE_DIR]
+#   bash tools/gpu/train_speed.sh OUT_DIR [BEFORE_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=$(realpath -m "$1"); FILES=$(realpath "$2"); BEFORE=${3:+$(realpath "$3")}
+OUT=$(realpath -m "$1"); BEFORE=${2:+$(realpath "$2")}
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
-T=$ROOT/random_target
-[[ -f $T/config.json ]] || python3 tools/gpu/random_target.py "$FILES" "$T"
+T=${TARGET:-$SMOLLM2}
 common=(--target_model "$T" --mask_token_id 16 --train_data "$DATA_DIR/gsm8k/train.jsonl" --num_anchors 256
-        --max_seq_length 512 --max_steps 120 --logging_steps 20 --save_steps 0 --report_to none --num_proc 8)
+        --max_seq_length 512 --max_steps 100 --logging_steps 20 --save_steps 0 --report_to none --num_proc 8)
 launch=(accelerate launch --config_file accelerate_configs/1gpu.yaml)
 if [[ -n $BEFORE ]]; then
-  step before 200 "${launch[@]}" "$BEFORE/train_dflash.py" "${common[@]}" --per_device_batch_size 16 --output_dir "$OUT/before"
+  step before 240 "${launch[@]}" "$BEFORE/train_dflash.py" "${common[@]}" --per_device_batch_size 16 --output_dir "$OUT/before" \
+    --compile_cache_dir "$ROOT/compile_cache_before"  # a cold cache of its own: neither checkout profits from the other's compiles
 fi
-step one_shape 150 "${launch[@]}" train_dflash.py "${common[@]}" --per_device_batch_size 16 --pad_to_multiple_of 512 --output_dir "$OUT/one_shape"
-step target_graphs 150 "${launch[@]}" train_dflash.py "${common[@]}" --per_device_batch_size 16 --pad_to_multiple_of 512 \
-  --target_cuda_graphs --output_dir "$OUT/target_graphs"
-step loss_chunk_16k 150 "${launch[@]}" train_dflash.py "${common[@]}" --per_device_batch_size 16 --pad_to_multiple_of 512 \
-  --target_cuda_graphs --loss_chunk_size 16384 --output_dir "$OUT/loss_chunk_16k"
-step batch32 150 "${launch[@]}" train_dflash.py "${common[@]}" --per_device_batch_size 32 --pad_to_multiple_of 512 \
-  --target_cuda_graphs --loss_chunk_size 16384 --profile_steps 5 --output_dir "$OUT/batch32"
-python3 - "$OUT" <<'PY'
+# As the quality recipe trains: one padded shape, and the target kept whole for a held-out evaluation
+# (here a short one after the last step, outside the timed windows).
+ours=("${common[@]}" --pad_to_multiple_of 512 --eval_data "$DATA_DIR/gsm8k/train.jsonl" --eval_num_prompts 4 --eval_max_new_tokens 64)
+step b16 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 16 --target_cuda_graphs --output_dir "$OUT/b16"
+if grep -q $'^b16\t[0-9.]*\t0$' "$OUT/steps.tsv"; then
+  step b32 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --target_cuda_graphs --output_dir "$OUT/b32"
+else
+  step b16_eager 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 16 --output_dir "$OUT/b16_eager"
+  step b32_eager 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --output_dir "$OUT/b32_eager"
+fi
+python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
 import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print("| variant | samples/s (median of 20-step windows after the first) | wall time (s) |\n|---|---|---|")
-times = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
-for name, seconds in times.items():
+print("| variant | samples/s (median of 20-step windows after the first) | windows | wall time (s) | exit code |\n|---|---|---|---|---|")
+for line in (out / "steps.tsv").read_text().splitlines():
+    name, seconds, rc = line.split("\t")[:3]
     log = out / name / "train_log.jsonl"
     rates = [json.loads(l)["samples_per_s"] for l in log.read_text().splitlines() if "samples_per_s" in l] if log.is_file() else []
-    print(f"| {name} | {statistics.median(rates[1:]) if len(rates) > 1 else '-'} | {seconds} |")
+    median = f"{statistics.median(rates[1:]):.1f}" if len(rates) > 1 else "-"
+    print(f"| {name} | {median} | {', '.join(f'{r:.0f}' for r in rates)} | {seconds} | {rc} |")
 PY
