@@ -11,8 +11,9 @@ its neighbours compile: its calls into the compiled flex land while another thre
 and tracing sets a process-wide FX flag that the compiled function's entry checks.
 Patterns:
 
-    naive      a per-device `torch.compile(flex_attention)`, built lazily by whichever thread comes
-               first and called by every thread, no locks, no warm-up
+    naive      a per-device `torch.compile(flex_attention)` (torch's default dynamic shapes; or
+               --naive-dynamic false), built lazily by whichever thread comes first and called by
+               every thread, no locks, no warm-up
     ours       dflash_compile's machinery: setup_compile_cache, then warm_up_flex_attention in
                the main thread for every length (compile + forward/backward warm-up under the
                compile locks), then the threads, whose flex calls go through the same locked path
@@ -157,7 +158,10 @@ def race_child(args) -> None:
     def naive_attention(q, k, v, block_mask):
         flex = naive_compiled.get(str(q.device))
         if flex is None:
-            flex = naive_compiled.setdefault(str(q.device), torch.compile(dc.flex_attention, dynamic=False))
+            # As users write it: torch.compile's default dynamic=None, so the second length recompiles
+            # with dynamic shapes while the other threads call the compiled function.
+            options = {} if args.naive_dynamic == "default" else {"dynamic": False}
+            flex = naive_compiled.setdefault(str(q.device), torch.compile(dc.flex_attention, **options))
         return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     attend = naive_attention if args.pattern == "naive" else dm.attention
@@ -219,9 +223,11 @@ def race_child(args) -> None:
                     raise FloatingPointError(f"loss {loss.item()} at step {step}")
                 step += 1
                 if step == args.steps:
+                    logging.info("length %d: %d steps done after %.1f s", seq_len, step, time.perf_counter() - threaded_start)
                     count_done()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            logging.info("length %d: stopped after %d steps", seq_len, step)
         except Exception as error:  # every thread's error goes into the result line
             errors.append(f"thread {index}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
             traceback.print_exc()
@@ -302,6 +308,7 @@ def race_run(args, run: int) -> dict:
                "--threads", str(args.threads), "--steps", str(args.steps), "--loss-checkpoint", args.loss_checkpoint]
     if args.no_layer_checkpoint:
         command.append("--no-layer-checkpoint")
+    command += ["--naive-dynamic", args.naive_dynamic]
     if args.lengths:
         command += ["--lengths", *map(str, args.lengths)]
     if args.size:
@@ -365,7 +372,8 @@ def race(args) -> None:
         environment = next((r["environment"] for r in runs if r["environment"]), None) or environment_line(args.device)
         settings = (f"{args.threads} threads at lengths {lengths}, loss checkpoint {args.loss_checkpoint}"
                     f"{' (layer not checkpointed)' if args.no_layer_checkpoint else ''}"
-                    f"{f', {args.compile_threads} inductor compile worker(s)' if args.compile_threads else ''}, "
+                    f"{f', {args.compile_threads} inductor compile worker(s)' if args.compile_threads else ''}"
+                    f"{', torch.compile dynamic=False' if args.pattern == 'naive' and args.naive_dynamic == 'false' else ''}, "
                     f"timeout {args.timeout:.0f} s, {args.parallel} runs in parallel")
         record(f"compile race, pattern {args.pattern}: reproduced in {reproduced} of {len(runs)} cold runs",
                [settings, "", *table, *details], environment, args.record_to)
@@ -480,6 +488,9 @@ def main() -> None:
         p.add_argument("--lengths", type=int, nargs="+", default=None,
                        help="sequence length of each thread, cycled (default: 256 384 512 on cuda, 64 96 128 on cpu)")
         p.add_argument("--compile-threads", type=int, default=None, help="inductor compile workers per run")
+        p.add_argument("--naive-dynamic", choices=["default", "false"], default="default",
+                       help="the naive pattern's torch.compile(flex_attention, dynamic=...): torch's default "
+                            "(automatic dynamic shapes after the first length) or False (one static graph per length)")
         if name == "race":
             p.add_argument("--runs", type=int, default=5)
             p.add_argument("--parallel", type=int, default=1, help="runs at a time, each on its own cold cache dir")
