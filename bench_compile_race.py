@@ -14,10 +14,10 @@ Patterns:
     naive      a per-device `torch.compile(flex_attention)` (torch's default dynamic shapes; or
                --naive-dynamic false), built lazily by whichever thread comes first and called by
                every thread, no locks, no warm-up
-    ours       dflash_model's compile machinery: setup_compile_cache, then warm_up_flex_attention in
+    ours       dflash_compile's machinery: setup_compile_cache, then warm_up_flex_attention in
                the main thread for every length (compile + forward/backward warm-up under the
                compile locks), then the threads, whose flex calls go through the same locked path
-    ours-lazy  dflash_model's locks only, no warm-up: threads hit their first shapes themselves
+    ours-lazy  dflash_compile's locks only, no warm-up: threads hit their first shapes themselves
 
 Outcome of a run: "fx-error" (the text `Detected that you are using FX to symbolically trace a
 dynamo-optimized function` anywhere in the run's output) or "hang" (killed after --timeout
@@ -138,6 +138,7 @@ def race_child(args) -> None:
     import torch.nn as nn
     import torch.utils.checkpoint
 
+    import dflash_compile as dc
     import dflash_model as dm
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s", stream=sys.stderr)
@@ -160,23 +161,23 @@ def race_child(args) -> None:
             # As users write it: torch.compile's default dynamic=None, so the second length recompiles
             # with dynamic shapes while the other threads call the compiled function.
             options = {} if args.naive_dynamic == "default" else {"dynamic": False}
-            flex = naive_compiled.setdefault(str(q.device), torch.compile(dm.flex_attention, **options))
+            flex = naive_compiled.setdefault(str(q.device), torch.compile(dc.flex_attention, **options))
         return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     attend = naive_attention if args.pattern == "naive" else dm.attention
     start = time.perf_counter()
     if args.pattern != "naive":
-        dm.setup_compile_cache("shared", None, rank=0, compile_threads=args.compile_threads)
+        dc.setup_compile_cache("shared", None, rank=0, compile_threads=args.compile_threads)
     if args.pattern == "ours":
         for seq_len in dict.fromkeys(lengths):
             shapes = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, context_len=seq_len,
                           num_anchors=num_anchors, block_size=block_size, dtype=dtype)
             if train:
-                dm.warm_up_flex_attention(device, **shapes, training=True)
+                dc.warm_up_flex_attention(device, dm.create_anchor_block_mask, **shapes, training=True)
             if not train or args.loss_checkpoint == "reentrant":  # a reentrant checkpoint's first forward runs without grad
-                dm.warm_up_flex_attention(device, **shapes, training=False)
+                dc.warm_up_flex_attention(device, dm.create_anchor_block_mask, **shapes, training=False)
     warm_seconds = time.perf_counter() - start
-    compiles_before = dm.flex_compile_stats()["compiles"]
+    compiles_before = dc.flex_compile_stats()["compiles"]
 
     def train_steps(index: int, seq_len: int, barrier: threading.Barrier, errors: list) -> None:
         try:
@@ -248,7 +249,7 @@ def race_child(args) -> None:
         t.start()
     for t in threads:
         t.join()
-    stats = dm.flex_compile_stats() if args.pattern != "naive" else {"compiles": 0}
+    stats = dc.flex_compile_stats() if args.pattern != "naive" else {"compiles": 0}
     result = {
         "status": "error" if errors else "ok",
         "seconds": round(time.perf_counter() - start, 1),

@@ -99,13 +99,11 @@ from dflash_model import (
     block_labels,
     create_anchor_block_mask,
     dflash_loss,
-    get_compiled_flex_attention,
     loss_weights,
     sample_anchors,
-    setup_compile_cache,
-    warm_up_flex_attention,
 )
-from dflash_target import TargetFeatureExtractor
+from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
+from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
 REPO_DIR = Path(__file__).resolve().parent
 H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 datasheet figure (H100/H200 SXM)
@@ -520,7 +518,7 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
         start = time.perf_counter()
         if ctx["backend"] == "flex":
             warm_up_flex_attention(
-                device, batch=batch, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                device, create_anchor_block_mask, batch=batch, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                 head_dim=config.head_dim, context_len=seq_len, num_anchors=num_anchors, block_size=config.block_size,
                 dtype=dtype, rules=tuple(config.attention_rule(i) for i in range(config.num_hidden_layers)),
             )
@@ -673,33 +671,18 @@ def build_target(target_config: Qwen3Config, device, dtype):
     return target.eval()
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    progress = Progress(args.budget_s)
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The measured matmul rate (the MFU denominator) in TFLOP/s, and a line that says how it was measured."""
     if device.type == "cuda":
-        setup_compile_cache("shared")  # before anything compiles (README, "Compile safety")
-    else:
-        torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and a shared CPU loses a lot to them
-    torch.manual_seed(0)
-    s = shapes(args)
-    target_config = s["target"]
-    config = DFlashConfig.from_target_config(target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
-                                             layer_types=args.layer_types, sliding_window=args.sliding_window)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    progress(f"{gpu}, torch {torch.__version__}, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")
+        tflops = measured_matmul_tflops(device, torch.bfloat16, 8192, reps=10)
+        return tflops, f"bf16 8192^3 matmul, median of 10: {tflops:.1f} TFLOP/s"
+    tflops = measured_matmul_tflops(device, dtype, 256, reps=5)
+    return tflops, f"fp32 256^3 matmul on CPU, median of 5: {tflops:.3f} TFLOP/s"
 
-    # ---- matmul rate (the MFU denominator) ----
-    if device.type == "cuda":
-        matmul_tflops = measured_matmul_tflops(device, torch.bfloat16, 8192, reps=10)
-        matmul_note = f"bf16 8192^3 matmul, median of 10: {matmul_tflops:.1f} TFLOP/s"
-    else:
-        matmul_tflops = measured_matmul_tflops(device, dtype, 256, reps=5)
-        matmul_note = f"fp32 256^3 matmul on CPU, median of 5: {matmul_tflops:.3f} TFLOP/s"
-    progress(matmul_note)
 
-    # ---- drafter + optimizer, with standalone (frozen) embedding and head at the target's shapes ----
+def drafter_context(args: argparse.Namespace, config: DFlashConfig, device: torch.device, dtype: torch.dtype, progress) -> dict:
+    """The drafter and its optimizer, with standalone (frozen) embedding and head at the target's shapes:
+    everything `bench_drafter_config` reads, as one dict."""
     with device:
         drafter = DFlashDraftModel(config)
         for param in drafter.parameters():  # params only, like DeepSpeed's bf16 cast: RoPE's inv_freq buffer stays fp32
@@ -711,109 +694,155 @@ def main(argv: list[str]) -> None:
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=1e-5, max_grad_norm=1.0, fused=device.type == "cuda")
     trainable = sum(p.numel() for p in optimizer.params)
     progress(f"drafter: {trainable / 1e6:.1f} M trainable params ({config.num_hidden_layers} layers, block {config.block_size})")
-    ctx = dict(device=device, config=config, dtype=dtype, drafter=drafter, optimizer=optimizer,
-               head_weight=head.weight, weights=loss_weights(config.block_size, device=device), backend=args.backend,
-               steps=args.steps, warmup=args.warmup)
+    return dict(device=device, config=config, dtype=dtype, drafter=drafter, optimizer=optimizer, trainable=trainable,
+                head_weight=head.weight, weights=loss_weights(config.block_size, device=device), backend=args.backend,
+                steps=args.steps, warmup=args.warmup)
 
-    def run_drafter(variant_names, configs, rows, budget_s):
-        for name in variant_names:
-            variant = parse_variant(name)
-            for num_anchors, seq_len, batch in configs:
-                if progress.elapsed() > budget_s:
-                    rows.append(dict(variant=name, anchors=num_anchors, seq=seq_len, batch=batch, status="skipped (time budget)"))
-                    continue
-                progress(f"(a) {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
-                row = bench_drafter_config(ctx, variant, num_anchors, seq_len, batch)
-                rows.append(row)
-                if row["status"] == "ok":
-                    progress(f"    {row['ms_step'] / batch:.1f} ms/sample, {row['flops_sample'] / (row['ms_step'] / batch / 1e3) / 1e12:.3g} "
-                             f"useful TFLOP/s, peak {fmt(row['peak_gb'])} GB, warm-up {row['warmup_s']:.1f} s")
-                else:
-                    progress(f"    {row['status']}")
 
-    # ---- (a) every variant at the headline shapes, then the rest of the grid for the first variant ----
-    # (a) stops starting configs early enough to leave time for (b) and (c).
+def run_drafter_grid(ctx: dict, progress, variant_names, configs, rows: list, budget_s: float) -> None:
+    """(a) every variant at every (anchors, seq, batch) of `configs`, appended to `rows`; configs
+    that would start after `budget_s` are listed as skipped."""
+    for name in variant_names:
+        variant = parse_variant(name)
+        for num_anchors, seq_len, batch in configs:
+            if progress.elapsed() > budget_s:
+                rows.append(dict(variant=name, anchors=num_anchors, seq=seq_len, batch=batch, status="skipped (time budget)"))
+                continue
+            progress(f"(a) {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
+            row = bench_drafter_config(ctx, variant, num_anchors, seq_len, batch)
+            rows.append(row)
+            if row["status"] == "ok":
+                progress(f"    {row['ms_step'] / batch:.1f} ms/sample, {row['flops_sample'] / (row['ms_step'] / batch / 1e3) / 1e12:.3g} "
+                         f"useful TFLOP/s, peak {fmt(row['peak_gb'])} GB, warm-up {row['warmup_s']:.1f} s")
+            else:
+                progress(f"    {row['status']}")
+
+
+def run_target_supply(args, s: dict, config: DFlashConfig, device, dtype, progress) -> tuple[list, TargetFeatureExtractor]:
+    """(b) the truncated target with feature capture, eager (and compiled with --compile_target), at
+    every target shape. Returns (rows, the extractor, for (c))."""
+    progress("(b) building the random target")
+    target_config = s["target"]
+    target = build_target(target_config, device, dtype)
+    extractor = TargetFeatureExtractor(target, config.target_layer_ids, truncate=True)
+    num_layers = max(config.target_layer_ids) + 1
+    rows = []
+    for compiled in [False, True] if args.compile_target else [False]:
+        if compiled:
+            extractor.compile_layers()
+        for batch, seq_len in s["target_shapes"]:
+            if progress.over_budget():
+                rows.append(dict(batch=batch, seq=seq_len, compiled=compiled, status="skipped (time budget)"))
+                continue
+            row = bench_target(extractor, target_config, num_layers, device, batch, seq_len, args.steps, args.warmup)
+            row["compiled"] = compiled
+            rows.append(row)
+            progress(f"(b) target batch {batch} x {seq_len}{' compiled' if compiled else ''}: "
+                     + (f"{row['tokens_s']:,.0f} tokens/s" if row["status"] == "ok" else row["status"]))
+    return rows, extractor
+
+
+def run_colocated(args, s: dict, ctx: dict, extractor: TargetFeatureExtractor, drafter_rows: list, target_rows: list,
+                  progress) -> list:
+    """(c) target forward + drafter step on one GPU at the headline shapes (baseline and the fastest
+    variant), each against the two alone."""
+    ctx["drafter"].attach_target(extractor.embed_tokens, extractor.lm_head)
+    ctx["head_weight"] = extractor.lm_head.weight
+    ok = [r for r in drafter_rows if r["status"] == "ok"]
+    rows = []
+    for num_anchors, seq_len, batch in s["headline"]:
+        at_shape = [r for r in ok if (r["anchors"], r["seq"], r["batch"]) == (num_anchors, seq_len, batch)]
+        best = min(at_shape, key=lambda r: r["ms_step"], default=None)
+        for name in dict.fromkeys(["baseline"] + ([best["variant"]] if best else [])):
+            if name not in args.variants:
+                continue
+            if progress.over_budget():
+                rows.append(dict(variant=name, anchors=num_anchors, seq=seq_len, batch=batch, status="skipped (time budget)"))
+                continue
+            progress(f"(c) colocated {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
+            row = bench_drafter_config(ctx, parse_variant(name), num_anchors, seq_len, batch, extractor=extractor)
+            alone = next((r for r in at_shape if r["variant"] == name), None)
+            target_alone = next((r for r in target_rows if (r["batch"], r["seq"], r["compiled"]) == (batch, seq_len, args.compile_target)
+                                 and r["status"] == "ok"), None)
+            if alone and target_alone:
+                row["alone_ms"] = (alone["ms_step"] / batch, target_alone["ms_call"] / batch)
+            rows.append(row)
+            if row["status"] == "ok":
+                progress(f"    {row['ms_step'] / batch:.1f} ms/sample colocated")
+    return rows
+
+
+def report(args, argv: list[str], s: dict, config: DFlashConfig, gpu: str, matmul: tuple[float, str], trainable: int,
+           rows: tuple[list, list, list], on_cuda: bool, elapsed_s: float) -> str:
+    """The markdown entry of this run: the setting, then tables (a), (b) and (c)."""
+    matmul_tflops, matmul_note = matmul
+    drafter_rows, target_rows, colocated_rows = rows
+    target_config = s["target"]
+    command = "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + argv)
+    flops_parts = drafter_step_flops(config, s["headline"][0][1], *_example_counts(config, *s["headline"][0]))
+    parts = ", ".join(f"{k} {(f + b) / s['headline'][0][2] / 1e12:.3g}" for k, (f, b) in flops_parts.items())
+    return (
+        f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} bench_dflash.py: DFlash training speed\n\n"
+        f"{gpu}, torch {torch.__version__}, transformers {__import__('transformers').__version__}, command: `{command}` ({'tiny config' if args.tiny else 'Qwen3-8B shapes'}, {args.backend} attention, "
+        f"{args.steps} timed steps after {args.warmup} warm-up steps, medians; total {elapsed_s:.0f} s)\n\n"
+        f"Matmul rate: {matmul_note}. Drafter: {trainable / 1e6:.1f} M trainable params. Useful TFLOP/sample by part at "
+        f"{s['headline'][0][0]} anchors / seq {s['headline'][0][1]} (all anchors valid): {parts}.\n\n"
+        f"(a) drafter train step (fwd+bwd+AdamW on fp32 masters and grad clipping, one GPU; 'opt. /7' and 'proj. GB' "
+        f"project ZeRO-2 over 7 drafter ranks, the public anchor's setting, without its communication: 1/7 of the "
+        f"optimizer time, and peak minus 6/7 of the 16 B/param of fp32 master, grad and Adam state):\n\n{drafter_table(drafter_rows, matmul_tflops, on_cuda, trainable)}\n"
+        f"(b) target supply ({max(config.target_layer_ids) + 1} of {target_config.num_hidden_layers} layers, hook capture of "
+        f"layers {config.target_layer_ids}):\n\n{target_table(target_rows)}\n"
+        f"(c) colocated on 1 GPU (target forward + drafter step):\n\n{colocated_table(colocated_rows)}"
+    )
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    progress = Progress(args.budget_s)
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        setup_compile_cache("shared")  # before anything compiles (README, "Compile safety")
+    else:
+        torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and a shared CPU loses a lot to them
+    torch.manual_seed(0)
+    s = shapes(args)
+    config = drafter_config_for_target(s["target"], mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
+                                             layer_types=args.layer_types, sliding_window=args.sliding_window)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    progress(f"{gpu}, torch {torch.__version__}, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")
+    matmul = matmul_rate(device, dtype)
+    progress(matmul[1])
+    ctx = drafter_context(args, config, device, dtype, progress)
+
+    # (a) every variant at the headline shapes, then the rest of the grid for the first variant; it
+    # stops starting configs early enough to leave time for (b) and (c).
     budget_a = args.budget_s - (0 if args.tiny else 75)
     drafter_rows = []
-    run_drafter(args.variants, s["headline"], drafter_rows, budget_a)
-    rest = [c for c in s["grid"] if c not in s["headline"]]
+    run_drafter_grid(ctx, progress, args.variants, s["headline"], drafter_rows, budget_a)
     if not args.quick:
-        run_drafter(args.variants[:1], rest, drafter_rows, budget_a)
+        run_drafter_grid(ctx, progress, args.variants[:1], [c for c in s["grid"] if c not in s["headline"]], drafter_rows, budget_a)
 
-    # ---- (b) target supply: the truncated target with feature capture ----
-    del embed, head
-    drafter.attach_target(None, None)
+    # (b) target supply and (c) colocated, without the standalone embedding and head of (a)
+    ctx["drafter"].attach_target(None, None)
     ctx["head_weight"] = None
     free_memory(device)
     target_rows, colocated_rows = [], []
     if progress.over_budget():
         progress("(b), (c) skipped: time budget")
     else:
-        progress("(b) building the random target")
-        target = build_target(target_config, device, dtype)
-        extractor = TargetFeatureExtractor(target, config.target_layer_ids, truncate=True)
-        num_layers = max(config.target_layer_ids) + 1
-        for compiled in [False, True] if args.compile_target else [False]:
-            if compiled:
-                extractor.compile_layers()
-            for batch, seq_len in s["target_shapes"]:
-                if progress.over_budget():
-                    target_rows.append(dict(batch=batch, seq=seq_len, compiled=compiled, status="skipped (time budget)"))
-                    continue
-                row = bench_target(extractor, target_config, num_layers, device, batch, seq_len, args.steps, args.warmup)
-                row["compiled"] = compiled
-                target_rows.append(row)
-                progress(f"(b) target batch {batch} x {seq_len}{' compiled' if compiled else ''}: "
-                         + (f"{row['tokens_s']:,.0f} tokens/s" if row["status"] == "ok" else row["status"]))
+        target_rows, extractor = run_target_supply(args, s, config, device, dtype, progress)
+        colocated_rows = run_colocated(args, s, ctx, extractor, drafter_rows, target_rows, progress)
 
-        # ---- (c) colocated: target forward + drafter step, against each alone (baseline and the fastest variant) ----
-        drafter.attach_target(extractor.embed_tokens, extractor.lm_head)
-        ctx["head_weight"] = extractor.lm_head.weight
-        ok = [r for r in drafter_rows if r["status"] == "ok"]
-        for num_anchors, seq_len, batch in s["headline"]:
-            at_shape = [r for r in ok if (r["anchors"], r["seq"], r["batch"]) == (num_anchors, seq_len, batch)]
-            best = min(at_shape, key=lambda r: r["ms_step"], default=None)
-            for name in dict.fromkeys(["baseline"] + ([best["variant"]] if best else [])):
-                if name not in args.variants:
-                    continue
-                if progress.over_budget():
-                    colocated_rows.append(dict(variant=name, anchors=num_anchors, seq=seq_len, batch=batch, status="skipped (time budget)"))
-                    continue
-                progress(f"(c) colocated {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
-                row = bench_drafter_config(ctx, parse_variant(name), num_anchors, seq_len, batch, extractor=extractor)
-                alone = next((r for r in at_shape if r["variant"] == name), None)
-                target_alone = next((r for r in target_rows if (r["batch"], r["seq"], r["compiled"]) == (batch, seq_len, args.compile_target)
-                                     and r["status"] == "ok"), None)
-                if alone and target_alone:
-                    row["alone_ms"] = (alone["ms_step"] / batch, target_alone["ms_call"] / batch)
-                colocated_rows.append(row)
-                if row["status"] == "ok":
-                    progress(f"    {row['ms_step'] / batch:.1f} ms/sample colocated")
-
-    # ---- report ----
-    command = "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + argv)
-    flops_parts = drafter_step_flops(config, s["headline"][0][1], *_example_counts(config, *s["headline"][0]))
-    parts = ", ".join(f"{k} {(f + b) / s['headline'][0][2] / 1e12:.3g}" for k, (f, b) in flops_parts.items())
-    report = (
-        f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} bench_dflash.py: DFlash training speed\n\n"
-        f"{gpu}, torch {torch.__version__}, transformers {__import__('transformers').__version__}, command: `{command}` ({'tiny config' if args.tiny else 'Qwen3-8B shapes'}, {args.backend} attention, "
-        f"{args.steps} timed steps after {args.warmup} warm-up steps, medians; total {progress.elapsed():.0f} s)\n\n"
-        f"Matmul rate: {matmul_note}. Drafter: {trainable / 1e6:.1f} M trainable params. Useful TFLOP/sample by part at "
-        f"{s['headline'][0][0]} anchors / seq {s['headline'][0][1]} (all anchors valid): {parts}.\n\n"
-        f"(a) drafter train step (fwd+bwd+AdamW on fp32 masters and grad clipping, one GPU; 'opt. /7' and 'proj. GB' "
-        f"project ZeRO-2 over 7 drafter ranks, the public anchor's setting, without its communication: 1/7 of the "
-        f"optimizer time, and peak minus 6/7 of the 16 B/param of fp32 master, grad and Adam state):\n\n{drafter_table(drafter_rows, matmul_tflops, device.type == 'cuda', trainable)}\n"
-        f"(b) target supply ({max(config.target_layer_ids) + 1} of {target_config.num_hidden_layers} layers, hook capture of "
-        f"layers {config.target_layer_ids}):\n\n{target_table(target_rows)}\n"
-        f"(c) colocated on 1 GPU (target forward + drafter step):\n\n{colocated_table(colocated_rows)}"
-    )
-    print(report, flush=True)
+    text = report(args, argv, s, config, gpu, matmul, ctx["trainable"], (drafter_rows, target_rows, colocated_rows),
+                  device.type == "cuda", progress.elapsed())
+    print(text, flush=True)
     if not args.no_append:
         results = Path(args.record_to)
         if not results.exists():
             results.write_text("# Benchmarks\n\nMeasured results, newest last; scripts append here themselves.\n")
         with results.open("a") as f:
-            f.write(report)
+            f.write(text)
         progress(f"appended to {results}")
 
 

@@ -4,7 +4,7 @@ forward pass, conditioned on the target's hidden states.
 Reference: "DFlash: Block Diffusion for Flash Speculative Decoding" (arXiv 2602.06036), and the
 checkpoint format its released drafters, SGLang and vLLM load (README, "Export format and serving").
 
-Reading order: config -> pure helpers (anchors, blocks, labels, masks) -> attention backends ->
+Reading order: config -> pure helpers (anchors, blocks, labels, masks) -> attention dispatch ->
 RMSNorm, attention, MLP, decoder layer -> drafter -> loss and metrics.
 
 Notation used in every shape comment:
@@ -13,19 +13,8 @@ Notation used in every shape comment:
     hidden  hidden size                heads / kv_heads / head_dim   attention sizes
 """
 
-import contextlib
-import functools
-import json
-import logging
-import os
-import socket
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-import filelock
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,6 +23,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from dflash_compile import call_compiled_module, compile_once_locked, get_compiled_flex_attention, running_compiled
+from dflash_fused_ce import fused_linear_weighted_ce, weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -97,13 +89,6 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # drafters engines serve for long-context targets (e.g. 4 sliding + 1 full, window 2048).
 LAYER_TYPE_PRESETS = ("all_full", "all_sliding", "last_full")
 
-# Released drafters for targets whose attention a Qwen3 layer cannot copy (partial rotary: Qwen3.5,
-# Qwen3-Next) use Qwen3's standard attention shape instead: 32 query heads of 128 dimensions, full
-# rotary (z-lab's Qwen3.5-27B and Qwen3.5/3.6-35B-A3B drafters, README "Targets").
-STANDARD_HEAD_DIM = 128
-STANDARD_NUM_HEADS = 32
-
-
 def resolve_layer_types(layer_types: str | list[str] | None, num_layers: int) -> list[str]:
     """The per-layer attention types of `--layer_types`.
 
@@ -136,45 +121,6 @@ def resolve_layer_types(layer_types: str | list[str] | None, num_layers: int) ->
             f"entry per layer, or a preset ({', '.join(LAYER_TYPE_PRESETS)})"
         )
     return names
-
-
-def target_output_scaling(text_config) -> dict:
-    """What a target does to its token embeddings and logits beyond a lookup and a matmul, as the
-    `dflash_config` fields serving engines apply to the drafter.
-
-    - `input_embedding_scale`: Gemma targets multiply embeddings by sqrt(hidden) (inside their
-      embedding module), Granite by `embedding_multiplier` (inside the model's forward).
-    - `output_multiplier`: Granite divides logits by `logits_scaling`; Cohere multiplies by `logit_scale`.
-    - `final_logit_softcapping`: Gemma-2 caps logits with c * tanh(logits / c).
-
-    Args:
-        text_config: the target's text config (`config.get_text_config()`).
-    Returns:
-        Only the fields whose value differs from "no change" (scale 1, multiplier 1, no cap).
-    """
-    fields = {}
-    model_type = getattr(text_config, "model_type", "") or ""
-    scale = getattr(text_config, "embedding_multiplier", None)
-    if model_type.startswith(("gemma", "recurrent_gemma")):
-        scale = text_config.hidden_size**0.5
-    if scale is not None and float(scale) != 1.0:
-        fields["input_embedding_scale"] = float(scale)
-    multiplier = 1.0
-    if getattr(text_config, "logits_scaling", None):
-        multiplier /= float(text_config.logits_scaling)
-    if getattr(text_config, "logit_scale", None):
-        multiplier *= float(text_config.logit_scale)
-    if multiplier != 1.0:
-        fields["output_multiplier"] = multiplier
-    cap = getattr(text_config, "final_logit_softcapping", None)
-    if cap:
-        fields["final_logit_softcapping"] = float(cap)
-    return fields
-
-
-def _is_moe(text_config) -> bool:
-    experts = max(int(getattr(text_config, name, None) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
-    return experts > 1 or bool(getattr(text_config, "moe_intermediate_size", None))
 
 
 @strict
@@ -302,102 +248,6 @@ class DFlashConfig(Qwen3Config):
         sliding = self.layer_types[layer_idx] == "sliding_attention"
         causal = sliding if self.is_causal is None else bool(self.is_causal)
         return causal, (self.sliding_window if sliding else None)
-
-    @classmethod
-    def from_target_config(
-        cls,
-        target_config,
-        *,
-        mask_token_id: int,
-        num_draft_layers: int = 5,
-        block_size: int = 16,
-        target_layer_ids: list[int] | None = None,
-        vocab_size: int | None = None,
-        layer_types: str | list[str] | None = None,
-        sliding_window: int | None = None,
-        is_causal: bool | None = None,
-        intermediate_size: int | None = None,
-        num_attention_heads: int | None = None,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
-    ) -> "DFlashConfig":
-        """A drafter config sized after any HF causal-LM target (Qwen3, Llama, Mistral, Gemma, MoE, hybrid, ...).
-
-        Sizes follow the released drafters (README "Targets"): hidden size, RMSNorm epsilon and
-        RoPE (theta and scaling) are the target's. The attention shape is the target's when its
-        RoPE rotates whole heads; for partial-rotary targets (Qwen3.5, Qwen3-Next) it is Qwen3's
-        standard 32 heads of 128 with full rotary and the target's KV width (KV heads = target KV
-        heads x target head_dim / 128). The MLP width is the target's `intermediate_size` for a
-        dense target and 3 x hidden for a mixture-of-experts target (whose `intermediate_size` is
-        an expert's, or absent). The target's embedding and logit scaling become
-        `dflash_config` fields (`target_output_scaling`).
-
-        Args:
-            target_config: the target's `PretrainedConfig`.
-            mask_token_id: an existing row of the target's embedding (see `resolve_mask_token_id`
-                in dflash_target.py).
-            num_draft_layers: drafter decoder layers (paper ablation 3/5/8 -> MATH-500 tau 5.64/5.99/6.33).
-            block_size: tokens per block, anchor included.
-            target_layer_ids: 0-based target layers to read; default `default_target_layer_ids`.
-            vocab_size: rows of the target's embedding, if it differs from `target_config.vocab_size`.
-            layer_types, sliding_window, is_causal: the drafter's attention layout (`resolve_layer_types`,
-                `attention_rule`); default all full attention.
-            intermediate_size, num_attention_heads, num_key_value_heads, head_dim: override the derived sizes.
-        Raises:
-            ValueError: as `DFlashConfig`, or when the heads do not divide into the KV heads.
-        """
-        text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        num_target_layers = text_config.num_hidden_layers
-        if target_layer_ids is None:
-            target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
-        hidden = text_config.hidden_size
-        rope = dict(getattr(text_config, "rope_parameters", None) or {})
-        if isinstance(rope.get("full_attention"), dict):
-            rope = dict(rope["full_attention"])  # per-layer-type RoPE (Gemma-3): the global layers' table
-        partial = rope.pop("partial_rotary_factor", None) or getattr(text_config, "partial_rotary_factor", None) or 1.0
-        rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", getattr(text_config, "rope_theta", None) or 10000.0)
-        target_heads = text_config.num_attention_heads
-        target_head_dim = getattr(text_config, "head_dim", None) or hidden // target_heads
-        target_kv_heads = getattr(text_config, "num_key_value_heads", None) or target_heads
-        if partial < 1.0:
-            derived_heads, derived_head_dim = STANDARD_NUM_HEADS, STANDARD_HEAD_DIM
-            derived_kv_heads = max(1, -(-target_kv_heads * target_head_dim // STANDARD_HEAD_DIM))
-        else:
-            derived_heads, derived_head_dim, derived_kv_heads = target_heads, target_head_dim, target_kv_heads
-        heads = num_attention_heads or derived_heads
-        kv_heads = num_key_value_heads or derived_kv_heads
-        if heads % kv_heads:
-            raise ValueError(
-                f"the drafter's {heads} attention heads do not divide into {kv_heads} KV heads: pass "
-                f"--draft_num_attention_heads and --draft_num_key_value_heads that do"
-            )
-        derived_intermediate = 3 * hidden if _is_moe(text_config) or not getattr(text_config, "intermediate_size", None) else text_config.intermediate_size
-        return cls(
-            architectures=["DFlashDraftModel"],
-            vocab_size=vocab_size or text_config.vocab_size,
-            hidden_size=hidden,
-            intermediate_size=intermediate_size or derived_intermediate,
-            num_hidden_layers=num_draft_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim or derived_head_dim,
-            hidden_act="silu",
-            max_position_embeddings=text_config.max_position_embeddings,
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", None) or 1e-6,
-            rope_parameters=rope,
-            tie_word_embeddings=False,
-            layer_types=resolve_layer_types(layer_types, num_draft_layers),
-            sliding_window=sliding_window,
-            is_causal=is_causal,
-            block_size=block_size,
-            num_target_layers=num_target_layers,
-            dflash_config={
-                "mask_token_id": int(mask_token_id),
-                "target_layer_ids": list(target_layer_ids),
-                **target_output_scaling(text_config),
-            },
-        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -591,6 +441,13 @@ def create_anchor_block_mask(
     """The same rule as `anchor_block_mask_mod`, as a flex_attention `BlockMask` shared by all heads.
 
     Built once per batch and layer rule, outside compiled code, and passed to every layer of that rule.
+
+    It stays eager on purpose: it runs once per step, not per layer, and costs a few transient
+    [batch, Q, KV] bool tensors, freed before the drafter forward. Measured on CPU at one row, 512
+    anchors x 16 and a 3072 context (Q 8192, KV 11264): eager 2.2 s and ~0.8 GB peak, compiled 0.35 s
+    after a 29 s compile; on a GPU both take milliseconds (`bench_compile_race.py mask`). Eager, it is
+    one compiled function less to race on and to warm (dflash_compile.py), and any thread (a prefetch
+    thread) may build masks without touching dynamo.
     """
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
@@ -661,621 +518,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0)
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention backends
-#
-# flex_attention runs the block-sparse training mask without materialising scores only when it is
-# compiled; eager flex_attention is dense math attention (hundreds of GB at real sizes). Compiling
-# is where training used to die: threads or ranks compiling at once on a cold cache (README, "Compile safety").
-# The rules of this section:
-#   1. `setup_compile_cache` picks the inductor/Triton cache dirs and the node-wide lock dir,
-#      once per process, before anything compiles.
-#   2. The first call of compiled flex at each new shape signature (`flex_shape_key`) compiles
-#      and warms up (forward, and backward on CUDA) under `compile_lock`: an in-process lock for
-#      threads, then a file lock shared by all ranks of the node. One compiler at a time; the
-#      other ranks wait, then load the warm cache. While it compiles, the process's other compiled
-#      flex calls wait (`_flex_gate`). New length buckets take the same path, so they never reopen
-#      the race and never fall back to dense.
-#   3. `warm_up_flex_attention` does that for the training shapes in the main thread, before any
-#      worker thread starts, so the threaded phase of training finds every graph compiled.
-#   4. On a GPU, flex never runs uncompiled: `DenseAttentionFallbackError` instead of an OOM.
-#
-# `create_anchor_block_mask` stays eager on purpose. It runs once per step, not per layer, and its
-# cost is a few transient [batch, Q, KV] bool tensors, freed before the drafter forward. Measured on
-# CPU at one row, 512 anchors x 16 and a 3072 context (Q 8192, KV 11264): eager 2.2 s and ~0.8 GB
-# peak, compiled 0.35 s after a 29 s compile; on a GPU both should take milliseconds
-# (`bench_compile_race.py mask` measures them there). Eager, it is one compiled function less to
-# race on and to warm, and any thread (a prefetch thread) may build masks without touching dynamo.
-
-log = logging.getLogger(__name__)
-
-# Dynamo keeps one compiled graph per shape signature of a frame (flex_attention's, a drafter
-# layer's, a target layer's). Lengths padded to multiples of 128 up to 3072 give 24 buckets, times
-# train and eval, times the few input variants of a layer (layer 0's input needs no grad; a target
-# batch with or without padding), times the last, smaller batch: 100-200 graphs for a long max
-# length. Dynamo's default (8) would be hit by the 9th bucket, and past the limit dynamo runs the
-# function eagerly (for flex: dense); `fail_on_recompile_limit_hit` turns that into an error instead.
-FLEX_RECOMPILE_LIMIT = 256
-# A cold flex forward+backward compile takes minutes, and with per-rank caches every rank of the
-# node compiles in turn while holding the lock: 30 minutes is generous for 8 ranks.
-COMPILE_LOCK_TIMEOUT_S = 1800.0
-COMPILE_LOCK_DIR_ENV = "DFLASH_COMPILE_LOCK_DIR"  # set by setup_compile_cache, inherited by child processes
-COMPILE_LOCK_TIMEOUT_ENV = "DFLASH_COMPILE_LOCK_TIMEOUT"  # seconds
-
-
-class DenseAttentionFallbackError(RuntimeError):
-    """flex_attention would run uncompiled, i.e. materialise the whole score matrix."""
-
-
-class CompileLockTimeout(TimeoutError):
-    """The node-wide compile lock was not acquired in time; the message names the holder and the lock path."""
-
-
-def _set_config_in_every_thread(config_module, name: str, value) -> None:
-    """`config_module.<name> = value` for every thread, autograd's backward threads included.
-
-    From torch 2.12 an assignment to a dynamo/inductor config sets it for the calling thread only
-    (the override lives in a ContextVar): a value set in the main thread would not reach the
-    threads in which autograd runs a CUDA backward, where AOTAutograd compiles backward graphs.
-    The entry's default is what every thread without an override of its own reads, so it is
-    changed as well. On older torch the assignment alone is already process-wide.
-    """
-    setattr(config_module, name, value)
-    entry = getattr(config_module, "_config", {}).get(name)
-    if entry is not None and hasattr(entry, "default"):
-        entry.default = value
-
-
-def setup_compile_cache(
-    mode: str,
-    root: str | os.PathLike | None = None,
-    rank: int = 0,
-    *,
-    compile_threads: int | None = None,
-    lock_timeout_s: float | None = None,
-) -> Path:
-    """Point inductor's and Triton's caches at a node-local root; return the node-wide lock directory.
-
-    Call it once per process, before anything compiles: right after the launcher has set the rank
-    (LOCAL_RANK), before `Accelerator()` / `deepspeed.initialize` and before the drafter is built.
-    Inductor reads the cache directory at compile time, so a later call would leave part of the
-    compiled state in the old directory.
-
-    Args:
-        mode: the trainer's --compile_cache. "shared": every rank of the node uses `root`; the first
-            rank to take the lock compiles and fills it, the others load from it. "per_rank": rank r
-            uses `root/rank_{r}`, so no cache file is ever shared (the escape hatch for cache
-            corruption across ranks); every rank then compiles itself, one at a time, because the
-            lock stays at `root`.
-        root: the cache root; default $TORCHINDUCTOR_CACHE_DIR, else inductor's default
-            /tmp/torchinductor_$USER. Keep it on a local disk: the lock file must be seen by every
-            rank of this node and by no other node.
-        rank: this process's rank (local or global: it only names the per-rank directory).
-        compile_threads: the trainer's --compile_threads, inductor compile workers for this process.
-            None keeps inductor's default, min(32, cores) per process: 8 ranks of one node would
-            start up to 8 x 32 compile workers on the same cores. A good cap is
-            max(1, cores // ranks_per_node).
-        lock_timeout_s: how long `compile_lock` waits before failing (default 1800 s).
-    Returns:
-        The lock directory (= root), also exported as $DFLASH_COMPILE_LOCK_DIR.
-    Raises:
-        ValueError: on a mode other than "shared" / "per_rank" or compile_threads < 1.
-        RuntimeError: if flex_attention was already compiled in this process.
-    """
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    if mode not in ("shared", "per_rank"):
-        raise ValueError(f"--compile_cache must be 'shared' or 'per_rank', got {mode!r}")
-    if compile_threads is not None and compile_threads < 1:
-        raise ValueError(f"--compile_threads must be >= 1, got {compile_threads}")
-    if _warm_flex_keys:
-        raise RuntimeError("setup_compile_cache() must run before the first flex_attention compile of the process")
-    root = Path(root or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).resolve()
-    cache_dir = root if mode == "shared" else root / f"rank_{rank}"
-    (cache_dir / "triton").mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
-    os.environ["TRITON_CACHE_DIR"] = str(cache_dir / "triton")
-    os.environ[COMPILE_LOCK_DIR_ENV] = str(root)
-    if lock_timeout_s is not None:
-        os.environ[COMPILE_LOCK_TIMEOUT_ENV] = str(lock_timeout_s)
-    if compile_threads is not None:
-        import torch._inductor.config
-
-        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads)  # child processes
-        _set_config_in_every_thread(torch._inductor.config, "compile_threads", compile_threads)
-    log.info(
-        "compile cache (%s): inductor %s, triton %s, lock dir %s, compile threads %s",
-        mode, cache_dir, cache_dir / "triton", root, compile_threads or "inductor default",
-    )
-    return root
-
-
-def compile_lock_dir() -> Path:
-    """The node-wide lock directory: $DFLASH_COMPILE_LOCK_DIR, else the inductor cache directory."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    path = Path(os.environ.get(COMPILE_LOCK_DIR_ENV) or cache_dir())
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _describe_lock_holder(holder_path: Path) -> str:
-    """'pid 123 on host-a (thread MainThread, <what>, since 12:00:01)' from the holder sidecar file."""
-    try:
-        holder = json.loads(holder_path.read_text())
-    except (OSError, ValueError):
-        return f"a holder not named yet (no readable {holder_path})"
-    return (
-        f"pid {holder['pid']} on {holder['host']} (thread {holder['thread']}, {holder['what']}, "
-        f"since {time.strftime('%H:%M:%S', time.localtime(holder['since']))})"
-    )
-
-
-_compile_thread_lock = threading.RLock()  # threads of this process
-_compile_file_locks: dict[str, filelock.FileLock] = {}  # lock path -> its one FileLock (re-entrant for the holding thread)
-
-
-@contextlib.contextmanager
-def compile_lock(what: str, timeout_s: float | None = None):
-    """Hold the node-wide compile lock: one compiler at a time across this process's threads and all ranks of the node.
-
-    First an in-process RLock (threads), then a `filelock.FileLock` at
-    `compile_lock_dir()/flex_compile.lock` (ranks). While it is held, the sidecar file
-    `flex_compile.lock.holder` names the holder (pid, host, thread, what, since), so a rank that
-    waits or times out can say whom it waits for. The OS drops a file lock when its process dies,
-    so a timeout always means a live holder. Logs the wait, the acquisition and the release.
-
-    Args:
-        what: what the holder compiles, for the logs and the sidecar file.
-        timeout_s: give up after this long; default $DFLASH_COMPILE_LOCK_TIMEOUT, else 1800 s.
-    Raises:
-        CompileLockTimeout: naming the holder (pid, host) and the lock path.
-    """
-    if timeout_s is None:
-        timeout_s = float(os.environ.get(COMPILE_LOCK_TIMEOUT_ENV, COMPILE_LOCK_TIMEOUT_S))
-    lock_path = compile_lock_dir() / "flex_compile.lock"
-    holder_path = lock_path.with_name(lock_path.name + ".holder")
-    me = f"pid {os.getpid()} on {socket.gethostname()}"
-    started = time.monotonic()
-
-    def timed_out() -> CompileLockTimeout:
-        return CompileLockTimeout(
-            f"{me} waited {timeout_s:.0f} s for the compile lock {lock_path}, held by "
-            f"{_describe_lock_holder(holder_path)}. A cold compile takes minutes: if the holder is "
-            f"alive and compiling, raise the timeout (setup_compile_cache(lock_timeout_s=...) or "
-            f"${COMPILE_LOCK_TIMEOUT_ENV}); if it is stuck, inspect it (py-spy dump --pid PID) "
-            f"before killing it."
-        )
-
-    if not _compile_thread_lock.acquire(blocking=False):
-        log.info("%s waits for the compile lock (held in this process by %s)", me, _describe_lock_holder(holder_path))
-        if not _compile_thread_lock.acquire(timeout=timeout_s):
-            raise timed_out()
-    try:
-        if str(lock_path) not in _compile_file_locks:
-            _compile_file_locks[str(lock_path)] = filelock.FileLock(str(lock_path))
-        file_lock = _compile_file_locks[str(lock_path)]
-        try:
-            file_lock.acquire(timeout=0)
-        except filelock.Timeout:
-            log.info("%s waits for the compile lock %s, held by %s", me, lock_path, _describe_lock_holder(holder_path))
-            try:
-                file_lock.acquire(timeout=max(timeout_s - (time.monotonic() - started), 0.0))
-            except filelock.Timeout:
-                raise timed_out() from None
-        outermost = file_lock.lock_counter == 1
-        acquired = time.monotonic()
-        if outermost:
-            holder = {"pid": os.getpid(), "host": socket.gethostname(), "thread": threading.current_thread().name,
-                      "what": what, "since": time.time()}
-            tmp_path = holder_path.with_name(f"{holder_path.name}.{os.getpid()}.tmp")
-            tmp_path.write_text(json.dumps(holder))
-            os.replace(tmp_path, holder_path)  # readers never see half a file
-            log.info("compile lock %s acquired by %s for %s (waited %.1f s)", lock_path, me, what, acquired - started)
-        try:
-            yield
-        finally:
-            if outermost:
-                holder_path.unlink(missing_ok=True)  # before the release, so it never names the next holder
-                log.info("compile lock %s released by %s after %.1f s", lock_path, me, time.monotonic() - acquired)
-            file_lock.release()
-    finally:
-        _compile_thread_lock.release()
-
-
-def check_flex_is_compiled(
-    device_type: str, compiled: bool, *, batch: int, heads: int, q_len: int, kv_len: int, reason: str = ""
-) -> None:
-    """Refuse to run flex_attention uncompiled on a GPU (pure logic, testable on CPU).
-
-    Uncompiled flex_attention materialises the [batch, heads, Q, KV] fp32 score matrix:
-    batch * heads * Q * KV * 4 bytes per layer call. Worked example, 2 rows x 32 heads x
-    (512 anchors x 16) queries x (3072 + 8192) keys = 23,622,320,128 bytes = 22 GiB, before the
-    softmax and its backward copies. On CPU (tests, tiny sizes) that is allowed.
-
-    Args:
-        device_type: "cuda", "cpu", ... (`tensor.device.type`).
-        compiled: whether the call would run the compiled graph.
-        batch, heads, q_len, kv_len: the attention sizes of the call.
-        reason: why it would not be compiled, for the message.
-    Raises:
-        DenseAttentionFallbackError: on any non-CPU device when not `compiled`.
-    """
-    if compiled or device_type == "cpu":
-        return
-    score_bytes = batch * heads * q_len * kv_len * 4
-    raise DenseAttentionFallbackError(
-        f"flex_attention would run uncompiled on {device_type} ({reason or 'compilation is off'}); the dense "
-        f"fallback materialises the [batch {batch}, heads {heads}, Q {q_len}, KV {kv_len}] fp32 score matrix, "
-        f"{score_bytes} bytes ({score_bytes / 2**30:.1f} GiB) per layer call. Unset TORCHDYNAMO_DISABLE, "
-        f"TORCH_COMPILE_DISABLE and TORCHDYNAMO_SUPPRESS_ERRORS, keep torch._dynamo.config."
-        f"error_on_nested_fx_trace=True and torch.compiler's stance 'default', and call "
-        f"warm_up_flex_attention() in the main thread before starting worker threads; for small "
-        f"debugging runs use --attention_backend sdpa."
-    )
-
-
-def flex_eager_reasons(compiled_fn) -> list[str]:
-    """Why calling `compiled_fn` (a torch.compile'd flex_attention) now would run it eagerly; [] if it would not.
-
-    Each reason is a state in which dynamo hands a compiled function's call to the plain Python
-    function, which for flex_attention is the dense path.
-    """
-    config = torch._dynamo.config
-    reasons = []
-    if compiled_fn is flex_attention or config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
-        reasons.append("torch.compile is disabled: TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1")
-    if config.suppress_errors:
-        reasons.append("torch._dynamo.config.suppress_errors (TORCHDYNAMO_SUPPRESS_ERRORS) runs a function that fails to compile eagerly")
-    if not config.error_on_nested_fx_trace:
-        reasons.append(
-            "torch._dynamo.config.error_on_nested_fx_trace=False runs compiled functions eagerly whenever "
-            "any thread of the process is FX-tracing, i.e. compiling"
-        )
-    stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
-    if stance not in ("default", "fail_on_recompile"):
-        reasons.append(f"torch.compiler.set_stance({stance!r}) runs compiled functions eagerly")
-    fx_trace = torch.fx._symbolic_trace
-    if getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)():  # the check dynamo's wrapper makes
-        reasons.append(
-            "another thread is compiling: the FX-tracing flag is process-wide, so this call would fail with "
-            "'Detected that you are using FX to symbolically trace a dynamo-optimized function' or run eagerly"
-        )
-    return reasons
-
-
-def flex_shape_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> tuple:
-    """Everything compiled flex specialises on, as a hashable key: equal keys run the same graph.
-
-    Device, dtype and grad mode; shape, strides and requires_grad of q, k, v; the BlockMask's shape
-    and block size; its mask_mod's code and closure (tensor shapes and strides, int values: dynamo
-    guards on all of them). A key not seen before means a compile, which `get_compiled_flex_attention` runs under
-    the compile lock.
-    """
-
-    def describe(value):
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.stride(), value.dtype, str(value.device))
-        return value if isinstance(value, (int, float, bool, str)) else type(value).__name__
-
-    mask_mod = block_mask.mask_mod
-    closure = tuple(describe(cell.cell_contents) for cell in (getattr(mask_mod, "__closure__", None) or ()))
-    return (
-        str(q.device),
-        q.dtype,
-        torch.is_grad_enabled(),
-        *((tuple(t.shape), t.stride(), t.requires_grad) for t in (q, k, v)),
-        tuple(block_mask.shape),
-        block_mask.BLOCK_SIZE,
-        getattr(mask_mod, "__code__", mask_mod),
-        closure,
-    )
-
-
-_dynamo_configured = False
-
-
-def _configure_dynamo_for_flex() -> None:
-    """The dynamo limits compiled flex relies on (see FLEX_RECOMPILE_LIMIT), for every thread of the process."""
-    global _dynamo_configured
-    if _dynamo_configured:
-        return
-    _dynamo_configured = True
-    config = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.7
-    fail = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else "fail_on_cache_limit_hit"
-    _set_config_in_every_thread(config, limit, max(FLEX_RECOMPILE_LIMIT, getattr(config, limit)))
-    _set_config_in_every_thread(config, fail, True)
-    log.info("dynamo: %s=%d, %s=True (compiled flex_attention must never run eagerly)", limit, getattr(config, limit), fail)
-
-
-def _flex_dynamo_graphs() -> int:
-    """How many compiled graphs dynamo holds for flex_attention's frame (-1 if this torch cannot say)."""
-    try:
-        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(flex_attention.__code__))
-    except (AttributeError, RuntimeError):
-        return -1
-
-
-_compiled_flex: dict[str, Callable] = {}  # device -> flex(q, k, v, block_mask), see get_compiled_flex_attention
-_compiled_flex_lock = threading.Lock()
-_warm_flex_keys: set[tuple] = set()  # flex_shape_key()s compiled and warmed in this process
-_flex_compile_seconds: list[float] = []  # one entry per locked compile + warm-up
-_flex_gate = threading.Condition()  # compiled flex calls (shared) vs a flex compile (exclusive), in this process
-_flex_calls_running = 0
-_flex_compiling = False
-
-
-@contextlib.contextmanager
-def _running_compiled_flex():
-    """The shared side of the gate: a compiled flex call waits while this process compiles flex.
-
-    On torch <= 2.11 a thread that calls compiled code while another thread compiles dies with
-    'Detected that you are using FX to symbolically trace a dynamo-optimized function' (the FX
-    tracing flag is process-wide). The compile lock serialises compiles; this gate also keeps calls
-    out of a compile, so a new shape compiled lazily in one thread cannot break another thread.
-    """
-    global _flex_calls_running
-    with _flex_gate:
-        _flex_gate.wait_for(lambda: not _flex_compiling)
-        _flex_calls_running += 1
-    try:
-        yield
-    finally:
-        with _flex_gate:
-            _flex_calls_running -= 1
-            _flex_gate.notify_all()
-
-
-running_compiled = _running_compiled_flex  # the gate, for any compiled call (see compile_once_locked)
-
-
-@contextlib.contextmanager
-def _compiling_flex():
-    """The exclusive side: wait for running compiled calls to return, keep new ones out until the end.
-
-    Only entered under `compile_lock`, so there is one compiler at a time.
-    """
-    global _flex_compiling
-    with _flex_gate:
-        _flex_compiling = True
-        _flex_gate.wait_for(lambda: _flex_calls_running == 0)
-    try:
-        yield
-    finally:
-        with _flex_gate:
-            _flex_compiling = False
-            _flex_gate.notify_all()
-
-
-def get_compiled_flex_attention(device: torch.device | str) -> Callable:
-    """flex_attention compiled for `device`, as `flex(q, k, v, block_mask) -> out`; safe to call from any thread.
-
-    The torch.compile wrapper is built once per device (dynamic=False: one static graph per shape
-    signature; fullgraph=True: no graph break can leave part of it eager), and the dynamo limits
-    are set then. Dynamo compiles on a call, not here: the first call at each new
-    `flex_shape_key` compiles and warms up under `compile_lock` (`_compile_and_warm_up`), later
-    calls at a warm key run the compiled graph directly. Every call (and every warm-up) first checks
-    that it will run compiled (`check_flex_is_compiled`).
-
-    The returned function takes q: [batch, heads, Q, head_dim]; k, v: [batch, kv_heads, KV, head_dim]
-    (heads a multiple of kv_heads); block_mask: a BlockMask of shape [batch, 1, Q, KV]; and returns
-    [batch, heads, Q, head_dim].
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
-    flex = _compiled_flex.get(key)
-    if flex is None:
-        with _compiled_flex_lock:
-            if key not in _compiled_flex:
-                _configure_dynamo_for_flex()
-                compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-                _compiled_flex[key] = functools.partial(_run_compiled_flex, compiled)
-            flex = _compiled_flex[key]
-    return flex
-
-
-def _run_compiled_flex(compiled: Callable, q, k, v, block_mask: BlockMask) -> torch.Tensor:
-    """One call of compiled flex: the locked warm-up (first time at this shape), then, inside the gate, the dense guard and the graph."""
-    if torch.compiler.is_dynamo_compiling():  # inside an outer torch.compile region: traced into its graph
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    key = flex_shape_key(q, k, v, block_mask)
-    if key not in _warm_flex_keys:
-        _compile_and_warm_up(compiled, key, q, k, v, block_mask)
-    with _running_compiled_flex():  # the guard inside the gate: a compile elsewhere is waited for, not an error
-        _check_runs_compiled(compiled, q, k)
-        return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
-
-
-def _check_runs_compiled(compiled: Callable, q: torch.Tensor, k: torch.Tensor) -> None:
-    """`check_flex_is_compiled` for a call of `compiled` on q [batch, heads, Q, head_dim], k [batch, kv_heads, KV, head_dim]."""
-    batch, heads, q_len, _ = q.shape
-    reasons = flex_eager_reasons(compiled)
-    check_flex_is_compiled(
-        q.device.type, not reasons, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[2], reason="; ".join(reasons)
-    )
-
-
-def _compile_and_warm_up(compiled: Callable, key: tuple, q, k, v, block_mask: BlockMask) -> None:
-    """The first call at a new shape signature: compile and run once, forward and (CUDA) backward, under compile_lock.
-
-    It runs on detached clones of the caller's q, k, v (same shapes, strides, dtypes and
-    requires_grad, so dynamo and AOTAutograd build exactly the graphs the real call uses) and the
-    caller's block_mask. The backward matters: AOTAutograd compiles it lazily at the first
-    backward, on CUDA in autograd's own thread; running one here keeps that compile under the lock
-    too. flex_attention has no CPU backward, so on CPU only the forward is warmed.
-    """
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    backward = needs_grad and q.device.type == "cuda"
-    what = (
-        f"flex_attention {'forward+backward' if backward else 'forward'} on {q.device}, {q.dtype}, "
-        f"q {list(q.shape)}, kv {list(k.shape)}, grad {needs_grad}"
-    )
-    with compile_lock(what):
-        if key in _warm_flex_keys:
-            return  # another thread compiled it while this one waited
-        start = time.perf_counter()
-        with _compiling_flex():
-            _check_runs_compiled(compiled, q, k)  # before anything runs: a dense warm-up would OOM
-            inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            assert all(a.stride() == t.stride() for a, t in zip(inputs, (q, k, v))), "clones must keep the strides"
-            out = compiled(*inputs, block_mask=block_mask, enable_gqa=True)
-            if backward:
-                torch.autograd.grad(out, [t for t in inputs if t.requires_grad], torch.ones_like(out))
-            if q.device.type == "cuda":
-                torch.cuda.synchronize(q.device)
-        seconds = time.perf_counter() - start
-        _warm_flex_keys.add(key)
-        _flex_compile_seconds.append(seconds)
-        log.info("Compilation time: %.2f seconds (%s)", seconds, what)
-        log.info(
-            "flex_attention compile #%d of this process; dynamo holds %d flex_attention graphs (limit %d)",
-            len(_flex_compile_seconds), _flex_dynamo_graphs(), FLEX_RECOMPILE_LIMIT,
-        )
-
-
-def warm_up_flex_attention(
-    device: torch.device | str,
-    *,
-    batch: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    context_len: int,
-    num_anchors: int,
-    block_size: int,
-    dtype: torch.dtype = torch.bfloat16,
-    training: bool = True,
-    rules: tuple = ((False, None),),
-) -> float:
-    """Compile and warm the drafter's flex_attention for one shape, under the compile locks.
-
-    Call it in the main thread, after `setup_compile_cache` and before any worker thread (data
-    prefetch, feature receive) starts, for every (length bucket, training/eval) the run will
-    start with. It builds its inputs the way `DFlashDraftModel.forward` does (q laid out
-    [batch, Q, heads, head_dim] then transposed, k/v contiguous, `create_anchor_block_mask` over
-    the same KV layout), so the real step finds the graph warm. A shape it missed is compiled at
-    its first real call by the same locked path.
-
-    Args:
-        device: the rank's GPU ("cpu" in tests).
-        batch: rows of a micro-batch; heads, kv_heads, head_dim: the drafter's attention sizes.
-        context_len: S, a padded length bucket (a multiple of 128 on GPU).
-        num_anchors: N, static; block_size: B. Q = N*B, KV = S + N*B.
-        dtype: the drafter's compute dtype.
-        training: True warms the grad graph (forward, and backward on CUDA); False the no-grad
-            graph that eval passes use.
-        rules: the distinct `DFlashConfig.attention_rule`s of the drafter's layers, (causal, window)
-            each; every rule's mask compiles a graph of its own. Default the full rule only.
-    Returns:
-        Seconds spent compiling and warming (0.0 if this shape was warm already).
-    """
-    device = torch.device(device)
-    q_len = num_anchors * block_size
-    q = torch.randn(batch, q_len, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)  # [batch, heads, Q, head_dim]
-    k = torch.randn(batch, kv_heads, context_len + q_len, head_dim, device=device, dtype=dtype)  # [batch, kv_heads, KV, head_dim]
-    v = torch.randn_like(k)
-    anchors = (torch.arange(num_anchors, device=device) % max(context_len - 1, 1)).repeat(batch, 1)  # [batch, N], contiguous like sample_anchors' output
-    anchor_valid = torch.ones(batch, num_anchors, dtype=torch.bool, device=device)
-    compiles = len(_flex_compile_seconds)
-    with torch.set_grad_enabled(training):
-        for t in (q, k, v):
-            t.requires_grad_(training)
-        for causal, window in dict.fromkeys(rules):
-            block_mask = create_anchor_block_mask(anchors, anchor_valid, context_len, block_size, causal, window)
-            get_compiled_flex_attention(device)(q, k, v, block_mask)
-    return sum(_flex_compile_seconds[compiles:])
-
-
-def compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], device: torch.device) -> None:
-    """Run `warm_up` (a first call that makes torch.compile build its graphs for `key`) under
-    `compile_lock` and the compile gate, once per key per process; counted in flex_compile_stats.
-
-    The same discipline as flex's `_compile_and_warm_up`, for the other compiled pieces of a
-    training step (drafter layers, the loss's per-chunk function, the target's layers). Call the
-    compiled function itself afterwards inside `running_compiled()`.
-    """
-    if key in _warm_flex_keys:
-        return
-    _configure_dynamo_for_flex()
-    with compile_lock(what):
-        if key in _warm_flex_keys:
-            return  # another thread compiled it while this one waited
-        start = time.perf_counter()
-        with _compiling_flex():
-            warm_up()
-            if device.type == "cuda":
-                # This stream only: a device-wide sync would also wait for a feature send in flight.
-                torch.cuda.current_stream(device).synchronize()
-        seconds = time.perf_counter() - start
-        _warm_flex_keys.add(key)
-        _flex_compile_seconds.append(seconds)
-        # Layers of one architecture share a graph: after the first, a new key is usually a cache hit.
-        log.log(logging.INFO if seconds >= 0.1 else logging.DEBUG, "Compilation time: %.2f seconds (%s)", seconds, what)
-
-
-def flex_compile_stats() -> dict:
-    """Compile counters of this process, for the training log: every locked first call at a new
-    shape key (flex, compiled drafter layers, the loss chunk, compiled target layers; a key whose
-    graph dynamo already had counts too, at ~0 s).
-
-    Returns:
-        {"compiles": locked first calls so far, "compile_seconds": their total time,
-        "dynamo_graphs": graphs dynamo holds for flex_attention's own frame (with eager drafter
-        layers, more than the flex compiles means something compiled outside the lock:
-        investigate with TORCH_LOGS=recompiles; compiled layers trace flex into their own graphs)}.
-    """
-    return {
-        "compiles": len(_flex_compile_seconds),
-        "compile_seconds": round(sum(_flex_compile_seconds), 2),
-        "dynamo_graphs": _flex_dynamo_graphs(),
-    }
-
-
-class CUDAGraphCall:
-    """`fn(*inputs)` replayed from one CUDA graph per input shape.
-
-    The first call at a shape runs `fn` twice on a side stream (warm-up: lazy initialisation,
-    cuBLAS workspaces), then captures it; every later call copies the inputs into the captured
-    buffers and replays the graph, which launches all of `fn`'s kernels at once. At batch size 1 a
-    small model is launch-bound, so this is most of the speed of decoding on a GPU.
-
-    `fn` must take and return tensors, run no host sync, and keep its other state at fixed
-    addresses (a static KV cache) that it resets from its inputs (a replay re-runs only what the
-    graph recorded). The graphs of one `CUDAGraphCall` share one memory pool (its footprint is the
-    largest graph's, not their sum), so the returned tensors, the graphs' own buffers, are
-    overwritten by the next call at any shape: use or copy them before calling again.
-    Used by evaluation (batch-1 decoding), regeneration (batched decoding) and the target's
-    feature forward in training.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.graphs: dict[tuple, tuple] = {}
-        self.pool = None
-
-    def __call__(self, *inputs: torch.Tensor):
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        if key not in self.graphs:
-            static_inputs = [t.clone() for t in inputs]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.fn(*static_inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            self.pool = self.pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool):
-                static_outputs = self.fn(*static_inputs)
-            self.graphs[key] = (graph, static_inputs, static_outputs)
-        graph, static_inputs, static_outputs = self.graphs[key]
-        for buffer, value in zip(static_inputs, inputs):
-            buffer.copy_(value, non_blocking=True)
-        graph.replay()
-        return static_outputs
-
+# Attention dispatch
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None) -> torch.Tensor:
@@ -1403,29 +646,15 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _run_compiled_layer(compiled: Callable, index: int, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
-    """One compiled decoder layer call (DFlashDraftModel.compile_layers). The first call at a new
-    shape runs the layer once on detached clones (same shapes, strides, dtypes, requires_grad) under
-    the compile lock, with a backward (torch.autograd.grad to the clones: the parameters' .grad and
-    DeepSpeed's gradient hooks are untouched), so both graphs exist before the real call."""
-    grad = torch.is_grad_enabled()
+def _run_compiled_layer(compiled: nn.Module, index: int, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+    """One call of compiled decoder layer `index` (DFlashDraftModel.compile_layers); its first call at a new
+    shape compiles forward and backward under the compile lock (`dflash_compile.call_compiled_module`)."""
     tensors = (x, cos, sin, context_k, context_v)
+    grad = torch.is_grad_enabled()
     key = ("drafter_layer", index, str(x.device), x.dtype, grad, tuple(x.shape), tuple(context_k.shape),
            tuple(t.requires_grad for t in tensors), type(mask).__name__)
-
-    def warm_up():
-        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
-        out = compiled(*inputs, mask)
-        # Gradients to the clones, or else to the parameters: torch.autograd.grad returns them
-        # without writing .grad, so nothing of this call reaches the optimizer.
-        needs = [t for t in inputs if t.requires_grad] or [p for p in compiled.parameters() if p.requires_grad]
-        if grad and needs:
-            torch.autograd.grad(out, needs, torch.ones_like(out))
-
     what = f"drafter layer {index} {'forward+backward' if grad else 'forward'} on {x.device}, {x.dtype}, x {list(x.shape)}, context kv {list(context_k.shape)}"
-    compile_once_locked(key, what, warm_up, x.device)
-    with _running_compiled_flex():
-        return compiled(*tensors, mask)
+    return call_compiled_module(compiled, key, what, tensors, mask)
 
 
 @dataclass
@@ -1434,6 +663,8 @@ class DFlashContextCache:
 
     keys[i], values[i]: [batch, kv_heads, S, head_dim]. Draft passes never write into it, so after
     each draft the cache holds the context only; `crop` cuts it back when the context shrinks.
+    A cache is any object with `length`, `keys`, `values`, `extend` and `key_layout` (eval_dflash.py's
+    static cache for CUDA graphs is another).
     """
 
     keys: list
@@ -1447,30 +678,16 @@ class DFlashContextCache:
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
 
+    def extend(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "DFlashContextCache":
+        """A cache grown by the new positions' (k, v) of every layer, each [batch, kv_heads, s_new, head_dim]."""
+        if not self.keys:
+            return DFlashContextCache(keys=[k for k, _ in kv], values=[v for _, v in kv])
+        return DFlashContextCache(keys=[torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, kv)],
+                                  values=[torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, kv)])
 
-class DFlashStaticContextCache:
-    """`DFlashContextCache` in preallocated buffers of `max_length` positions, for CUDA graphs.
-
-    keys[i], values[i]: [batch, kv_heads, max_length, head_dim], written in place by
-    `extend_context`; positions >= `length` hold stale values that `draft_block` masks out. The
-    buffers never move, so a CUDA graph of `draft_block` captured once stays valid: it reads the
-    context length from `length_tensor` (a 0-dim int64 on the device), not from Python.
-    """
-
-    def __init__(self, config: "DFlashConfig", batch: int, max_length: int, dtype: torch.dtype, device):
-        shape = (batch, config.num_key_value_heads, max_length, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.max_length = max_length
-        self.length = 0
-        self.length_tensor = torch.zeros((), dtype=torch.long, device=device)
-
-    def crop(self, length: int) -> None:
-        """Set the context length (shorter or longer: the caller knows which positions are valid)."""
-        if not 0 <= length <= self.max_length:
-            raise ValueError(f"context length {length} outside the static cache's 0..{self.max_length}")
-        self.length = length
-        self.length_tensor.fill_(length)  # a device-side write: no host sync
+    def key_layout(self, block_size: int, device) -> tuple[int, torch.Tensor, None]:
+        """(the block's first position S, key positions [S + B] of cache then block, None: every key is valid)."""
+        return self.length, torch.arange(self.length + block_size, device=device), None
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -1531,7 +748,7 @@ class DFlashDraftModel(PreTrainedModel):
 
         dynamic=False: one static graph per shape, like flex's; flex_attention is traced into the
         layer's graph. The first forward at each new shape (per layer, grad or not) compiles and runs
-        forward and backward on clones under `compile_lock` (`_run_compiled_layer`), so no
+        forward and backward on clones under the compile lock (`_run_compiled_layer`), so no
         compile ever happens outside the lock, including AOTAutograd's lazy backward compile in
         autograd's thread. Inference passes (`extend_context`, `draft_block`) stay eager.
         Measured at Qwen3-8B shapes on an H200 (bench_dflash.py): 83.8 -> 70.2 ms/sample.
@@ -1616,7 +833,7 @@ class DFlashDraftModel(PreTrainedModel):
         """Append new context positions to the drafter's cache.
 
         Args:
-            cache: a `DFlashContextCache` (grown by concatenation), a `DFlashStaticContextCache`
+            cache: a `DFlashContextCache` (grown by concatenation), eval_dflash.py's static cache
                 (written in place), or None to start a `DFlashContextCache`.
             context_features: [batch, s_new, len(target_layer_ids) * hidden], the target's layer
                 outputs for the next s_new positions (cache.length .. cache.length + s_new - 1).
@@ -1629,21 +846,7 @@ class DFlashDraftModel(PreTrainedModel):
         batch, s_new, _ = context.shape
         positions = torch.arange(start, start + s_new, device=context.device).expand(batch, s_new)
         cos, sin = self._rope(context, positions)
-        if isinstance(cache, DFlashStaticContextCache):
-            if start + s_new > cache.max_length:
-                raise ValueError(f"context of {start + s_new} positions does not fit the static cache ({cache.max_length})")
-            for i, layer in enumerate(self.layers):
-                k, v = layer.self_attn.project_kv(context, cos, sin)
-                cache.keys[i][:, :, start : start + s_new] = k
-                cache.values[i][:, :, start : start + s_new] = v
-            cache.crop(start + s_new)
-            return cache
-        keys, values = [], []
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(context, cos, sin)
-            keys.append(k if start == 0 else torch.cat([cache.keys[i], k], dim=2))
-            values.append(v if start == 0 else torch.cat([cache.values[i], v], dim=2))
-        return DFlashContextCache(keys=keys, values=values)
+        return cache.extend([layer.self_attn.project_kv(context, cos, sin) for layer in self.layers])
 
     @torch.no_grad()
     def draft_logits(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:
@@ -1656,9 +859,9 @@ class DFlashDraftModel(PreTrainedModel):
         (context keys 0..S-1, block S..S+B-1), as in training. The cache is not written, so it
         stays cut back to the context.
 
-        With a `DFlashStaticContextCache` the pass attends over all `max_length` cached positions
-        with the stale ones masked out, and takes the context length from `cache.length_tensor`,
-        so it can be captured once as a CUDA graph and replayed at every length (no host sync).
+        With eval_dflash.py's static cache the pass attends over all `max_length` cached positions
+        with the stale ones masked out, and takes the context length from a device tensor, so it
+        can be captured once as a CUDA graph and replayed at every length (no host sync).
 
         Args:
             cache: the drafter's context cache, length S.
@@ -1674,15 +877,7 @@ class DFlashDraftModel(PreTrainedModel):
         x = self.embed_block(block)  # [batch, B, hidden]
         device = x.device
         offsets = torch.arange(block_size, device=device)
-        if isinstance(cache, DFlashStaticContextCache):
-            start = cache.length_tensor  # 0-dim int64 on the device
-            slots = torch.arange(cache.max_length, device=device)
-            key_positions = torch.cat([slots, start + offsets])  # [max_length + B]
-            key_valid = torch.cat([slots < start, torch.ones(block_size, dtype=torch.bool, device=device)])
-        else:
-            start = cache.length
-            key_positions = torch.arange(start + block_size, device=device)  # [S + B]: the cache holds exactly the context
-            key_valid = None
+        start, key_positions, key_valid = cache.key_layout(block_size, device)  # [KV] each; key_valid None: all
         query_positions = start + offsets  # [B]
         masks = {}
         for rule in dict.fromkeys(self.config.attention_rule(i) for i in range(self.config.num_hidden_layers)):
@@ -1740,105 +935,24 @@ def loss_weights(block_size: int, gamma: float | None = None, device=None) -> to
     return torch.exp(-(k - 1) / gamma)
 
 
-def _weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                                multiplier: float = 1.0, softcap: float | None = None):
-    """One chunk of the loss: logits [rows, vocab] -> (sum w*CE fp32, dlogits in the logits dtype,
-    hit [rows] bool). Works in place on one fp32 copy of the chunk, so eager mode makes few
-    vocab-sized passes.
-
-    The CE is taken on z = `scale_and_cap_logits(logits, multiplier, softcap)`, what the engines
-    sample from. dCE/dz = w * (softmax(z) - onehot), and the chain rule back to the raw logits
-    multiplies by dz/dlogits = multiplier * (1 - tanh^2) (the tanh factor only with a cap).
-    """
-    x = logits.float()  # [rows, vocab]
-    if multiplier != 1.0:
-        x.mul_(multiplier)
-    capped = None
-    if softcap:
-        capped = x.div_(softcap).tanh_()  # tanh(z / c), kept for the chain rule
-        x = capped * softcap
-    lse = torch.logsumexp(x, dim=-1)  # [rows]
-    ce = lse - x.gather(1, targets[:, None]).squeeze(1)
-    hit = x.argmax(dim=-1) == targets
-    x.sub_(lse[:, None]).exp_().mul_(weights[:, None])  # w * softmax
-    x.scatter_add_(1, targets[:, None], -weights[:, None])  # - w * onehot
-    if capped is not None:
-        x.mul_(1 - capped.square_())
-    if multiplier != 1.0:
-        x.mul_(multiplier)
-    return (ce * weights).sum(), x.to(logits.dtype), hit
-
-
-def _weighted_ce_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                                           multiplier: float = 1.0, softcap: float | None = None):
-    """`_weighted_ce_and_grad_chunk` without in-place ops, for torch.compile to fuse into a few kernels."""
-    x = logits.float() * multiplier  # [rows, vocab]
-    if softcap:
-        capped = torch.tanh(x / softcap)
-        x = capped * softcap
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [rows, 1]
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]  # fused, never stored
-    dz = weights[:, None] * (torch.exp(x - lse) - onehot.float())
-    if softcap:
-        dz = dz * (1 - capped * capped)
-    dlogits = (dz * multiplier).to(logits.dtype)
-    ce = lse.squeeze(1) - x.gather(1, targets[:, None]).squeeze(1)
-    return (ce * weights).sum(), dlogits, x.argmax(dim=-1) == targets
-
-
 _compiled_ce = None
 
 
 def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                            multiplier: float = 1.0, softcap: float | None = None):
-    """`_weighted_ce_and_grad_chunk`, torch.compile'd (dynamic shapes: the rows vary per step);
+    """dflash_fused_ce's `weighted_ce_and_grad_chunk`, torch.compile'd (dynamic shapes: the rows vary per step);
     `dflash_loss(..., compiled=True)` uses it. Compiles under the compile lock
     at the first call (and again for a 1-row chunk, which dynamo specialises). Measured at
     Qwen3-8B shapes on an H200 (bench_dflash.py): 92.4 -> 83.8 ms/sample. Runs outside autograd
     (inside the fused loss's forward), so nothing compiles in a backward thread."""
     global _compiled_ce
     if _compiled_ce is None:
-        _compiled_ce = torch.compile(_weighted_ce_and_grad_chunk_functional, dynamic=True)
+        _compiled_ce = torch.compile(weighted_ce_and_grad_chunk_functional, dynamic=True)
     key = ("ce_grad_chunk", str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1], multiplier, softcap)
     what = f"loss chunk (softmax, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
     compile_once_locked(key, what, lambda: _compiled_ce(logits, targets, weights, multiplier, softcap), logits.device)
-    with _running_compiled_flex():
+    with running_compiled():
         return _compiled_ce(logits, targets, weights, multiplier, softcap)
-
-
-class _FusedLinearWeightedCE(torch.autograd.Function):
-    """sum_i w_i * CE(rows_i @ W^T, t_i) with d/d rows computed in the forward, chunk by chunk.
-
-    The gradient of CE with respect to the logits is known in closed form (softmax - onehot), so
-    each chunk's logits are used for the loss and the input gradient at once and then dropped:
-    the head matmul runs twice per chunk (logits, dlogits @ W) instead of three times (logits,
-    checkpoint recompute, dlogits @ W), and nothing vocab-sized is kept for backward (the idea of
-    Liger-Kernel's fused linear cross-entropy). W is the target's frozen head: no weight gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, rows, weight, targets, row_weights, chunk_size, ce_grad_chunk):
-        needs_grad = rows.requires_grad
-        grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden]
-        hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
-        total = rows.new_zeros((), dtype=torch.float32)
-        for start in range(0, rows.shape[0], chunk_size):
-            end = min(start + chunk_size, rows.shape[0])
-            logits = rows[start:end] @ weight.t()  # [rows, vocab], bf16 on GPU
-            ce_sum, dlogits, hit = ce_grad_chunk(logits, targets[start:end], row_weights[start:end])
-            del logits
-            if needs_grad:
-                grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
-            total = total + ce_sum
-            hits[start:end] = hit
-        ctx.save_for_backward(grad_rows if needs_grad else rows.new_empty(0))
-        ctx.mark_non_differentiable(hits)
-        return total, hits
-
-    @staticmethod
-    def backward(ctx, grad_total, grad_hits):
-        (grad_rows,) = ctx.saved_tensors
-        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None, None
 
 
 def dflash_loss(
@@ -1859,7 +973,7 @@ def dflash_loss(
 
     Only valid label positions go through the head (padding and block position 0 never cost a
     vocab-sized matmul), and at most `chunk_size x vocab` logits exist at once instead of
-    `N*(B-1) x vocab`. The input gradient is computed in the forward (`_FusedLinearWeightedCE`),
+    `N*(B-1) x vocab`. The input gradient is computed in the forward (`fused_linear_weighted_ce`),
     so there is no activation checkpointing, no recompute of the head, and nothing compiled runs
     in autograd's backward threads. Measured on an H200 at Qwen3-8B shapes (BENCHMARKS.md,
     bench_dflash.py): 92.4 vs 98.9 ms/sample and 37.3 vs 38.2 GB against the earlier
@@ -1873,7 +987,7 @@ def dflash_loss(
         weights: [B-1] float32 from `loss_weights`.
         chunk_size: rows per chunk.
         compiled: run the per-chunk softmax / dlogits / argmax through `compiled_ce_grad_chunk`
-            (GPU training) instead of the eager `_weighted_ce_and_grad_chunk`.
+            (GPU training) instead of the eager `weighted_ce_and_grad_chunk`.
         output_multiplier, final_logit_softcapping: the drafter config's logit scaling and cap
             (`scale_and_cap_logits`), applied to the head's logits before the CE, as the engines
             apply them before sampling.
@@ -1888,10 +1002,9 @@ def dflash_loss(
     row_weights = weights.to(rows.device)[k_index]  # [T]
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
-    ce_grad_chunk = compiled_ce_grad_chunk if compiled else _weighted_ce_and_grad_chunk
-    if output_multiplier != 1.0 or final_logit_softcapping:
-        ce_grad_chunk = functools.partial(ce_grad_chunk, multiplier=output_multiplier, softcap=final_logit_softcapping)
-    weighted_ce, hit = _FusedLinearWeightedCE.apply(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk)
+    ce_grad_chunk = compiled_ce_grad_chunk if compiled else weighted_ce_and_grad_chunk
+    weighted_ce, hit = fused_linear_weighted_ce(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk,
+                                                output_multiplier, final_logit_softcapping)
     loss = weighted_ce / row_weights.sum()
     hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())
     counts = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.ones_like(row_weights))

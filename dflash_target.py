@@ -21,6 +21,10 @@ serving engines never hand to the drafter. The forward stops after the deepest c
 layer (later layers are dropped, or skipped when the target is kept whole for evaluation; the LM
 head is never called), and the drafter borrows the target's embedding and LM head by reference.
 
+The drafter's config is sized after the target here too (`drafter_config_for_target`: sizes, RoPE,
+the embedding and logit scaling that the engines will apply), because that is knowledge of target
+families, not of the drafter.
+
 A drafter rank of split mode never holds the target's decoder layers: `load_target_embeddings`
 reads the two tensors it needs from the checkpoint's safetensors shards through the index
 (downloading only those shards for a hub id). A target too large for one device is split over a
@@ -46,7 +50,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from dflash_model import compile_once_locked, running_compiled, target_output_scaling
+from dflash_compile import CUDAGraphCall, compile_once_locked, running_compiled
+from dflash_model import DFlashConfig, default_target_layer_ids, resolve_layer_types
 
 log = logging.getLogger("dflash_target")
 
@@ -533,6 +538,150 @@ def find_qwen3_tokenizer_dir() -> str:
     return directory
 
 
+# -----------------------------------------------------------------------------
+# The drafter sized after the target
+
+
+# Released drafters for targets whose attention a Qwen3 layer cannot copy (partial rotary: Qwen3.5,
+# Qwen3-Next) use Qwen3's standard attention shape instead: 32 query heads of 128 dimensions, full
+# rotary (z-lab's Qwen3.5-27B and Qwen3.5/3.6-35B-A3B drafters, README "Targets").
+STANDARD_HEAD_DIM = 128
+STANDARD_NUM_HEADS = 32
+
+
+def target_output_scaling(text_config) -> dict:
+    """What a target does to its token embeddings and logits beyond a lookup and a matmul, as the
+    `dflash_config` fields serving engines apply to the drafter.
+
+    - `input_embedding_scale`: Gemma targets multiply embeddings by sqrt(hidden) (inside their
+      embedding module), Granite by `embedding_multiplier` (inside the model's forward).
+    - `output_multiplier`: Granite divides logits by `logits_scaling`; Cohere multiplies by `logit_scale`.
+    - `final_logit_softcapping`: Gemma-2 caps logits with c * tanh(logits / c).
+
+    Args:
+        text_config: the target's text config (`config.get_text_config()`).
+    Returns:
+        Only the fields whose value differs from "no change" (scale 1, multiplier 1, no cap).
+    """
+    fields = {}
+    model_type = getattr(text_config, "model_type", "") or ""
+    scale = getattr(text_config, "embedding_multiplier", None)
+    if model_type.startswith(("gemma", "recurrent_gemma")):
+        scale = text_config.hidden_size**0.5
+    if scale is not None and float(scale) != 1.0:
+        fields["input_embedding_scale"] = float(scale)
+    multiplier = 1.0
+    if getattr(text_config, "logits_scaling", None):
+        multiplier /= float(text_config.logits_scaling)
+    if getattr(text_config, "logit_scale", None):
+        multiplier *= float(text_config.logit_scale)
+    if multiplier != 1.0:
+        fields["output_multiplier"] = multiplier
+    cap = getattr(text_config, "final_logit_softcapping", None)
+    if cap:
+        fields["final_logit_softcapping"] = float(cap)
+    return fields
+
+
+def _is_moe(text_config) -> bool:
+    experts = max(int(getattr(text_config, name, None) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return experts > 1 or bool(getattr(text_config, "moe_intermediate_size", None))
+
+
+def drafter_config_for_target(
+    target_config,
+    *,
+    mask_token_id: int,
+    num_draft_layers: int = 5,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    vocab_size: int | None = None,
+    layer_types: str | list[str] | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    intermediate_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+) -> DFlashConfig:
+    """A drafter config sized after any HF causal-LM target (Qwen3, Llama, Mistral, Gemma, MoE, hybrid, ...).
+
+    Sizes follow the released drafters (README "Targets"): hidden size, RMSNorm epsilon and
+    RoPE (theta and scaling) are the target's. The attention shape is the target's when its
+    RoPE rotates whole heads; for partial-rotary targets (Qwen3.5, Qwen3-Next) it is Qwen3's
+    standard 32 heads of 128 with full rotary and the target's KV width (KV heads = target KV
+    heads x target head_dim / 128). The MLP width is the target's `intermediate_size` for a
+    dense target and 3 x hidden for a mixture-of-experts target (whose `intermediate_size` is
+    an expert's, or absent). The target's embedding and logit scaling become
+    `dflash_config` fields (`target_output_scaling`).
+
+    Args:
+        target_config: the target's `PretrainedConfig`.
+        mask_token_id: an existing row of the target's embedding (`resolve_mask_token_id`).
+        num_draft_layers: drafter decoder layers (paper ablation 3/5/8 -> MATH-500 tau 5.64/5.99/6.33).
+        block_size: tokens per block, anchor included.
+        target_layer_ids: 0-based target layers to read; default `dflash_model.default_target_layer_ids`.
+        vocab_size: rows of the target's embedding, if it differs from `target_config.vocab_size`.
+        layer_types, sliding_window, is_causal: the drafter's attention layout (`resolve_layer_types`,
+            `DFlashConfig.attention_rule`); default all full attention.
+        intermediate_size, num_attention_heads, num_key_value_heads, head_dim: override the derived sizes.
+    Raises:
+        ValueError: as `DFlashConfig` (dflash_model.py), or when the heads do not divide into the KV heads.
+    """
+    text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    num_target_layers = text_config.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
+    hidden = text_config.hidden_size
+    rope = dict(getattr(text_config, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])  # per-layer-type RoPE (Gemma-3): the global layers' table
+    partial = rope.pop("partial_rotary_factor", None) or getattr(text_config, "partial_rotary_factor", None) or 1.0
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", getattr(text_config, "rope_theta", None) or 10000.0)
+    target_heads = text_config.num_attention_heads
+    target_head_dim = getattr(text_config, "head_dim", None) or hidden // target_heads
+    target_kv_heads = getattr(text_config, "num_key_value_heads", None) or target_heads
+    if partial < 1.0:
+        derived_heads, derived_head_dim = STANDARD_NUM_HEADS, STANDARD_HEAD_DIM
+        derived_kv_heads = max(1, -(-target_kv_heads * target_head_dim // STANDARD_HEAD_DIM))
+    else:
+        derived_heads, derived_head_dim, derived_kv_heads = target_heads, target_head_dim, target_kv_heads
+    heads = num_attention_heads or derived_heads
+    kv_heads = num_key_value_heads or derived_kv_heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"the drafter's {heads} attention heads do not divide into {kv_heads} KV heads: pass "
+            f"--draft_num_attention_heads and --draft_num_key_value_heads that do"
+        )
+    derived_intermediate = 3 * hidden if _is_moe(text_config) or not getattr(text_config, "intermediate_size", None) else text_config.intermediate_size
+    return DFlashConfig(
+        architectures=["DFlashDraftModel"],
+        vocab_size=vocab_size or text_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate_size or derived_intermediate,
+        num_hidden_layers=num_draft_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim or derived_head_dim,
+        hidden_act="silu",
+        max_position_embeddings=text_config.max_position_embeddings,
+        rms_norm_eps=getattr(text_config, "rms_norm_eps", None) or 1e-6,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        layer_types=resolve_layer_types(layer_types, num_draft_layers),
+        sliding_window=sliding_window,
+        is_causal=is_causal,
+        block_size=block_size,
+        num_target_layers=num_target_layers,
+        dflash_config={
+            "mask_token_id": int(mask_token_id),
+            "target_layer_ids": list(target_layer_ids),
+            **target_output_scaling(text_config),
+        },
+    )
+
+
 def check_target_scaling(target: PreTrainedModel, draft_config) -> None:
     """Raise when the drafter config's embedding and logit scaling disagree with what the target does.
 
@@ -697,7 +846,6 @@ class TargetFeatureExtractor:
         Raises:
             ValueError: if the target's attention takes no 4D mask (flash attention, flex).
         """
-        from dflash_model import CUDAGraphCall
 
         implementation = getattr(self.decoder.config, "_attn_implementation", None)
         if implementation not in ("sdpa", "eager"):
@@ -711,7 +859,7 @@ class TargetFeatureExtractor:
         Fuses the norms, RoPE, SwiGLU and residual adds around the matmuls (measured at Qwen3-8B
         shapes on an H200 in BENCHMARKS.md). Layers of one architecture share one graph per shape;
         the first call at each new shape (per layer) compiles under the compile lock, like the
-        drafter's (`dflash_model.compile_once_locked`). The capture hooks stay eager around it.
+        drafter's (`dflash_compile.compile_once_locked`). The capture hooks stay eager around it.
         Only for a truncated target: an untruncated one also verifies drafts with a growing KV
         cache, whose every new length would compile a graph.
 

@@ -70,8 +70,9 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig, HfArgumentParser
 from transformers.generation.streamers import BaseStreamer
 
+from dflash_compile import CUDAGraphCall
 from dflash_data import load_prompts
-from dflash_model import CUDAGraphCall, DFlashDraftModel, DFlashStaticContextCache, sampling_probs
+from dflash_model import DFlashDraftModel, sampling_probs
 
 logger = logging.getLogger(__name__)
 
@@ -429,6 +430,51 @@ class StaticTargetRunner(TargetRunner):
 
     def crop(self, length: int) -> None:
         self.length = length
+
+
+class DFlashStaticContextCache:
+    """`dflash_model.DFlashContextCache` in preallocated buffers of `max_length` positions, for CUDA graphs.
+
+    keys[i], values[i]: [batch, kv_heads, max_length, head_dim], written in place by
+    `extend_context`; positions >= `length` hold stale values that `draft_block` masks out. The
+    buffers never move, so a CUDA graph of `draft_block` captured once stays valid: it reads the
+    context length from `length_tensor` (a 0-dim int64 on the device), not from Python.
+    """
+
+    def __init__(self, config, batch: int, max_length: int, dtype: torch.dtype, device):
+        shape = (batch, config.num_key_value_heads, max_length, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.max_length = max_length
+        self.length = 0
+        self.length_tensor = torch.zeros((), dtype=torch.long, device=device)
+
+    def crop(self, length: int) -> None:
+        """Set the context length (shorter or longer: the caller knows which positions are valid)."""
+        if not 0 <= length <= self.max_length:
+            raise ValueError(f"context length {length} outside the static cache's 0..{self.max_length}")
+        self.length = length
+        self.length_tensor.fill_(length)  # a device-side write: no host sync
+
+    def extend(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "DFlashStaticContextCache":
+        """Write the new positions' (k, v) of every layer, each [batch, kv_heads, s_new, head_dim], in place."""
+        start, s_new = self.length, kv[0][0].shape[2]
+        if start + s_new > self.max_length:
+            raise ValueError(f"context of {start + s_new} positions does not fit the static cache ({self.max_length})")
+        for i, (k, v) in enumerate(kv):
+            self.keys[i][:, :, start : start + s_new] = k
+            self.values[i][:, :, start : start + s_new] = v
+        self.crop(start + s_new)
+        return self
+
+    def key_layout(self, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the block's first position as a 0-dim device tensor, key positions [max_length + B] of every
+        slot then the block, which keys are valid [max_length + B] bool): no host sync."""
+        start = self.length_tensor
+        slots = torch.arange(self.max_length, device=device)
+        key_positions = torch.cat([slots, start + torch.arange(block_size, device=device)])
+        key_valid = torch.cat([slots < start, torch.ones(block_size, dtype=torch.bool, device=device)])
+        return start, key_positions, key_valid
 
 
 class Drafting:
@@ -942,14 +988,10 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the evaluation; returns the results dict (also written to --output)."""
-    from dflash_target import load_target  # the CLI needs it; the importable API above does not
-
-    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(args=argv)
+def check_args(args: EvalArgs) -> dict:
+    """Refuse bad flags before anything loads; returns the parsed --chat_template_kwargs."""
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1]; got {args.temperature} and {args.top_p}")
-    sampling = args.temperature > 0
     if args.baseline not in ("prompt_lookup", "none"):
         raise ValueError(f"--baseline must be 'prompt_lookup' or 'none', got {args.baseline!r}")
     if args.max_new_tokens < 1 or args.prompt_lookup_num_tokens < 1 or args.prompt_lookup_max_ngram_size < 1:
@@ -960,15 +1002,75 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--chat_template_kwargs must be a JSON dict, got {args.chat_template_kwargs!r}: {error}") from error
     if not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"--chat_template_kwargs must be a JSON dict, got {args.chat_template_kwargs!r}")
+    return chat_template_kwargs
+
+
+@dataclass
+class EvalRun:
+    """Everything one evaluation uses (`prepare_run`), and the seconds each method has taken so far."""
+
+    args: EvalArgs
+    target: torch.nn.Module
+    drafter: DFlashDraftModel
+    tokenizer: object
+    decoder: Decoder  # static caches and CUDA graphs, made once for every prompt
+    encoded: list  # [1, prompt_len] int64 per prompt
+    block_size: int
+    eos_token_ids: list[int]
+    kv_cache: str
+    cuda_graphs: bool
+    chat_template_kwargs: dict
+    device: torch.device
+    dtype: torch.dtype
+    seconds: dict = field(default_factory=lambda: {"target": 0.0, "speculative": 0.0, "prompt_lookup": 0.0})
+
+    @property
+    def sampling(self) -> bool:
+        return self.args.temperature > 0
+
+    @property
+    def sample(self) -> dict:
+        """The sampling keywords of every generate function."""
+        return {"temperature": self.args.temperature, "top_p": self.args.top_p}
+
+    def generator(self, index: int) -> torch.Generator | None:
+        """One reproducible stream per prompt and method (None when greedy)."""
+        return torch.Generator(self.device).manual_seed(self.args.seed + index) if self.sampling else None
+
+    def plain(self, input_ids: torch.Tensor, max_new_tokens: int, index: int) -> list[int]:
+        return plain_generate(self.target, input_ids, max_new_tokens, self.eos_token_ids, self.decoder, **self.sample,
+                              generator=self.generator(index))
+
+    def speculative(self, input_ids: torch.Tensor, max_new_tokens: int, index: int) -> tuple[list[int], dict]:
+        return speculative_generate(self.target, self.drafter, input_ids, max_new_tokens, self.block_size, self.eos_token_ids,
+                                    self.decoder, **self.sample, generator=self.generator(index))
+
+    def prompt_lookup(self, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        return prompt_lookup_generate(
+            self.target, input_ids, max_new_tokens, self.eos_token_ids, self.tokenizer.pad_token_id,
+            self.args.prompt_lookup_num_tokens, self.args.prompt_lookup_max_ngram_size, **self.sample,
+        )
+
+    def timed(self, key: str, fn):
+        """fn(), its wall time (device synchronised) added to seconds[key]."""
+        _sync(self.device)
+        start = time.perf_counter()
+        result = fn()
+        _sync(self.device)
+        self.seconds[key] += time.perf_counter() - start
+        return result
+
+
+def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
+    """Load the drafter (first: a wrong folder fails before the slow target load), the target and the
+    prompts; check they fit together; make the decoder."""
+    from dflash_target import load_target  # the CLI needs it; the importable API above does not
+
     device = torch.device(args.device) if args.device else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     )
     dtype = parse_dtype(args.dtype, device)
-    plot_path = args.plot or (args.output[: -len(".json")] if args.output.endswith(".json") else args.output) + "_acceptance.png"
-
     resolve_kv_cache(args.kv_cache, args.cuda_graphs, device)  # bad flags fail before anything loads
-
-    # The drafter first: a wrong folder fails before the (slow) target load.
     drafter = load_drafter(args.draft_model, dtype, device)
     target, tokenizer = load_target(args.target_model, gguf_file=args.target_gguf_file, dtype=dtype, device=device)
     check_drafter_matches_target(target, drafter)
@@ -981,96 +1083,88 @@ def main(argv: list[str] | None = None) -> dict:
     # One decoder for every prompt: the static caches and the CUDA graphs are made once.
     max_length = max(ids.shape[1] for ids in encoded) + args.max_new_tokens + drafter.config.block_size
     decoder = Decoder(target, drafter, kv_cache, max_length, cuda_graphs)
+    run = EvalRun(args, target, drafter, tokenizer, decoder, encoded, block_size, eos_token_ids, kv_cache, cuda_graphs,
+                  chat_template_kwargs, device, dtype)
     print(
         f"{len(prompts)} prompts from {args.data}; block size {block_size} (drafter trained with "
         f"{drafter.config.block_size}); max_new_tokens {args.max_new_tokens}; eos {eos_token_ids}; {device} {dtype}; "
         f"{kv_cache} KV cache{', CUDA graphs' if cuda_graphs else ''}; "
-        + (f"sampling at temperature {args.temperature}, top_p {args.top_p}, seed {args.seed}" if sampling else "greedy")
+        + (f"sampling at temperature {args.temperature}, top_p {args.top_p}, seed {args.seed}" if run.sampling else "greedy")
     )
-    sample = {"temperature": args.temperature, "top_p": args.top_p}
+    return run
 
-    def generator(index: int) -> torch.Generator | None:  # one reproducible stream per prompt and method
-        return torch.Generator(device).manual_seed(args.seed + index) if sampling else None
 
-    def run_prompt_lookup(input_ids, max_new_tokens):
-        return prompt_lookup_generate(
-            target, input_ids, max_new_tokens, eos_token_ids, tokenizer.pad_token_id,
-            args.prompt_lookup_num_tokens, args.prompt_lookup_max_ngram_size, **sample,
-        )
+def warm_up(run: EvalRun) -> None:
+    """Untimed first calls: they pay for allocator growth, kernel selection, lazy init and the
+    capture of the CUDA graphs."""
+    warm_tokens = min(run.args.max_new_tokens, 2 * run.block_size)
+    run.plain(run.encoded[0], warm_tokens, 0)
+    run.speculative(run.encoded[0], warm_tokens, 0)
+    if run.args.baseline == "prompt_lookup":
+        torch.manual_seed(run.args.seed)  # transformers samples from torch's global stream
+        run.prompt_lookup(run.encoded[0], warm_tokens)
 
-    # Warm-up (untimed): the first calls pay for allocator growth, kernel selection, lazy init and
-    # the capture of the CUDA graphs.
-    warm_tokens = min(args.max_new_tokens, 2 * block_size)
-    plain_generate(target, encoded[0], warm_tokens, eos_token_ids, decoder, **sample, generator=generator(0))
-    speculative_generate(target, drafter, encoded[0], warm_tokens, block_size, eos_token_ids, decoder, **sample,
-                         generator=generator(0))
-    if args.baseline == "prompt_lookup":
-        torch.manual_seed(args.seed)  # transformers samples from torch's global stream
-        run_prompt_lookup(encoded[0], warm_tokens)
 
-    seconds = {"target": 0.0, "speculative": 0.0, "prompt_lookup": 0.0}
+@dataclass
+class Tally:
+    """What the prompts have given so far (`evaluate_prompt`)."""
 
-    def timed(key, fn):
-        _sync(device)
-        start = time.perf_counter()
-        result = fn()
-        _sync(device)
-        seconds[key] += time.perf_counter() - start
-        return result
+    spec_stats: list = field(default_factory=list)
+    lookup_stats: list = field(default_factory=list)
+    per_prompt: list = field(default_factory=list)
+    mismatches: list = field(default_factory=list)
+    target_tokens: int = 0
+    lookup_tokens: int = 0
+    lookup_lossless: bool = True
 
-    spec_stats, lookup_stats, per_prompt, mismatches = [], [], [], []
-    target_tokens = lookup_tokens = 0
-    lookup_lossless = True
-    bar = tqdm(encoded, desc="Evaluating", unit="prompt")
-    for index, input_ids in enumerate(bar):
-        reference = timed("target", lambda: plain_generate(target, input_ids, args.max_new_tokens, eos_token_ids, decoder,
-                                                            **sample, generator=generator(index)))
-        tokens, stats = timed("speculative", lambda: speculative_generate(
-            target, drafter, input_ids, args.max_new_tokens, block_size, eos_token_ids, decoder, **sample,
-            generator=generator(index)))
-        target_tokens += len(reference)
-        spec_stats.append(stats)
-        row = {
+
+def evaluate_prompt(run: EvalRun, index: int, input_ids: torch.Tensor, tally: Tally) -> None:
+    """One prompt: plain target decoding (the reference), speculative decoding, prompt lookup; each timed."""
+    args = run.args
+    reference = run.timed("target", lambda: run.plain(input_ids, args.max_new_tokens, index))
+    tokens, stats = run.timed("speculative", lambda: run.speculative(input_ids, args.max_new_tokens, index))
+    tally.target_tokens += len(reference)
+    tally.spec_stats.append(stats)
+    row = {
+        "prompt_index": index,
+        "prompt_tokens": stats["prompt_tokens"],
+        "generated_tokens": stats["generated_tokens"],
+        "verify_forwards": stats["verify_forwards"],
+        "acceptance_length": sum(stats["committed"]) / stats["verify_forwards"] if stats["verify_forwards"] else None,
+        "lossless": None if run.sampling else tokens == reference,
+    }
+    divergence = None if run.sampling else first_divergence(reference, tokens)
+    if divergence is not None:
+        margin = logit_margin(run.target, input_ids, reference[:divergence])
+        tally.mismatches.append({
             "prompt_index": index,
-            "prompt_tokens": stats["prompt_tokens"],
-            "generated_tokens": stats["generated_tokens"],
-            "verify_forwards": stats["verify_forwards"],
-            "acceptance_length": sum(stats["committed"]) / stats["verify_forwards"] if stats["verify_forwards"] else None,
-            "lossless": None if sampling else tokens == reference,
-        }
-        divergence = None if sampling else first_divergence(reference, tokens)
-        if divergence is not None:
-            margin = logit_margin(target, input_ids, reference[:divergence])
-            mismatch = {
-                "prompt_index": index,
-                "first_divergence": divergence,
-                "greedy_token": reference[divergence] if divergence < len(reference) else None,
-                "speculative_token": tokens[divergence] if divergence < len(tokens) else None,
-                "logit_margin": margin,
-                "greedy_tokens": len(reference),
-                "speculative_tokens": len(tokens),
-            }
-            mismatches.append(mismatch)
-            logger.warning(
-                "prompt %d: speculative output diverges from greedy at token %d (target logit margin top1-top2 = %.4g; "
-                "a margin near 0 in bf16/fp16 is a numerical near-tie, not a bug)", index, divergence, margin,
-            )
-        if args.baseline == "prompt_lookup":
-            torch.manual_seed(args.seed + index)
-            lookup, lstats = timed("prompt_lookup", lambda: run_prompt_lookup(input_ids, args.max_new_tokens))
-            lookup_stats.append(lstats)
-            lookup_tokens += len(lookup)
-            row["prompt_lookup_lossless"] = None if sampling else lookup == reference
-            lookup_lossless &= sampling or lookup == reference
-        per_prompt.append(row)
-        running = summarize_speculative(spec_stats, block_size)["acceptance_length"]
-        bar.set_postfix(tau=f"{running:.2f}" if running is not None else "n/a")
-    decoder.close()
+            "first_divergence": divergence,
+            "greedy_token": reference[divergence] if divergence < len(reference) else None,
+            "speculative_token": tokens[divergence] if divergence < len(tokens) else None,
+            "logit_margin": margin,
+            "greedy_tokens": len(reference),
+            "speculative_tokens": len(tokens),
+        })
+        logger.warning(
+            "prompt %d: speculative output diverges from greedy at token %d (target logit margin top1-top2 = %.4g; "
+            "a margin near 0 in bf16/fp16 is a numerical near-tie, not a bug)", index, divergence, margin,
+        )
+    if args.baseline == "prompt_lookup":
+        torch.manual_seed(args.seed + index)
+        lookup, lstats = run.timed("prompt_lookup", lambda: run.prompt_lookup(input_ids, args.max_new_tokens))
+        tally.lookup_stats.append(lstats)
+        tally.lookup_tokens += len(lookup)
+        row["prompt_lookup_lossless"] = None if run.sampling else lookup == reference
+        tally.lookup_lossless &= run.sampling or lookup == reference
+    tally.per_prompt.append(row)
 
-    summary = summarize_speculative(spec_stats, block_size)
-    target_tps = target_tokens / seconds["target"]
-    spec_tps = summary["generated_tokens"] / seconds["speculative"]
-    results = {
+
+def speculative_results(run: EvalRun, tally: Tally) -> dict:
+    """tau, acceptance by position, speeds and losslessness of speculative decoding over all prompts."""
+    summary = summarize_speculative(tally.spec_stats, run.block_size)
+    target_tps = tally.target_tokens / run.seconds["target"]
+    spec_tps = summary["generated_tokens"] / run.seconds["speculative"]
+    return {
         "acceptance_length": summary["acceptance_length"],
         "acceptance_rate_by_position": summary["acceptance_rate_by_position"],
         "accepted_drafts_histogram": summary["accepted_drafts_histogram"],
@@ -1079,85 +1173,112 @@ def main(argv: list[str] | None = None) -> dict:
         "speculative_tokens_per_s": spec_tps,
         "speedup": spec_tps / target_tps,
         # Sampling is lossless in distribution only (tests/test_sampling.py measures it), so there is no per-prompt check.
-        "lossless": None if sampling else not mismatches,
-        "mismatches": mismatches,
+        "lossless": None if run.sampling else not tally.mismatches,
+        "mismatches": tally.mismatches,
         "num_prompts": summary["num_prompts"],
         "generated_tokens": summary["generated_tokens"],
         "verify_forwards": summary["verify_forwards"],
         "verify_committed_tokens": summary["verify_committed_tokens"],
-        "target_only_tokens": target_tokens,
-        "seconds": seconds,
+        "target_only_tokens": tally.target_tokens,
+        "seconds": run.seconds,
         "tau_counting": (
             "tau = tokens committed by verify forwards / verify forwards, bonus token included; the prefill forward "
             "and its first token are excluded, so generated_tokens - num_prompts = tau * verify_forwards"
         ),
     }
-    if args.baseline == "prompt_lookup":
-        lookup_forwards = sum(s["verify_forwards"] for s in lookup_stats)
-        lookup_committed = sum(s["committed_after_first"] for s in lookup_stats)
-        lookup_tps = lookup_tokens / seconds["prompt_lookup"]
-        results["baseline"] = {
-            "method": "prompt_lookup",
-            "acceptance_length": lookup_committed / lookup_forwards if lookup_forwards else None,
-            "tokens_per_s": lookup_tps,
-            "speedup": lookup_tps / target_tps,
-            "lossless": None if sampling else lookup_lossless,
-            "generated_tokens": lookup_tokens,
-            "target_forwards": sum(s["target_forwards"] for s in lookup_stats),
-            "verify_forwards": lookup_forwards,
-            "verify_committed_tokens": lookup_committed,
-            "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
-            "max_matching_ngram_size": args.prompt_lookup_max_ngram_size,
-            "tau_counting": (
-                "a forward hook counts the target's forwards F inside generate(); a stopping criterion records the "
-                "sequence length after each (once per forward). transformers' first forward is the prefill and also "
-                "verifies candidates, so it and its tokens are excluded: tau = (len after last - len after first) / (F - 1)"
-            ),
-        }
-    results["per_prompt"] = per_prompt
-    results["settings"] = {
-        **asdict(args),
-        "block_size": block_size,
+
+
+def prompt_lookup_results(run: EvalRun, tally: Tally, target_tps: float) -> dict:
+    """The prompt-lookup baseline's tau, speed and losslessness, counted from transformers' generate()."""
+    lookup_forwards = sum(s["verify_forwards"] for s in tally.lookup_stats)
+    lookup_committed = sum(s["committed_after_first"] for s in tally.lookup_stats)
+    lookup_tps = tally.lookup_tokens / run.seconds["prompt_lookup"]
+    return {
+        "method": "prompt_lookup",
+        "acceptance_length": lookup_committed / lookup_forwards if lookup_forwards else None,
+        "tokens_per_s": lookup_tps,
+        "speedup": lookup_tps / target_tps,
+        "lossless": None if run.sampling else tally.lookup_lossless,
+        "generated_tokens": tally.lookup_tokens,
+        "target_forwards": sum(s["target_forwards"] for s in tally.lookup_stats),
+        "verify_forwards": lookup_forwards,
+        "verify_committed_tokens": lookup_committed,
+        "prompt_lookup_num_tokens": run.args.prompt_lookup_num_tokens,
+        "max_matching_ngram_size": run.args.prompt_lookup_max_ngram_size,
+        "tau_counting": (
+            "a forward hook counts the target's forwards F inside generate(); a stopping criterion records the "
+            "sequence length after each (once per forward). transformers' first forward is the prefill and also "
+            "verifies candidates, so it and its tokens are excluded: tau = (len after last - len after first) / (F - 1)"
+        ),
+    }
+
+
+def run_description(run: EvalRun, plot_path: str) -> dict:
+    """The results' settings, versions and device: what a reader needs to repeat the run."""
+    drafter, device = run.drafter, run.device
+    settings = {
+        **asdict(run.args),
+        "block_size": run.block_size,
         "drafter_block_size": drafter.config.block_size,
         "target_layer_ids": drafter.config.target_layer_ids,
         "mask_token_id": drafter.config.mask_token_id,
-        "eos_token_ids": eos_token_ids,
-        "chat_template_kwargs": chat_template_kwargs,
-        "dtype": str(dtype).replace("torch.", ""),
-        "kv_cache": kv_cache,
-        "cuda_graphs": cuda_graphs,
+        "eos_token_ids": run.eos_token_ids,
+        "chat_template_kwargs": run.chat_template_kwargs,
+        "dtype": str(run.dtype).replace("torch.", ""),
+        "kv_cache": run.kv_cache,
+        "cuda_graphs": run.cuda_graphs,
         "batch_size": 1,
         "plot": plot_path,
     }
-    results["versions"] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
     if device.type == "cuda":
-        results["device"] = f"{device} ({torch.cuda.get_device_name(device)})"
+        where = f"{device} ({torch.cuda.get_device_name(device)})"
     else:
-        results["device"] = f"{device} ({platform.machine()}, {torch.get_num_threads()} threads)"
+        where = f"{device} ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return {"settings": settings, "versions": versions, "device": where}
 
-    # Written to a temp file, then renamed: a crash never leaves a half-written results.json.
+
+def write_results(results: dict, args: EvalArgs, plot_path: str, block_size: int) -> None:
+    """results.json (a temp file, then renamed: a crash never leaves half of one), the plot, the summary line."""
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     tmp = args.output + ".tmp"
     with open(tmp, "w") as f:
         json.dump(results, f, indent=2)
     os.replace(tmp, args.output)
     baseline_tau = results["baseline"]["acceptance_length"] if "baseline" in results else None
-    plot_acceptance(plot_path, summary["acceptance_rate_by_position"], summary["acceptance_length"], baseline_tau,
+    plot_acceptance(plot_path, results["acceptance_rate_by_position"], results["acceptance_length"], baseline_tau,
                     f"{os.path.basename(os.path.normpath(args.draft_model))} on {os.path.basename(args.data)} (B={block_size})")
-
     line = (
-        f"tau {_fmt(results['acceptance_length'])} | speculative {spec_tps:.1f} tok/s vs target {target_tps:.1f} tok/s "
-        f"(speedup {results['speedup']:.2f}x) | lossless {results['lossless']}"
+        f"tau {_fmt(results['acceptance_length'])} | speculative {results['speculative_tokens_per_s']:.1f} tok/s vs target "
+        f"{results['target_tokens_per_s']:.1f} tok/s (speedup {results['speedup']:.2f}x) | lossless {results['lossless']}"
     )
     if "baseline" in results:
         b = results["baseline"]
         line += f" | prompt lookup tau {_fmt(b['acceptance_length'])}, {b['tokens_per_s']:.1f} tok/s ({b['speedup']:.2f}x)"
     print(line)
     print(f"wrote {args.output} and {plot_path}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the evaluation; returns the results dict (also written to --output)."""
+    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(args=argv)
+    chat_template_kwargs = check_args(args)
+    plot_path = args.plot or (args.output[: -len(".json")] if args.output.endswith(".json") else args.output) + "_acceptance.png"
+    run = prepare_run(args, chat_template_kwargs)
+    warm_up(run)
+    tally = Tally()
+    bar = tqdm(run.encoded, desc="Evaluating", unit="prompt")
+    for index, input_ids in enumerate(bar):
+        evaluate_prompt(run, index, input_ids, tally)
+        running = summarize_speculative(tally.spec_stats, run.block_size)["acceptance_length"]
+        bar.set_postfix(tau=f"{running:.2f}" if running is not None else "n/a")
+    run.decoder.close()
+    results = speculative_results(run, tally)
+    if args.baseline == "prompt_lookup":
+        results["baseline"] = prompt_lookup_results(run, tally, results["target_tokens_per_s"])
+    results["per_prompt"] = tally.per_prompt
+    results.update(run_description(run, plot_path))
+    write_results(results, args, plot_path, run.block_size)
     return results
 
 

@@ -229,7 +229,7 @@ class StaticBatchDecoder:
     def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool):
         from transformers import StaticCache
 
-        from dflash_model import CUDAGraphCall
+        from dflash_compile import CUDAGraphCall
         from eval_dflash import _cache_argument, static_cache_problem
 
         problem = static_cache_problem(model)

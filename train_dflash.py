@@ -27,7 +27,8 @@ no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ran
 --target_tp_size of them sharing one copy) and send the features to the node's other ranks, which
 train the drafter under ZeRO-2 on their own process group and never load a target layer; the
 plumbing is in dflash_split.py. The objective is the DFlash paper's (arXiv 2602.06036); the model
-and loss are in dflash_model.py, the target side in dflash_target.py, the data in dflash_data.py.
+and loss are in dflash_model.py (its compile safety in dflash_compile.py), the target side in
+dflash_target.py, the data in dflash_data.py.
 
 Order of work: settings, the target's tokenizer and config, the data (tokenized and checked), and
 only then the target's weights, so a bad setting or data file fails in seconds, not after minutes
@@ -35,9 +36,9 @@ of loading an 8B target.
 """
 
 import argparse
-import contextlib
 import datetime
 import difflib
+import functools
 import hashlib
 import json
 import logging
@@ -99,21 +100,21 @@ from dflash_split import (
     start_liveness,
     strip_target_layers,
 )
+from dflash_compile import flex_compile_stats, setup_compile_cache, warm_up_flex_attention
 from dflash_model import (
     DEFAULT_LOSS_GAMMA,
     DFlashConfig,
     DFlashDraftModel,
     block_labels,
+    create_anchor_block_mask,
     default_loss_gamma,
     dflash_loss,
     estimate_acceptance_length,
-    flex_compile_stats,
     loss_weights,
     sample_anchors,
-    setup_compile_cache,
-    warm_up_flex_attention,
 )
 from dflash_target import (
+    drafter_config_for_target,
     SMOLLM2_PACKAGE,
     TargetFeatureExtractor,
     check_target_fits,
@@ -626,7 +627,7 @@ def setup_logging(rank: int) -> None:
     for handler in list(hub_logger.handlers):
         hub_logger.removeHandler(handler)
     # Every rank reports its own compile-lock waits and compiles: who compiled, who waited.
-    logging.getLogger("dflash_model").setLevel(logging.INFO)
+    logging.getLogger("dflash_compile").setLevel(logging.INFO)
     if rank != 0:
         logging.getLogger("dflash_data").setLevel(logging.ERROR)  # the data warnings once, from rank 0
 
@@ -792,21 +793,101 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
 
 
 # ----------------------------------------------------------------------------------------------
+# The run, phase by phase: settings -> distributed setup -> target and drafter configs -> data ->
+# resume point -> topology (what each rank loads, colocated or split, auto) -> target and drafter ->
+# target ranks serve features, drafter ranks: DeepSpeed -> the loop -> final evaluation, export, push.
+# Each phase is a function of what the earlier ones returned; `main` at the bottom calls them in order.
 
 
-def main(argv: list[str]) -> None:
-    settings, config_path = parse_settings(argv)
-    on_cuda = torch.cuda.is_available()
-    # Rank 0 logs the setup; after the split the lead (first drafter rank) logs training too.
+@dataclass
+class Cluster:
+    """This process's place in the launch (`setup_distributed`)."""
+
+    accelerator: Accelerator
+    rank: int  # global rank
+    world: int  # processes in all
+    device: torch.device
+    nodes: list  # per node, its global ranks (`node_ranks`)
+    liveness: object | None  # heartbeats between ranks (`start_liveness`), None with one process
+
+
+@dataclass(frozen=True)
+class Compute:
+    """How the drafter and the target run, resolved from the settings and the device (`resolve_compute`)."""
+
+    backend: str  # attention of the training forward: "flex" or "sdpa"
+    pad_multiple: int  # sequence lengths are padded to a multiple of this (few shapes to compile)
+    compile_drafter: bool
+    compile_target: bool
+    dtype: torch.dtype  # target and drafter parameters
+    on_cuda: bool
+
+
+@dataclass
+class TrainData:
+    """The tokenized training set and the held-out prompts (`load_data`)."""
+
+    dataset: object  # datasets.Dataset with input_ids, loss_mask, num_tokens
+    lengths: list[int]  # tokens per sample
+    eval_prompts: list | None  # --eval_data, tokenized; None without it
+    chat_kwargs: dict | None  # --chat_template_kwargs
+
+
+@dataclass
+class ResumePoint:
+    """Where training starts (`find_resume_point`): a checkpoint's trainer state, or step 0."""
+
+    path: str | None  # the checkpoint directory, None for a fresh run
+    state: dict  # its trainer_state.json; {} for a fresh run
+
+    @property
+    def global_step(self) -> int:
+        return self.state.get("global_step", 0)
+
+    @property
+    def epoch(self) -> int:
+        return self.state.get("epoch", 0)
+
+    @property
+    def micro_step(self) -> int:
+        return self.state.get("micro_step_in_epoch", 0)
+
+
+@dataclass
+class RankRoles:
+    """What this rank loads, decided before any weight loads (`plan_rank_roles`). layout is None
+    while --target_ranks auto has still to time both sides."""
+
+    layout: object | None  # dflash_split.RankLayout
+    tp_groups: tuple  # (tensor-parallel groups of the node, this rank's group or None)
+    holds_target: bool  # loads the target's layers
+    tp_group: object | None  # the process group its target copy is split over
+    evaluator: bool  # measures held-out tau (the target stays whole here)
+    own_embeddings: bool  # loads the target's embedding and LM head on their own
+    needs_drafter: bool
+
+
+@dataclass
+class TargetParts:
+    """What this rank holds of the target (`load_target_parts`); None where it holds nothing of it."""
+
+    target: torch.nn.Module | None
+    extractor: TargetFeatureExtractor | None
+    embed_tokens: torch.nn.Module | None
+    lm_head: torch.nn.Module | None
+
+
+def setup_distributed(settings: TrainSettings, config_path: str | None) -> Cluster:
+    """Logging, compile caches, the process group, liveness, the seed, nodes and the split's checks."""
     env_rank = int(os.environ.get("RANK", "0"))
-    setup_logging(env_rank)
+    setup_logging(env_rank)  # rank 0 logs the setup; after the split the lead (first drafter rank) logs training too
     # Compile caches and the node-wide compile lock are fixed before anything compiles (README, "Compile safety").
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     setup_compile_cache(
         settings.compile_cache, settings.compile_cache_dir, int(os.environ.get("LOCAL_RANK", "0")),
         compile_threads=settings.compile_threads or max(1, (os.cpu_count() or 1) // ranks_per_node),
     )
-    accelerator = init_distributed(on_cuda)
+    accelerator = init_distributed(torch.cuda.is_available())
     rank, world = accelerator.process_index, accelerator.num_processes
     # Heartbeats from here on: if any rank dies, the others stop with an error instead of hanging.
     liveness = start_liveness(rank, world, settings.liveness_timeout_s)
@@ -823,18 +904,30 @@ def main(argv: list[str]) -> None:
         check_split(int(settings.target_ranks), settings.target_tp_size, len(nodes[0]), len(nodes))
     elif settings.target_tp_size > 1:  # auto picks N among the multiples of --target_tp_size
         check_split(settings.target_tp_size, settings.target_tp_size, len(nodes[0]), len(nodes))
+    return Cluster(accelerator, rank, world, device, nodes, liveness)
+
+
+def resolve_compute(settings: TrainSettings, device: torch.device) -> Compute:
+    """The attention backend, padding, what is compiled and the dtype, from the settings and the device."""
+    on_cuda = torch.cuda.is_available()
     backend = settings.attention_backend
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
-    pad_multiple = settings.pad_to_multiple_of or (128 if backend == "flex" else 8)
-    compile_drafter = settings.compile_drafter == "on" or (settings.compile_drafter == "auto" and backend == "flex")
-    compile_target = settings.compile_target == "on" or (settings.compile_target == "auto" and backend == "flex")
+    return Compute(
+        backend=backend,
+        pad_multiple=settings.pad_to_multiple_of or (128 if backend == "flex" else 8),
+        compile_drafter=settings.compile_drafter == "on" or (settings.compile_drafter == "auto" and backend == "flex"),
+        compile_target=settings.compile_target == "on" or (settings.compile_target == "auto" and backend == "flex"),
+        dtype={"auto": torch.bfloat16 if on_cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype],
+        on_cuda=on_cuda,
+    )
 
-    # ---- the target's tokenizer and config (seconds): everything below is checked before its weights load ----
-    target_config, tokenizer = load_target_config(settings.target_model, gguf_file=settings.target_gguf_file)
+
+def drafter_config_for(settings: TrainSettings, target_config, tokenizer, compute: Compute) -> DFlashConfig:
+    """The drafter's config, sized after the target's (seconds: no weights loaded yet), logged."""
     vocab_rows = target_config.get_text_config().vocab_size  # rows of the target's embedding
     mask_token_id = resolve_mask_token_id(tokenizer, vocab_rows, settings.mask_token_id, settings.mask_token)
-    draft_config = DFlashConfig.from_target_config(
+    draft_config = drafter_config_for_target(
         target_config,
         mask_token_id=mask_token_id,
         num_draft_layers=settings.num_draft_layers,
@@ -851,12 +944,10 @@ def main(argv: list[str]) -> None:
     )
     if settings.sliding_window is not None and "sliding_attention" not in draft_config.layer_types:
         logger.warning("--sliding_window %d has no effect: every drafter layer is full attention (set --layer_types)", settings.sliding_window)
-    gamma = settings.loss_decay_gamma or default_loss_gamma(settings.block_size)
-    weights = loss_weights(settings.block_size, gamma, device=device)
     logger.info(
         "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, backend %s, compiled drafter %s",
         settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
-        draft_config.target_layer_ids, mask_token_id, settings.block_size, backend, compile_drafter,
+        draft_config.target_layer_ids, mask_token_id, settings.block_size, compute.backend, compute.compile_drafter,
     )
     logger.info(
         "Drafter: %d layers %s%s; heads %d / %d KV x %d, MLP %d; target scaling %s",
@@ -866,13 +957,48 @@ def main(argv: list[str]) -> None:
         draft_config.intermediate_size,
         {k: v for k, v in draft_config.dflash_config.items() if k not in ("mask_token_id", "target_layer_ids")} or "none",
     )
+    return draft_config
+
+
+def loss_weights_for(settings: TrainSettings, device: torch.device) -> torch.Tensor:
+    """The per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by block size), logged."""
+    gamma = settings.loss_decay_gamma or default_loss_gamma(settings.block_size)
     logger.info(
         "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s)", gamma,
         "--loss_decay_gamma" if settings.loss_decay_gamma else
         "the paper's value for this block size" if settings.block_size in DEFAULT_LOSS_GAMMA else "(19*B + 62)/52, fitted to the paper's values",
     )
+    return loss_weights(settings.block_size, gamma, device=device)
 
-    # ---- data ----
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """The loss of one micro-batch: anchors, the drafter forward, labels, the weighted CE (`dflash_loss`).
+    Used by the training loop and by the --target_ranks auto calibration."""
+
+    settings: TrainSettings
+    draft_config: DFlashConfig
+    compute: Compute
+    weights: torch.Tensor  # [B-1] float32, `loss_weights_for`
+    lm_head: torch.nn.Module | None  # the target's (frozen); None on a rank that trains nothing
+
+    def __call__(self, model, context_features, input_ids, loss_mask, anchor_key: tuple):
+        """(loss, per-position accuracy [B-1]) of one micro-batch. model: the DeepSpeed engine or the bare
+        drafter; context_features [batch, S, n*hidden], input_ids and loss_mask [batch, S]. Anchors are
+        drawn afresh for every anchor_key = (seed, epoch, micro-step, drafter rank): re-sampled every
+        epoch, reproducible on resume."""
+        settings, config = self.settings, self.draft_config
+        generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
+        anchors, anchor_valid = sample_anchors(loss_mask, settings.num_anchors, generator)
+        hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend)
+        labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
+        return dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
+                           chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
+                           output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping)
+
+
+def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> TrainData:
+    """Tokenize (and check) the training data, each node's first rank first; load the held-out prompts."""
     chat_kwargs = json.loads(settings.chat_template_kwargs) if settings.chat_template_kwargs else None
     train_files = [p if os.path.exists(p) or not (REPO_DIR / p).exists() else str(REPO_DIR / p) for p in settings.train_data]
     with accelerator.local_main_process_first():  # each node's first rank tokenizes and caches; the others load the cache
@@ -881,13 +1007,17 @@ def main(argv: list[str]) -> None:
             num_proc=settings.num_proc, seed=settings.seed, skip_bad_samples=settings.skip_bad_samples,
             max_samples=settings.max_samples, max_dropped_fraction=settings.max_dropped_fraction,
         )
-    lengths = dataset["num_tokens"]
     eval_prompts = None
     if settings.eval_data:
         eval_file = settings.eval_data if os.path.exists(settings.eval_data) else str(REPO_DIR / settings.eval_data)
         eval_prompts = load_prompts(eval_file, tokenizer, num_prompts=settings.eval_num_prompts)
+    return TrainData(dataset, dataset["num_tokens"], eval_prompts, chat_kwargs)
 
-    # ---- resume point (every rank needs it: the target ranks make the batches from there on) ----
+
+def find_resume_point(settings: TrainSettings, accelerator: Accelerator, rank: int) -> ResumePoint:
+    """The checkpoint to resume (every rank needs it: the target ranks make the batches from there on).
+    A fresh run clears an earlier run's checkpoints and log only with --overwrite_output_dir; a
+    resumed run cuts its log back to the checkpoint's step."""
     resume = settings.resume_from_checkpoint
     if resume == "latest":
         found = checkpoint_dirs(settings.output_dir)
@@ -899,7 +1029,7 @@ def main(argv: list[str]) -> None:
         if not (Path(resume) / "trainer_state.json").is_file():
             raise ValueError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (no trainer_state.json)")
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
-    global_step, start_epoch, skip_micro = state.get("global_step", 0), state.get("epoch", 0), state.get("micro_step_in_epoch", 0)
+    point = ResumePoint(resume, state)
     log_file = Path(settings.output_dir) / "train_log.jsonl"
     earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [log_file] if p.is_file()]
     if not resume and earlier_run:
@@ -916,23 +1046,27 @@ def main(argv: list[str]) -> None:
             for path in earlier_run:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     if resume and rank == 0 and log_file.is_file():
-        cut_log(log_file, global_step)  # the rows the interrupted run wrote after the checkpoint come again
+        cut_log(log_file, point.global_step)  # the rows the interrupted run wrote after the checkpoint come again
+    return point
 
-    # ---- the split: fixed, as in the checkpoint being resumed, or timed below (auto) ----
-    # (README, "Target and drafter ranks"). --target_ranks counts per node; target ranks share a copy
-    # of the target in tensor-parallel groups of --target_tp_size ranks (DeepSpeed AutoTP).
-    tp_size = settings.target_tp_size
+
+def plan_rank_roles(settings: TrainSettings, cluster: Cluster, resume: ResumePoint) -> RankRoles:
+    """The split, fixed or as in the checkpoint being resumed (README, "Target and drafter ranks"), and
+    what this rank loads. --target_ranks counts per node; target ranks share a copy of the target in
+    tensor-parallel groups of --target_tp_size ranks (DeepSpeed AutoTP). With auto (and no
+    checkpoint) the layout is left to `time_rank_split`."""
+    tp_size, rank, world = settings.target_tp_size, cluster.rank, cluster.world
     if settings.target_ranks != "auto":
         num_target_ranks = int(settings.target_ranks)
-    elif "target_ranks" in state:
-        num_target_ranks = state["target_ranks"]
+    elif "target_ranks" in resume.state:
+        num_target_ranks = resume.state["target_ranks"]
         logger.info("--target_ranks auto: %d, as in the checkpoint being resumed", num_target_ranks)
     elif world == 1:
         num_target_ranks = 0
     else:
-        num_target_ranks = None  # timed below, once the target is loaded
-    tp_groups = make_tensor_parallel_groups(nodes, tp_size, rank)  # collective; the groups of either split
-    layout = make_rank_layout(num_target_ranks, rank, world, nodes, tp_groups) if num_target_ranks is not None else None
+        num_target_ranks = None  # timed once the target is loaded
+    tp_groups = make_tensor_parallel_groups(cluster.nodes, tp_size, rank)  # collective; the groups of either split
+    layout = make_rank_layout(num_target_ranks, rank, world, cluster.nodes, tp_groups) if num_target_ranks is not None else None
     # What this rank loads. A drafter rank of a fixed split: the target's embedding and LM head
     # alone, never a decoder layer. `auto` times the target where it would run: on every rank with
     # --target_tp_size 1 (drafter ranks drop its layers afterwards), else in every group of the node.
@@ -946,24 +1080,31 @@ def main(argv: list[str]) -> None:
     own_embeddings = (tp_size > 1 and (layout is None or not layout.is_target or evaluator)) or \
         (layout is not None and layout.split and not layout.is_target)
     needs_drafter = layout is None or not layout.is_target or evaluator
+    return RankRoles(layout, tp_groups, holds_target, tp_group, evaluator, own_embeddings, needs_drafter)
 
-    # ---- the target's weights ----
-    dtype = {"auto": torch.bfloat16 if on_cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
-    if tp_size > 1:
+
+def load_target_parts(settings: TrainSettings, target_config, draft_config: DFlashConfig, cluster: Cluster,
+                      roles: RankRoles, compute: Compute) -> TargetParts:
+    """The target's weights this rank needs: the whole target (or its tensor-parallel slice) with a
+    feature extractor, and/or its embedding and LM head alone (a drafter rank of a split)."""
+    settings_tp = settings.target_tp_size
+    vocab_rows = target_config.get_text_config().vocab_size
+    if settings_tp > 1:
         check_deepspeed_tp_init()
-    target = extractor = None
-    embed_tokens = lm_head = None
-    if holds_target:
-        logger.info("%s", check_target_fits(target_config, dtype, device, tp_size=tp_size if tp_group is not None else 1,
-                                            ranks_per_node=len(nodes[0]), colocated=layout is not None and not layout.split))
-        target = load_target_model(settings.target_model, target_config, gguf_file=settings.target_gguf_file, dtype=dtype,
-                                   device=device, random_init=settings.target_random_init, tp_group=tp_group)
+    parts = TargetParts(None, None, None, None)
+    if roles.holds_target:
+        layout = roles.layout
+        logger.info("%s", check_target_fits(target_config, compute.dtype, cluster.device,
+                                            tp_size=settings_tp if roles.tp_group is not None else 1,
+                                            ranks_per_node=len(cluster.nodes[0]), colocated=layout is not None and not layout.split))
+        target = load_target_model(settings.target_model, target_config, gguf_file=settings.target_gguf_file, dtype=compute.dtype,
+                                   device=cluster.device, random_init=settings.target_random_init, tp_group=roles.tp_group)
         if settings.target_random_init:
             logger.warning("--target_random_init: the target has RANDOM weights; the drafter learns nothing useful")
-        if tp_group is not None:
+        if roles.tp_group is not None:
             logger.info("Rank %d holds %d bytes of the target's parameters (%d in all; tensor parallelism over ranks %s)",
-                        rank, parameter_bytes(target), estimate_target_bytes(target_config, dtype)[0],
-                        torch.distributed.get_process_group_ranks(tp_group))
+                        cluster.rank, parameter_bytes(target), estimate_target_bytes(target_config, compute.dtype)[0],
+                        torch.distributed.get_process_group_ranks(roles.tp_group))
         if target.get_input_embeddings().weight.shape[0] != vocab_rows:
             raise ValueError(
                 f"--target_model {settings.target_model}: its embedding has {target.get_input_embeddings().weight.shape[0]} rows "
@@ -972,414 +1113,546 @@ def main(argv: list[str]) -> None:
         check_target_scaling(target, draft_config)
         # Truncating the target after its deepest captured layer frees the later layers, but tau
         # evaluation verifies drafts with the target's logits, so where it runs the target stays whole.
-        extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=not evaluator)
-        embed_tokens, lm_head = extractor.embed_tokens, extractor.lm_head
-    elif tp_size > 1:
+        extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=not roles.evaluator)
+        parts = TargetParts(target, extractor, extractor.embed_tokens, extractor.lm_head)
+    elif settings_tp > 1:
         join_tensor_parallel_init()  # DeepSpeed AutoTP's world broadcast (dflash_split.py)
-    if own_embeddings:  # the drafter needs the whole head; a tensor-parallel target's is split
-        embed_tokens, lm_head = load_target_embeddings(settings.target_model, target_config, gguf_file=settings.target_gguf_file,
-                                                       dtype=dtype, device=device, random_init=settings.target_random_init)
+    if roles.own_embeddings:  # the drafter needs the whole head; a tensor-parallel target's is split
+        parts.embed_tokens, parts.lm_head = load_target_embeddings(
+            settings.target_model, target_config, gguf_file=settings.target_gguf_file, dtype=compute.dtype,
+            device=cluster.device, random_init=settings.target_random_init)
+    return parts
 
-    # ---- drafter, and the loss of one micro-batch (the training loop and the calibration use it) ----
-    drafter = None
-    if needs_drafter:
-        torch.manual_seed(settings.seed)  # the drafter's init must not depend on what this rank loaded before
-        drafter = DFlashDraftModel(draft_config)
-        drafter.attach_target(embed_tokens, lm_head)  # by reference, not registered
-        drafter.compile_layers(compile_drafter)
 
-    def compute_loss(model, context_features, input_ids, loss_mask, anchor_key: tuple):
-        """(loss, per-position accuracy) of one micro-batch (weighted CE, `dflash_loss`). model: the DeepSpeed engine
-        or the bare drafter. Anchors are drawn afresh for every anchor_key = (seed, epoch, micro-step,
-        drafter rank): re-sampled every epoch, reproducible on resume."""
-        generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
-        anchors, anchor_valid = sample_anchors(loss_mask, settings.num_anchors, generator)
-        hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=backend)
-        labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
-        return dflash_loss(hidden[:, :, 1:], lm_head.weight, labels, label_valid, weights, chunk_size=settings.loss_chunk_size,
-                           compiled=compile_drafter, output_multiplier=draft_config.output_multiplier,
-                           final_logit_softcapping=draft_config.final_logit_softcapping)
+def build_drafter(settings: TrainSettings, draft_config: DFlashConfig, parts: TargetParts, compute: Compute) -> DFlashDraftModel:
+    """A freshly initialised drafter (seeded), borrowing the target's embedding and LM head."""
+    torch.manual_seed(settings.seed)  # the drafter's init must not depend on what this rank loaded before
+    drafter = DFlashDraftModel(draft_config)
+    drafter.attach_target(parts.embed_tokens, parts.lm_head)  # by reference, not registered
+    drafter.compile_layers(compute.compile_drafter)
+    return drafter
 
-    # Before the calibration below, so that it times the target as it will run.
-    if extractor is not None and compile_target and extractor.truncated:
+
+def speed_up_target(extractor: TargetFeatureExtractor | None, settings: TrainSettings, compute: Compute) -> None:
+    """Compiled target layers (a truncated target only) and CUDA graphs of its feature forward, as configured."""
+    if extractor is not None and compute.compile_target and extractor.truncated:
         extractor.compile_layers()
     elif settings.compile_target == "on" and extractor is not None:
         logger.warning("--compile_target on: not applied, the target is kept whole for --eval_data on this rank")
-    if settings.target_cuda_graphs and on_cuda and extractor is not None:
+    if settings.target_cuda_graphs and compute.on_cuda and extractor is not None:
         extractor.use_cuda_graphs()
 
-    # ---- auto: time both sides on a few batches, pick N ----
-    if layout is None:
-        # Every rank that holds the target times its forward (a tensor-parallel group as one) and a
-        # drafter step (forward + backward, no update) on its own first micro-batches; the sums
-        # over all ranks give every rank the same N. Parameters in the compute dtype; the RoPE
-        # table stays fp32, as DeepSpeed leaves buffers later.
-        for child in drafter.children():
-            child.to(device=device, dtype=None if child is drafter.rotary_emb else dtype)
-        copies = tp_groups[0]  # one target copy per group (per rank when tp_size is 1)
-        copy = next((i for i, g in enumerate(copies) if rank in g), None) if holds_target else None
-        batches = []
-        if copy is not None:
-            own = [ids for ids in epoch_batches(lengths, settings, 0, len(copies))[copy::len(copies)] if ids is not None]
-            batches = [collate_batch(dataset.select(ids), tokenizer.pad_token_id, pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
 
-        def run_target(batch):
-            return extractor(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+def to_compute_dtype(drafter: DFlashDraftModel, device: torch.device, dtype: torch.dtype) -> None:
+    """Parameters in the compute dtype; the RoPE table stays fp32, as DeepSpeed leaves buffers."""
+    for child in drafter.children():
+        child.to(device=device, dtype=None if child is drafter.rotary_emb else dtype)
 
-        def run_drafter(batch, features):
-            loss, _ = compute_loss(drafter, features, batch["input_ids"].to(device), batch["loss_mask"].to(device), (settings.seed, -1, rank))
-            loss.backward()
-            drafter.zero_grad(set_to_none=True)
 
-        totals = measure_rates(batches, run_target, run_drafter, device).to(device)
-        torch.distributed.all_reduce(totals)
-        target_s, drafter_s, samples, tokens = totals.tolist()
-        num_target_ranks, reasons = choose_target_ranks(samples / target_s, samples / drafter_s, len(nodes[0]), tp_size)
-        logger.info("--target_ranks auto over %d ranks%s%s (%d batches timed per target copy, %.0f tokens/sample):\n  %s\n=> --target_ranks %d",
-                    len(nodes[0]), f" per node ({len(nodes)} nodes)" if len(nodes) > 1 else "",
-                    f", tensor-parallel groups of {tp_size}" if tp_size > 1 else "", CALIBRATION_BATCHES, tokens / samples,
-                    "\n  ".join(reasons), num_target_ranks)
-        layout = make_rank_layout(num_target_ranks, rank, world, nodes, tp_groups)
-    drafters = layout.dp_world
+def time_rank_split(settings: TrainSettings, cluster: Cluster, roles: RankRoles, data: TrainData, tokenizer,
+                    parts: TargetParts, drafter: DFlashDraftModel, loss_fn: MicroBatchLoss, compute: Compute):
+    """--target_ranks auto: every rank that holds the target times its forward (a tensor-parallel group
+    as one) and a drafter step (forward + backward, no update) on its own first micro-batches; the
+    sums over all ranks give every rank the same N. Returns the rank layout."""
+    rank, device, nodes, tp_size = cluster.rank, cluster.device, cluster.nodes, settings.target_tp_size
+    to_compute_dtype(drafter, device, compute.dtype)
+    copies = roles.tp_groups[0]  # one target copy per group (per rank when tp_size is 1)
+    copy = next((i for i, g in enumerate(copies) if rank in g), None) if roles.holds_target else None
+    batches = []
+    if copy is not None:
+        own = [ids for ids in epoch_batches(data.lengths, settings, 0, len(copies))[copy::len(copies)] if ids is not None]
+        batches = [collate_batch(data.dataset.select(ids), tokenizer.pad_token_id, compute.pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
+
+    def run_target(batch):
+        return parts.extractor(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+
+    def run_drafter(batch, features):
+        loss, _ = loss_fn(drafter, features, batch["input_ids"].to(device), batch["loss_mask"].to(device), (settings.seed, -1, rank))
+        loss.backward()
+        drafter.zero_grad(set_to_none=True)
+
+    totals = measure_rates(batches, run_target, run_drafter, device).to(device)
+    torch.distributed.all_reduce(totals)
+    target_s, drafter_s, samples, tokens = totals.tolist()
+    num_target_ranks, reasons = choose_target_ranks(samples / target_s, samples / drafter_s, len(nodes[0]), tp_size)
+    logger.info("--target_ranks auto over %d ranks%s%s (%d batches timed per target copy, %.0f tokens/sample):\n  %s\n=> --target_ranks %d",
+                len(nodes[0]), f" per node ({len(nodes)} nodes)" if len(nodes) > 1 else "",
+                f", tensor-parallel groups of {tp_size}" if tp_size > 1 else "", CALIBRATION_BATCHES, tokens / samples,
+                "\n  ".join(reasons), num_target_ranks)
+    return make_rank_layout(num_target_ranks, rank, cluster.world, nodes, roles.tp_groups)
+
+
+def settle_split(layout, settings: TrainSettings, draft_config: DFlashConfig, parts: TargetParts, drafter,
+                 compute: Compute, rank: int) -> None:
+    """Once the layout is known: the lead logs training; in split mode a target rank that auto kept
+    whole is truncated, and a drafter rank drops every target layer it timed; a drafter rank logs
+    what it holds."""
     if layout.is_lead:
         logging.getLogger().setLevel(logging.INFO)
     if layout.split:
         check_deepspeed_save_barriers()
         logger.info("Split mode: %s", layout.describe())
-        if layout.is_target and not layout.is_evaluator and not extractor.truncated:  # auto kept it whole while timing
-            extractor.remove_hooks()
-            extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=True)
-            if compile_target:
-                extractor.compile_layers()
-            if settings.target_cuda_graphs and on_cuda:
-                extractor.use_cuda_graphs()
-        elif not layout.is_target and target is not None:  # auto: this drafter rank timed the target; it keeps none of it
-            extractor.remove_hooks()
-            extractor = None
-            if tp_size == 1:
-                strip_target_layers(target)  # the embedding and LM head it borrows stay
+        if layout.is_target and not layout.is_evaluator and not parts.extractor.truncated:  # auto kept it whole while timing
+            parts.extractor.remove_hooks()
+            parts.extractor = TargetFeatureExtractor(parts.target, draft_config.target_layer_ids, truncate=True)
+            if compute.compile_target:
+                parts.extractor.compile_layers()
+            if settings.target_cuda_graphs and compute.on_cuda:
+                parts.extractor.use_cuda_graphs()
+        elif not layout.is_target and parts.target is not None:  # auto: this drafter rank timed the target; it keeps none of it
+            parts.extractor.remove_hooks()
+            parts.extractor = None
+            if settings.target_tp_size == 1:
+                strip_target_layers(parts.target)  # the embedding and LM head it borrows stay
             else:
-                target = None
-            if on_cuda:
+                parts.target = None
+            if compute.on_cuda:
                 torch.cuda.empty_cache()
     if layout.split and not layout.is_target:
-        held = parameter_bytes(*[m for m in (target, embed_tokens, lm_head, drafter) if m is not None])
+        embed_tokens, lm_head = parts.embed_tokens, parts.lm_head
+        held = parameter_bytes(*[m for m in (parts.target, embed_tokens, lm_head, drafter) if m is not None])
         tied = lm_head.weight is embed_tokens.weight
         logger.info(
             "Rank %d holds %.1f MiB (%d bytes) of parameters: the target's embedding %d bytes, its LM head %d bytes%s, "
             "the drafter %d bytes; %s",
             rank, held / 2**20, held, parameter_bytes(embed_tokens), 0 if tied else parameter_bytes(lm_head),
             " (tied to the embedding)" if tied else "", parameter_bytes(drafter),
-            "no target decoder layer" if target is None else "the target without its decoder layers (timed by --target_ranks auto)",
+            "no target decoder layer" if parts.target is None else "the target without its decoder layers (timed by --target_ranks auto)",
         )
 
-    micro_steps_per_epoch = len(epoch_batches(lengths, settings, 0, drafters)) // drafters
+
+@dataclass(frozen=True)
+class Schedule:
+    """How many steps the run takes and which micro-batches are left (`make_schedule`)."""
+
+    total_steps: int  # optimizer steps of the whole run
+    steps_per_epoch: int
+    num_epochs: int
+    micro_steps_left: int  # per drafter rank, from the resume point
+
+    def plan(self, data: TrainData, settings: TrainSettings, resume: ResumePoint, drafters: int):
+        """The micro-steps still to train (`train_plan`), the same on every rank."""
+        return train_plan(data.lengths, settings, resume.epoch, resume.micro_step, self.micro_steps_left, drafters)
+
+
+def make_schedule(settings: TrainSettings, data: TrainData, resume: ResumePoint, drafters: int) -> Schedule:
+    """Steps per epoch and in all (--max_steps or --num_train_epochs); a checkpoint resumes only with
+    the number of drafter ranks that wrote it."""
+    micro_steps_per_epoch = len(epoch_batches(data.lengths, settings, 0, drafters)) // drafters
     steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps
     total_steps = settings.max_steps if settings.max_steps > 0 else steps_per_epoch * settings.num_train_epochs
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
-    if state.get("drafter_ranks", drafters) != drafters:
+    if resume.state.get("drafter_ranks", drafters) != drafters:
         raise ValueError(
-            f"--resume_from_checkpoint {resume} was written by {state['drafter_ranks']} drafter ranks, this run has "
-            f"{drafters}: resume with the same number of processes and --target_ranks {state.get('target_ranks', 0)}"
+            f"--resume_from_checkpoint {resume.path} was written by {resume.state['drafter_ranks']} drafter ranks, this run has "
+            f"{drafters}: resume with the same number of processes and --target_ranks {resume.state.get('target_ranks', 0)}"
         )
-    micro_steps_left = max(0, total_steps - global_step) * settings.gradient_accumulation_steps
+    micro_steps_left = max(0, total_steps - resume.global_step) * settings.gradient_accumulation_steps
+    return Schedule(total_steps, steps_per_epoch, math.ceil(total_steps / steps_per_epoch), micro_steps_left)
 
-    def plan():
-        return train_plan(lengths, settings, start_epoch, skip_micro, micro_steps_left, drafters)
 
-    # ---- target ranks: context features for the drafter ranks, and nothing else ----
-    if layout.is_target:
-        evaluate = None
-        if layout.is_evaluator and eval_prompts:
-            # Held-out tau for the lead, here where the target already is (dflash_split.py, "Held-out evaluation").
-            for child in drafter.children():
-                child.to(device=device, dtype=None if child is drafter.rotary_emb else dtype)
-            # A tensor-parallel target: a growing KV cache and no CUDA graphs (a static cache sizes its
-            # heads from the config, and each rank holds a slice of them).
-            kv_cache, graphs = ("dynamic", "off") if layout.tp_size > 1 else ("auto", "auto")
+def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
+                      device: torch.device) -> None:
+    """Split mode, on the first target group: receive the lead's drafter weights, measure held-out tau
+    with the target that is already here, send (tau, tokens/s) back (dflash_split.py, "Held-out evaluation")."""
+    broadcast_drafter_weights(drafter, layout.eval_group, src=layout.drafter_ranks[0])
+    debug_log(layout.rank, {"eval_weights_sha256": weights_digest(drafter)})
+    # A tensor-parallel target: a growing KV cache and no CUDA graphs (a static cache sizes its
+    # heads from the config, and each rank holds a slice of them).
+    kv_cache, graphs = ("dynamic", "off") if layout.tp_size > 1 else ("auto", "auto")
+    result = evaluate_acceptance(target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens,
+                                 chat_template_kwargs=data.chat_kwargs, kv_cache=kv_cache, cuda_graphs=graphs)
+    values = [result["acceptance_length"], result["speculative_tokens_per_s"]] if layout.is_sender else None
+    broadcast_scalars(values, 2, layout.eval_group, layout.target_groups[0][0], device)
 
-            def evaluate_for_lead():
-                broadcast_drafter_weights(drafter, layout.eval_group, src=layout.drafter_ranks[0])
-                debug_log(rank, {"eval_weights_sha256": weights_digest(drafter)})
-                result = evaluate_acceptance(target, drafter, tokenizer, eval_prompts, settings.eval_max_new_tokens,
-                                             chat_template_kwargs=chat_kwargs, kv_cache=kv_cache, cuda_graphs=graphs)
-                values = [result["acceptance_length"], result["speculative_tokens_per_s"]] if layout.is_sender else None
-                broadcast_scalars(values, 2, layout.eval_group, layout.target_groups[0][0], device)
 
-            evaluate = evaluate_for_lead
-        else:
-            del drafter
-            embed_tokens = lm_head = None  # a tensor-parallel group's own copies (--target_ranks auto): unused here
-        serve_context_features(plan(), dataset, tokenizer, extractor, layout, settings, device, pad_multiple, global_step, evaluate)
-        if liveness:
-            liveness.finish()
-        accelerator.end_training()
-        return
+def run_target_rank(settings: TrainSettings, cluster: Cluster, compute: Compute, data: TrainData, tokenizer, layout,
+                    parts: TargetParts, drafter: DFlashDraftModel | None, plan, resume: ResumePoint) -> None:
+    """A target rank's whole run (split mode): context features for the drafter ranks, and, with a
+    drafter (the evaluating group, with --eval_data), the lead's held-out evaluations."""
+    evaluate = None
+    if drafter is not None:
+        to_compute_dtype(drafter, cluster.device, compute.dtype)
+        evaluate = functools.partial(evaluate_for_lead, drafter, parts.target, tokenizer, data, settings, layout, cluster.device)
+    serve_context_features(plan, data.dataset, tokenizer, parts.extractor, layout, settings, cluster.device,
+                           compute.pad_multiple, resume.global_step, evaluate)
 
-    # ---- DeepSpeed ZeRO-2 over the drafter group ----
+
+def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, schedule: Schedule, compute: Compute,
+                    resume: ResumePoint):
+    """AdamW with a cosine schedule under DeepSpeed ZeRO-2 over the drafter group; the resumed
+    checkpoint's state and this rank's RNG. Returns (engine, scheduler)."""
+    total_steps = schedule.total_steps
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(settings.warmup_ratio * total_steps), total_steps)
-    ds_config = resolve_deepspeed_config(settings, drafters, bf16=dtype == torch.bfloat16, split=layout.split)
+    ds_config = resolve_deepspeed_config(settings, layout.dp_world, bf16=compute.dtype == torch.bfloat16, split=layout.split)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=DrafterGroupMPU(layout)
     )
-    drafter = engine.module
-    is_lead, dp_rank = layout.is_lead, layout.dp_rank
-
-    def drafter_barrier():
-        torch.distributed.barrier(group=layout.drafter_group)
-
-    # ---- resume ----
-    if resume:
-        engine.load_checkpoint(resume, tag="deepspeed")
-        rng_file = Path(resume) / f"rng_state_{dp_rank}.pt"
+    if resume.path:
+        engine.load_checkpoint(resume.path, tag="deepspeed")
+        rng_file = Path(resume.path) / f"rng_state_{layout.dp_rank}.pt"
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)
             random.setstate(rng["python"])
             torch.set_rng_state(rng["torch"])
-        logger.info("Resumed from %s at step %d (epoch %d, micro-step %d)", resume, global_step, start_epoch, skip_micro)
+        logger.info("Resumed from %s at step %d (epoch %d, micro-step %d)", resume.path, resume.global_step, resume.epoch,
+                    resume.micro_step)
+    return engine, scheduler
 
-    def save_checkpoint(epoch: int, micro_step_in_epoch: int) -> None:
-        """All drafter ranks write their DeepSpeed shards into a temp dir; the lead renames it into
-        place. In split mode the target ranks join DeepSpeed's world barriers (join_deepspeed_save)."""
-        final_dir = Path(settings.output_dir) / f"checkpoint-{global_step}"
-        tmp_dir = final_dir.with_name(f".tmp-{final_dir.name}")
-        if is_lead:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        drafter_barrier()
-        engine.save_checkpoint(str(tmp_dir), tag="deepspeed")
-        torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp_dir / f"rng_state_{dp_rank}.pt")
-        drafter_barrier()
-        if is_lead:
-            state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch,
-                     "target_ranks": layout.target_ranks_per_node, "drafter_ranks": drafters}
-            (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
-            (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
-            shutil.rmtree(final_dir, ignore_errors=True)
-            os.replace(tmp_dir, final_dir)
-            if settings.save_total_limit:
-                for old in checkpoint_dirs(settings.output_dir)[: -settings.save_total_limit]:
-                    shutil.rmtree(old, ignore_errors=True)
-            logger.info("Saved %s", final_dir)
-        drafter_barrier()
 
-    def evaluate_tau() -> dict:
-        """tau on the held-out prompts, for the lead (the other drafter ranks wait at the next barrier):
-        colocated on the lead itself, in split mode on the first target group, which receives the weights."""
-        if layout.split:
-            broadcast_drafter_weights(drafter, layout.eval_group, src=rank)
-            tau, tokens_per_s = broadcast_scalars(None, 2, layout.eval_group, layout.target_groups[0][0], device)
-            return {"eval_tau": tau, "eval_tokens_per_s": tokens_per_s}
-        result = evaluate_acceptance(
-            target, drafter, tokenizer, eval_prompts, settings.eval_max_new_tokens, chat_template_kwargs=chat_kwargs
-        )
-        return {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
-
-    # ---- compile (flex): the first batch's shape, in the main thread, under the compile lock,
-    # before the feature receiver thread starts (README, "Compile safety") ----
-    if backend == "flex" and not compile_drafter:  # compiled layers trace flex into their own (locked) compiles
-        first_batch = epoch_batches(lengths, settings, start_epoch, drafters)[dp_rank] or [0]
-        seconds = warm_up_flex_attention(
-            device, batch=len(first_batch), heads=draft_config.num_attention_heads,
-            kv_heads=draft_config.num_key_value_heads, head_dim=draft_config.head_dim,
-            context_len=-(-max(lengths[i] for i in first_batch) // pad_multiple) * pad_multiple,
-            num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=engine.module.fc.weight.dtype,
-            rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),
-        )
-        logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
-
-    # ---- feature supply: the target ranks (split), or this rank's own target forward (colocated) ----
-    receiver = None
-    if layout.split:
-        first_step, accumulation = global_step, settings.gradient_accumulation_steps  # read now: the thread runs later
-
-        def schedule():  # (source target rank, epoch, global index) of each micro-batch this rank trains
-            for micro_done, (epoch, micro_step, _) in enumerate(plan(), start=1):
-                index = micro_step * drafters + dp_rank
-                yield layout.source_of(index), epoch, index
-                if micro_done % accumulation == 0 and is_save_step(first_step + micro_done // accumulation, settings):
-                    yield None  # a checkpoint is saved here: pause receiving until save_checkpoint is done
-
-        receiver = FeatureReceiver(
-            layout.transport_group, layout.senders_of(rank), device, settings.prefetch_batches, schedule(),
-            feature_dim=len(draft_config.target_layer_ids) * draft_config.hidden_size, dtype=dtype,
-        )
-    target_time = Stopwatch(device)  # colocated: this rank's target forwards
-
-    # ---- loop ----
-    if is_lead:
-        os.makedirs(settings.output_dir, exist_ok=True)
-    # Trackers take flat scalars; lists and None become strings.
-    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(settings).items()}
-    trackers = start_trackers(settings, hparams) if is_lead else []
-    logger.info(
-        "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
-        len(dataset), world, drafters, total_steps, steps_per_epoch, num_epochs, settings.num_anchors, settings.block_size,
+def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: TrainData, layout, resume: ResumePoint,
+                 compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
+    """Compile flex for the first batch's shape, in the main thread, under the compile lock, before
+    the feature receiver thread starts (README, "Compile safety"). Compiled drafter layers trace flex
+    into their own (locked) compiles, so then nothing is done here."""
+    if compute.backend != "flex" or compute.compile_drafter:
+        return
+    first_batch = epoch_batches(data.lengths, settings, resume.epoch, layout.dp_world)[layout.dp_rank] or [0]
+    seconds = warm_up_flex_attention(
+        device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads,
+        kv_heads=draft_config.num_key_value_heads, head_dim=draft_config.head_dim,
+        context_len=-(-max(data.lengths[i] for i in first_batch) // compute.pad_multiple) * compute.pad_multiple,
+        num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=dtype,
+        rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),
     )
-    bar = tqdm(total=total_steps, initial=global_step, disable=not is_lead, desc="train", dynamic_ncols=True)
-    log_through_bar = contextlib.ExitStack()  # log lines above the bar while it runs, not glued onto it
-    log_through_bar.enter_context(logging_redirect_tqdm())
-    eval_tau = None  # the latest held-out tau (the lead's), for the model card
+    logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
 
-    def new_window() -> dict:  # sums since the last log line; loss and accuracy over real micro-batches only
-        return {"loss": torch.zeros((), device=device), "acc": torch.zeros(settings.block_size - 1, device=device),
-                "micro": 0, "real": 0, "tokens": 0, "samples": 0, "start": time.perf_counter(),
-                "wait_s": receiver.wait_s if receiver else 0.0, "target_s": target_time.seconds()}
 
-    def collate_own(step):
+class FeatureSupply:
+    """Where a drafter rank's micro-batches and context features come from: the target ranks over
+    the network (split; `FeatureReceiver`), or this rank's own target forward (colocated), with the
+    time each side took, for the rates in the log."""
+
+    def __init__(self, settings: TrainSettings, layout, draft_config: DFlashConfig, data: TrainData, tokenizer,
+                 extractor, compute: Compute, device: torch.device, schedule: "Schedule", resume: "ResumePoint"):
+        self.settings, self.layout, self.data, self.tokenizer = settings, layout, data, tokenizer
+        self.extractor, self.compute, self.device = extractor, compute, device
+        self.receiver = None
+        if layout.split:
+            self.receiver = FeatureReceiver(
+                layout.transport_group, layout.senders_of(layout.rank), device, settings.prefetch_batches,
+                self._schedule(schedule.plan(data, settings, resume, layout.dp_world), resume.global_step), feature_dim=len(draft_config.target_layer_ids) * draft_config.hidden_size,
+                dtype=compute.dtype,
+            )
+        self.target_time = Stopwatch(device)  # colocated: this rank's target forwards
+        # Colocated: the next micro-batches are collated in a worker thread while this one trains.
+        plan = schedule.plan(data, settings, resume, layout.dp_world)
+        self.steps = plan if self.receiver is not None else prefetch(plan, self._collate_own, depth=settings.prefetch_batches)
+
+    def _schedule(self, plan, first_step: int):
+        """(source target rank, epoch, global index) of each micro-batch this rank trains; None where
+        a checkpoint is saved (receiving pauses until the save is done)."""
+        layout, accumulation = self.layout, self.settings.gradient_accumulation_steps
+        for micro_done, (epoch, micro_step, _) in enumerate(plan, start=1):
+            index = micro_step * layout.dp_world + layout.dp_rank
+            yield layout.source_of(index), epoch, index
+            if micro_done % accumulation == 0 and is_save_step(first_step + micro_done // accumulation, self.settings):
+                yield None
+
+    def _collate_own(self, step):
         """Colocated: this rank's micro-batch of `step`, collated and pinned in a worker thread while
         the GPU trains the previous one. With flex a short last batch is filled up with rows that
         train nothing, so that it compiles no new shape."""
-        indices = step[2][dp_rank][0]
-        batch = collate_batch(dataset.select(indices), tokenizer.pad_token_id, pad_multiple,
-                              rows=settings.per_device_batch_size if backend == "flex" else None)
-        return {k: v.pin_memory() for k, v in batch.items()} if on_cuda else batch
+        indices = step[2][self.layout.dp_rank][0]
+        batch = collate_batch(self.data.dataset.select(indices), self.tokenizer.pad_token_id, self.compute.pad_multiple,
+                              rows=self.settings.per_device_batch_size if self.compute.backend == "flex" else None)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.compute.on_cuda else batch
 
-    steps = plan() if receiver is not None else prefetch(plan(), collate_own, depth=settings.prefetch_batches)
-    window, profiler, loop_start = new_window(), None, time.perf_counter()
+    def next(self, collated: list, indices: list[int], trains: bool):
+        """(input_ids [batch, S], loss_mask [batch, S], context_features [batch, S, n*hidden], tokens) of
+        this rank's next micro-batch, on the device. A filler step (trains False) has no loss mask."""
+        if self.receiver is not None:
+            item = self.receiver.get()
+            return item["input_ids"], item["loss_mask"], item["context_features"], item["num_tokens"]
+        batch, device = collated[0], self.device
+        input_ids = batch["input_ids"].to(device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+        if not trains:
+            loss_mask = torch.zeros_like(loss_mask)  # filler step: no anchor, zero loss, same collectives
+        with self.target_time.time():
+            context_features = self.extractor(input_ids, batch["attention_mask"].to(device, non_blocking=True))  # [batch, S, n*hidden]
+        return input_ids, loss_mask, context_features, sum(self.data.lengths[i] for i in indices)
+
+    def wait_s(self) -> float:
+        """Seconds this rank has waited for features from the target ranks (0 colocated)."""
+        return self.receiver.wait_s if self.receiver else 0.0
+
+
+@dataclass
+class Progress:
+    """The loop's small state, passed along: the step, the epoch, the current log window's sums,
+    the latest held-out tau, the trackers and the progress bar."""
+
+    global_step: int
+    trackers: list
+    bar: object  # tqdm
+    loop_start: float = field(default_factory=time.perf_counter)
+    epoch: int = 0
+    eval_tau: float | None = None  # the latest held-out tau (the lead's), for the model card
+    window: dict = field(default_factory=dict)  # sums since the last log line (`new_window`)
+
+    def new_window(self, supply: FeatureSupply, block_size: int, device: torch.device) -> None:
+        """Start the sums of a log window; loss and accuracy count real micro-batches only."""
+        self.window = {"loss": torch.zeros((), device=device), "acc": torch.zeros(block_size - 1, device=device),
+                       "micro": 0, "real": 0, "tokens": 0, "samples": 0, "start": time.perf_counter(),
+                       "wait_s": supply.wait_s(), "target_s": supply.target_time.seconds()}
+
+    def add(self, loss: torch.Tensor, accuracy: torch.Tensor, trains: bool, num_tokens: int, num_samples: int) -> None:
+        """One micro-batch into the window; a filler counts as a micro-batch, nothing else."""
+        if trains:
+            self.window["loss"] += loss.detach()  # on the device: no host sync per micro-batch
+            self.window["acc"] += torch.nan_to_num(accuracy)
+            self.window["real"] += 1
+            self.window["tokens"] += num_tokens
+            self.window["samples"] += num_samples
+        self.window["micro"] += 1
+
+    def record(self, scalars: dict, output_dir: str, with_step: bool = True) -> None:
+        """Scalars to the trackers and, on the lead, a line of train_log.jsonl."""
+        for tracker in self.trackers:
+            tracker.log(scalars, step=self.global_step)
+        with open(Path(output_dir) / "train_log.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.global_step, **scalars} if with_step else scalars) + "\n")
+
+
+def window_scalars(progress: Progress, supply: FeatureSupply, settings: TrainSettings, layout, scheduler,
+                   compute: Compute, device: torch.device) -> dict:
+    """The log line of the window just ended, summed over the drafter ranks (a collective: every
+    drafter rank calls it at the same step): loss, accuracy, tau estimate, rates of both sides."""
+    window, drafters = progress.window, layout.dp_world
+    elapsed = time.perf_counter() - window["start"]
+    waited = supply.wait_s() - window["wait_s"]
+    target_s = supply.target_time.seconds() - window["target_s"]
+    drafter_s = max(elapsed - waited - target_s, 1e-9)  # this rank's time in drafter steps
+    stats = torch.tensor(
+        [window["loss"].item(), window["micro"], window["tokens"], window["samples"], waited,
+         window["samples"] / drafter_s, window["samples"] / max(target_s, 1e-9), window["real"]],
+        device=device, dtype=torch.float64,
+    )
+    acc = window["acc"].double()
+    torch.distributed.all_reduce(stats, group=layout.drafter_group)
+    torch.distributed.all_reduce(acc, group=layout.drafter_group)
+    acc = (acc / stats[7]).float()
+    steps = stats[1].item() / drafters / settings.gradient_accumulation_steps
+    scalars = {
+        "loss": (stats[0] / stats[7]).item(),
+        "acc_first": acc[0].item(),
+        "tau_estimate": estimate_acceptance_length(acc),
+        "tokens_per_s": stats[2].item() / elapsed,
+        "samples_per_s": stats[3].item() / elapsed,  # end to end
+        "step_time_s": elapsed / steps,
+        "drafter_samples_per_s": stats[5].item(),  # demand: what the drafter ranks would take without waiting
+        "lr": scheduler.get_last_lr()[0],
+        "epoch": progress.epoch,
+        "elapsed_s": time.perf_counter() - progress.loop_start,  # wall time of the loop so far (compiles and evaluations included)
+    }
+    if supply.receiver is None:
+        scalars["target_samples_per_s"] = stats[6].item()  # supply if the ranks only ran the target
+    else:
+        # The target ranks' running counters, as last seen in the headers on any drafter rank.
+        counters = supply.receiver.supply_counters().to(device)  # [target ranks, (busy_us, idle_us, samples, tokens)]
+        torch.distributed.all_reduce(counters, op=torch.distributed.ReduceOp.MAX, group=layout.drafter_group)
+        # Since the start, not per window: headers run ahead of training by the prefetch depth,
+        # and a target rank waiting at a checkpoint sends nothing new for a while.
+        busy_s, idle_s = counters[:, 0].cpu() / 1e6, counters[:, 1].cpu() / 1e6
+        scalars["target_samples_per_s"] = (counters[:, 2].cpu() / busy_s.clamp(min=1e-9)).sum().item()  # supply
+        scalars["target_tokens_per_s"] = (counters[:, 3].cpu() / busy_s.clamp(min=1e-9)).sum().item()
+        scalars["target_idle_frac"] = (idle_s / (busy_s + idle_s).clamp(min=1e-9)).mean().item()
+        scalars["drafter_wait_s"] = stats[4].item() / drafters / steps  # per optimizer step
+    if compute.backend == "flex":
+        scalars["flex_compiles"] = flex_compile_stats()["compiles"]
+    if device.type == "cuda":
+        scalars["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return scalars
+
+
+def save_checkpoint(engine, settings: TrainSettings, layout, global_step: int, epoch: int, micro_step_in_epoch: int) -> None:
+    """All drafter ranks write their DeepSpeed shards into a temp dir; the lead renames it into
+    place. In split mode the target ranks join DeepSpeed's world barriers (join_deepspeed_save)."""
+    final_dir = Path(settings.output_dir) / f"checkpoint-{global_step}"
+    tmp_dir = final_dir.with_name(f".tmp-{final_dir.name}")
+    if layout.is_lead:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    torch.distributed.barrier(group=layout.drafter_group)
+    engine.save_checkpoint(str(tmp_dir), tag="deepspeed")
+    torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp_dir / f"rng_state_{layout.dp_rank}.pt")
+    torch.distributed.barrier(group=layout.drafter_group)
+    if layout.is_lead:
+        state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch,
+                 "target_ranks": layout.target_ranks_per_node, "drafter_ranks": layout.dp_world}
+        (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
+        (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp_dir, final_dir)
+        if settings.save_total_limit:
+            for old in checkpoint_dirs(settings.output_dir)[: -settings.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+        logger.info("Saved %s", final_dir)
+    torch.distributed.barrier(group=layout.drafter_group)
+
+
+def evaluate_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
+                 device: torch.device) -> dict:
+    """tau on the held-out prompts, for the lead (the other drafter ranks wait at the next barrier):
+    colocated on the lead itself, in split mode on the first target group, which receives the weights."""
+    if layout.split:
+        broadcast_drafter_weights(drafter, layout.eval_group, src=layout.rank)
+        tau, tokens_per_s = broadcast_scalars(None, 2, layout.eval_group, layout.target_groups[0][0], device)
+        return {"eval_tau": tau, "eval_tokens_per_s": tokens_per_s}
+    result = evaluate_acceptance(
+        target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens, chat_template_kwargs=data.chat_kwargs
+    )
+    return {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
+
+
+def log_eval(progress: Progress, evaluate, settings: TrainSettings) -> None:
+    """Held-out tau now (the lead), into the trackers and train_log.jsonl."""
+    scalars = {"step": progress.global_step, **evaluate(), "elapsed_s": time.perf_counter() - progress.loop_start}
+    progress.eval_tau = scalars["eval_tau"]
+    progress.record(scalars, settings.output_dir, with_step=False)
+
+
+def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply, progress: Progress, evaluate,
+               settings: TrainSettings, layout, schedule: Schedule, compute: Compute, device: torch.device) -> None:
+    """The drafter ranks' loop: a micro-batch's features, its loss, backward; at each optimizer step
+    the log line, the checkpoint and the held-out evaluation when they are due."""
+    dp_rank, drafters = layout.dp_rank, layout.dp_world
     micro_batches_per_step = drafters * settings.gradient_accumulation_steps
-    for epoch, micro_step, batches, *collated in steps:
+    progress.new_window(supply, settings.block_size, device)
+    progress.loop_start, profiler = time.perf_counter(), None
+    for epoch, micro_step, batches, *collated in supply.steps:
         indices, trains = batches[dp_rank]
-        if receiver is not None:
-            item = receiver.get()
-            input_ids, loss_mask, context_features = item["input_ids"], item["loss_mask"], item["context_features"]
-            num_tokens = item["num_tokens"]
-        else:
-            batch = collated[0]
-            input_ids = batch["input_ids"].to(device, non_blocking=True)
-            loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-            if not trains:
-                loss_mask = torch.zeros_like(loss_mask)  # filler step: no anchor, zero loss, same collectives
-            with target_time.time():
-                context_features = extractor(input_ids, batch["attention_mask"].to(device, non_blocking=True))  # [batch, S, n*hidden]
-            num_tokens = sum(lengths[i] for i in indices)
-        loss, accuracy = compute_loss(engine, context_features, input_ids, loss_mask, (settings.seed, epoch, micro_step, dp_rank))
+        progress.epoch = epoch
+        input_ids, loss_mask, context_features, num_tokens = supply.next(collated, indices, trains)
+        loss, accuracy = loss_fn(engine, context_features, input_ids, loss_mask, (settings.seed, epoch, micro_step, dp_rank))
         # Asked before step(), which advances DeepSpeed's micro-step counter: afterwards the answer
         # would be about the next micro-batch.
         boundary = engine.is_gradient_accumulation_boundary()
         # DeepSpeed averages the gradient over all accumulation x drafter-rank micro-batches of the
         # step, fillers (zero loss) included: scaling the real ones by (all / real) makes the step's
         # gradient the mean over its real micro-batches, as if the fillers were not there.
-        real = real_micro_batches(len(dataset), settings, micro_step, drafters)
+        real = real_micro_batches(len(supply.data.dataset), settings, micro_step, drafters)
         engine.backward(loss * (micro_batches_per_step / real) if trains and real < micro_batches_per_step else loss)
         engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
         if trains and DEBUG_LOG:
-            debug_log(rank, {"epoch": epoch, "ids": list(indices), "loss": loss.item(),
-                             "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
-                             "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else rank})
-
-        if trains:
-            window["loss"] += loss.detach()  # on the device: no host sync per micro-batch
-            window["acc"] += torch.nan_to_num(accuracy)
-            window["real"] += 1
-        window["micro"] += 1
-        window["tokens"] += num_tokens if trains else 0
-        window["samples"] += len(indices) if trains else 0
+            debug_log(layout.rank, {"epoch": epoch, "ids": list(indices), "loss": loss.item(),
+                                    "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
+                                    "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else layout.rank})
+        progress.add(loss, accuracy, trains, num_tokens, len(indices))
         if not boundary:
             continue
-        global_step += 1
-        bar.update(1)
-        if settings.profile_steps and is_lead:
-            profiler = profile_window(profiler, global_step, settings, on_cuda)
-        if global_step % settings.logging_steps == 0 or global_step == total_steps:
-            elapsed = time.perf_counter() - window["start"]
-            waited = (receiver.wait_s if receiver else 0.0) - window["wait_s"]
-            target_s = target_time.seconds() - window["target_s"]
-            drafter_s = max(elapsed - waited - target_s, 1e-9)  # this rank's time in drafter steps
-            stats = torch.tensor(
-                [window["loss"].item(), window["micro"], window["tokens"], window["samples"], waited,
-                 window["samples"] / drafter_s, window["samples"] / max(target_s, 1e-9), window["real"]],
-                device=device, dtype=torch.float64,
-            )
-            acc = window["acc"].double()
-            torch.distributed.all_reduce(stats, group=layout.drafter_group)
-            torch.distributed.all_reduce(acc, group=layout.drafter_group)
-            acc = (acc / stats[7]).float()
-            steps = stats[1].item() / drafters / settings.gradient_accumulation_steps
-            scalars = {
-                "loss": (stats[0] / stats[7]).item(),
-                "acc_first": acc[0].item(),
-                "tau_estimate": estimate_acceptance_length(acc),
-                "tokens_per_s": stats[2].item() / elapsed,
-                "samples_per_s": stats[3].item() / elapsed,  # end to end
-                "step_time_s": elapsed / steps,
-                "drafter_samples_per_s": stats[5].item(),  # demand: what the drafter ranks would take without waiting
-                "lr": scheduler.get_last_lr()[0],
-                "epoch": epoch,
-                "elapsed_s": time.perf_counter() - loop_start,  # wall time of the loop so far (compiles and evaluations included)
-            }
-            check_finite_loss(scalars["loss"], global_step, settings)
-            if receiver is None:
-                scalars["target_samples_per_s"] = stats[6].item()  # supply if the ranks only ran the target
-            else:
-                # The target ranks' running counters, as last seen in the headers on any drafter rank.
-                counters = receiver.supply_counters().to(device)  # [target ranks, (busy_us, idle_us, samples, tokens)]
-                torch.distributed.all_reduce(counters, op=torch.distributed.ReduceOp.MAX, group=layout.drafter_group)
-                # Since the start, not per window: headers run ahead of training by the prefetch depth,
-                # and a target rank waiting at a checkpoint sends nothing new for a while.
-                busy_s, idle_s = counters[:, 0].cpu() / 1e6, counters[:, 1].cpu() / 1e6
-                scalars["target_samples_per_s"] = (counters[:, 2].cpu() / busy_s.clamp(min=1e-9)).sum().item()  # supply
-                scalars["target_tokens_per_s"] = (counters[:, 3].cpu() / busy_s.clamp(min=1e-9)).sum().item()
-                scalars["target_idle_frac"] = (idle_s / (busy_s + idle_s).clamp(min=1e-9)).mean().item()
-                scalars["drafter_wait_s"] = stats[4].item() / drafters / steps  # per optimizer step
-            if backend == "flex":
-                scalars["flex_compiles"] = flex_compile_stats()["compiles"]
-            if device.type == "cuda":
-                scalars["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-            bar.set_postfix(loss=f"{scalars['loss']:.3f}", acc=f"{scalars['acc_first']:.3f}",
-                            tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
-            for tracker in trackers:
-                tracker.log(scalars, step=global_step)
-            if is_lead:
-                with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
-                    f.write(json.dumps({"step": global_step, **scalars}) + "\n")
-            window = new_window()
+        progress.global_step += 1
+        progress.bar.update(1)
+        if settings.profile_steps and layout.is_lead:
+            profiler = profile_window(profiler, progress.global_step, settings, compute.on_cuda)
+        if progress.global_step % settings.logging_steps == 0 or progress.global_step == schedule.total_steps:
+            scalars = window_scalars(progress, supply, settings, layout, scheduler, compute, device)
+            check_finite_loss(scalars["loss"], progress.global_step, settings)
+            progress.bar.set_postfix(loss=f"{scalars['loss']:.3f}", acc=f"{scalars['acc_first']:.3f}",
+                                     tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
+            if layout.is_lead:  # the other ranks have no trackers
+                progress.record(scalars, settings.output_dir)
+            progress.new_window(supply, settings.block_size, device)
         # Save before evaluating: in split mode the target ranks wait in DeepSpeed's save barriers.
-        if is_save_step(global_step, settings):
-            save_checkpoint(epoch, micro_step + 1)
-            if receiver is not None:
-                receiver.resume()
-        if eval_prompts and is_eval_step(global_step, settings):
-            if is_lead:
-                scalars = {"step": global_step, **evaluate_tau(), "elapsed_s": time.perf_counter() - loop_start}
-                eval_tau = scalars["eval_tau"]
-                bar.write(f"step {global_step}: held-out tau {eval_tau:.2f}")
-                for tracker in trackers:
-                    tracker.log(scalars, step=global_step)
-                with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
-                    f.write(json.dumps(scalars) + "\n")
-            drafter_barrier()
-    bar.close()
-    log_through_bar.close()
-    if receiver is not None:
-        receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
-    if DEBUG_LOG:
-        debug_log(rank, {"step": global_step, "weights_sha256": weights_digest(drafter)})
+        if is_save_step(progress.global_step, settings):
+            save_checkpoint(engine, settings, layout, progress.global_step, epoch, micro_step + 1)
+            if supply.receiver is not None:
+                supply.receiver.resume()
+        if evaluate is not None and is_eval_step(progress.global_step, settings):
+            if layout.is_lead:
+                log_eval(progress, evaluate, settings)
+                progress.bar.write(f"step {progress.global_step}: held-out tau {progress.eval_tau:.2f}")
+            torch.distributed.barrier(group=layout.drafter_group)
 
-    # ---- final evaluation, curves, export ----
+
+def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings: TrainSettings, draft_config: DFlashConfig,
+               num_samples: int, layout) -> None:
+    """The lead: held-out tau at the last step (if not just measured), curves, the export with its
+    model card, the Hub push; then every drafter rank closes its trackers."""
     final_dir = Path(settings.output_dir) / "final"
-    if is_lead:
-        if eval_prompts and not is_eval_step(global_step, settings):
-            scalars = {"step": global_step, **evaluate_tau(), "elapsed_s": time.perf_counter() - loop_start}
-            eval_tau = scalars["eval_tau"]
-            logger.info("Held-out tau at step %d: %.2f", global_step, eval_tau)
-            for tracker in trackers:
-                tracker.log(scalars, step=global_step)
-            with open(Path(settings.output_dir) / "train_log.jsonl", "a") as f:
-                f.write(json.dumps(scalars) + "\n")
+    if layout.is_lead:
+        if evaluate is not None and not is_eval_step(progress.global_step, settings):
+            log_eval(progress, evaluate, settings)
+            logger.info("Held-out tau at step %d: %.2f", progress.global_step, progress.eval_tau)
         plot_training_curves(Path(settings.output_dir))
-        card = model_card(settings, draft_config, steps=global_step, num_samples=len(dataset), eval_tau=eval_tau,
+        card = model_card(settings, draft_config, steps=progress.global_step, num_samples=num_samples, eval_tau=progress.eval_tau,
                           location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
         save_export(drafter, final_dir, settings, card)
         logger.info("Exported the drafter to %s with a model card (README.md; serve it with SGLang or vLLM)", final_dir)
         if settings.push_to_hub:
-            url = push_to_hub(final_dir, settings, global_step)
+            url = push_to_hub(final_dir, settings, progress.global_step)
             logger.info("Pushed %s to the Hub as %s (%s)", final_dir, settings.hub_model_id, url)
-    for tracker in trackers:
+    for tracker in progress.trackers:
         tracker.finish()
-    if liveness:
-        liveness.finish()  # every rank waits here for the others (the lead's export included), watched
-    accelerator.end_training()
+
+
+def start_progress(settings: TrainSettings, layout, schedule: Schedule, resume: ResumePoint, num_samples: int, world: int) -> Progress:
+    """The lead's output directory and trackers, the run's summary line, the progress bar."""
+    if layout.is_lead:
+        os.makedirs(settings.output_dir, exist_ok=True)
+    # Trackers take flat scalars; lists and None become strings.
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(settings).items()}
+    trackers = start_trackers(settings, hparams) if layout.is_lead else []
+    logger.info(
+        "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
+        num_samples, world, layout.dp_world, schedule.total_steps, schedule.steps_per_epoch, schedule.num_epochs,
+        settings.num_anchors, settings.block_size,
+    )
+    bar = tqdm(total=schedule.total_steps, initial=resume.global_step, disable=not layout.is_lead, desc="train", dynamic_ncols=True)
+    return Progress(resume.global_step, trackers, bar)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> None:
+    settings, config_path = parse_settings(argv)
+    cluster = setup_distributed(settings, config_path)
+    compute = resolve_compute(settings, cluster.device)
+    device = cluster.device
+    # The target's tokenizer and config (seconds): everything below is checked before its weights load.
+    target_config, tokenizer = load_target_config(settings.target_model, gguf_file=settings.target_gguf_file)
+    draft_config = drafter_config_for(settings, target_config, tokenizer, compute)
+    weights = loss_weights_for(settings, device)
+    data = load_data(settings, tokenizer, cluster.accelerator)
+    resume = find_resume_point(settings, cluster.accelerator, cluster.rank)
+
+    # Topology: what this rank loads, then (auto) the split timed on both sides, then the split settled.
+    roles = plan_rank_roles(settings, cluster, resume)
+    parts = load_target_parts(settings, target_config, draft_config, cluster, roles, compute)
+    drafter = build_drafter(settings, draft_config, parts, compute) if roles.needs_drafter else None
+    loss_fn = MicroBatchLoss(settings, draft_config, compute, weights, parts.lm_head)
+    speed_up_target(parts.extractor, settings, compute)  # before the timing: it times the target as it will run
+    layout = roles.layout or time_rank_split(settings, cluster, roles, data, tokenizer, parts, drafter, loss_fn, compute)
+    settle_split(layout, settings, draft_config, parts, drafter, compute, cluster.rank)
+    schedule = make_schedule(settings, data, resume, layout.dp_world)
+
+    if layout.is_target:  # context features for the drafter ranks, and nothing else
+        if not (layout.is_evaluator and data.eval_prompts):
+            # Not needed here (a tensor-parallel group's own copies under auto): freed before serving.
+            drafter = loss_fn = parts.embed_tokens = parts.lm_head = None
+        run_target_rank(settings, cluster, compute, data, tokenizer, layout, parts, drafter,
+                        schedule.plan(data, settings, resume, layout.dp_world), resume)
+    else:
+        engine, scheduler = start_deepspeed(settings, drafter, layout, schedule, compute, resume)
+        drafter = engine.module
+        warm_up_flex(settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
+        supply = FeatureSupply(settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule, resume)
+        progress = start_progress(settings, layout, schedule, resume, len(data.dataset), cluster.world)
+        evaluate = None
+        if data.eval_prompts:
+            evaluate = functools.partial(evaluate_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
+        with logging_redirect_tqdm():  # log lines above the bar while it runs, not glued onto it
+            train_loop(engine, scheduler, loss_fn, supply, progress, evaluate, settings, layout, schedule, compute, device)
+            progress.bar.close()
+        if supply.receiver is not None:
+            supply.receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
+        if DEBUG_LOG:
+            debug_log(cluster.rank, {"step": progress.global_step, "weights_sha256": weights_digest(drafter)})
+        finish_run(drafter, progress, evaluate, settings, draft_config, len(data.dataset), layout)
+    if cluster.liveness:
+        cluster.liveness.finish()  # every rank waits here for the others (the lead's export included), watched
+    cluster.accelerator.end_training()
 
 
 if __name__ == "__main__":

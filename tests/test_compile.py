@@ -20,20 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+import dflash_compile as dc
 import dflash_model as dm
-from dflash_model import (
+from dflash_compile import (
     COMPILE_LOCK_DIR_ENV,
     CompileLockTimeout,
     DenseAttentionFallbackError,
     check_flex_is_compiled,
     compile_lock,
     compile_lock_dir,
-    create_anchor_block_mask,
-    dense_anchor_block_mask,
     flex_eager_reasons,
     flex_shape_key,
     setup_compile_cache,
 )
+from dflash_model import create_anchor_block_mask, dense_anchor_block_mask
 
 # The sizes of test_model.test_compiled_flex_forward_equals_sdpa_on_cpu.
 SHAPES = dict(batch=2, heads=2, kv_heads=1, head_dim=8, context_len=24, num_anchors=6, block_size=4)
@@ -61,9 +61,9 @@ def fresh_flex_state(monkeypatch, tmp_path):
     """No flex compiled in this process yet (dynamo reset, our bookkeeping cleared), locks in tmp_path."""
     monkeypatch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path))
     torch._dynamo.reset()
-    dm._compiled_flex.clear()
-    dm._warm_flex_keys.clear()
-    dm._flex_compile_seconds.clear()
+    dc._compiled_flex.clear()
+    dc._warm_flex_keys.clear()
+    dc._flex_compile_seconds.clear()
     yield tmp_path
     # Leave a consistent state: whatever is in _warm_flex_keys now is also in dynamo's cache.
 
@@ -75,17 +75,18 @@ WORKER = textwrap.dedent(
     import json, logging, sys, threading, time
     from pathlib import Path
     import torch
+    import dflash_compile as dc
     import dflash_model as dm
     sys.path.insert(0, "tests")
     from test_model import _batch, tiny_drafter
 
     root, rank, world = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     shapes = json.loads(sys.argv[4])
-    dm.setup_compile_cache("shared", root, rank, compile_threads=1)
+    dc.setup_compile_cache("shared", root, rank, compile_threads=1)
     handler = logging.FileHandler(root / f"lock_log_{rank}.txt")
     handler.setFormatter(logging.Formatter("%(created).6f %(message)s"))
-    dm.log.addHandler(handler)
-    dm.log.setLevel(logging.INFO)
+    dc.log.addHandler(handler)
+    dc.log.setLevel(logging.INFO)
     torch.set_num_threads(1)
     seen = {}
     thread = threading.Thread(target=lambda: seen.update(threads=torch._inductor.config.compile_threads))
@@ -94,7 +95,7 @@ WORKER = textwrap.dedent(
     (root / f"ready_{rank}").touch()  # start line: nobody compiles before all 4 are ready
     while len(list(root.glob("ready_*"))) < world:
         time.sleep(0.02)
-    dm.warm_up_flex_attention("cpu", **shapes, dtype=torch.float32, training=False)
+    dc.warm_up_flex_attention("cpu", dm.create_anchor_block_mask, **shapes, dtype=torch.float32, training=False)
 
     drafter = tiny_drafter(block_size=4)
     input_ids, loss_mask = _batch()
@@ -106,7 +107,7 @@ WORKER = textwrap.dedent(
     counters = torch._dynamo.utils.counters["inductor"]
     print(json.dumps({
         "max_diff": (flex - sdpa).abs().max().item(),
-        "stats": dm.flex_compile_stats(),
+        "stats": dc.flex_compile_stats(),
         "fx_cache_miss": counters["fxgraph_cache_miss"],
         "fx_cache_hit": counters["fxgraph_cache_hit"],
         "compile_threads_other_thread": seen["threads"],
@@ -166,7 +167,7 @@ def test_four_threads_on_first_use_compile_once(fresh_flex_state):
         try:
             barrier.wait()
             with torch.no_grad():  # grad mode is per thread
-                outputs[i] = dm.get_compiled_flex_attention("cpu")(q, k, v, block_mask)
+                outputs[i] = dc.get_compiled_flex_attention("cpu")(q, k, v, block_mask)
         except Exception as error:  # noqa: BLE001 - reported by the assert below
             errors.append(error)
 
@@ -179,7 +180,7 @@ def test_four_threads_on_first_use_compile_once(fresh_flex_state):
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
     for out in outputs:
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-    stats = dm.flex_compile_stats()
+    stats = dc.flex_compile_stats()
     assert stats["compiles"] == 1 and stats["dynamo_graphs"] == 1, stats
 
 
@@ -188,11 +189,11 @@ def test_compiled_calls_and_a_compile_exclude_each_other():
     entered, leave = threading.Event(), threading.Event()
 
     def call():
-        with dm._running_compiled_flex():
+        with dc._running_compiled_flex():
             entered.set()
             leave.wait(10)
 
-    with dm._compiling_flex():
+    with dc._compiling_flex():
         caller = threading.Thread(target=call)
         caller.start()
         assert not entered.wait(0.3), "a compiled call ran during a compile"
@@ -200,7 +201,7 @@ def test_compiled_calls_and_a_compile_exclude_each_other():
     compiled = threading.Event()
 
     def compile_():
-        with dm._compiling_flex():
+        with dc._compiling_flex():
             compiled.set()
 
     compiler = threading.Thread(target=compile_)
@@ -271,7 +272,7 @@ def test_attention_refuses_uncompiled_flex_off_cpu(monkeypatch, tmp_path):
         with pytest.raises(DenseAttentionFallbackError, match=r"torch.compile is disabled.*23622320128 bytes"):
             dm.attention(q, k, v, block_mask)
     finally:
-        dm._compiled_flex.pop("meta", None)  # drop the uncompiled wrapper built under TORCHDYNAMO_DISABLE
+        dc._compiled_flex.pop("meta", None)  # drop the uncompiled wrapper built under TORCHDYNAMO_DISABLE
     assert not (tmp_path / "flex_compile.lock.holder").exists()  # the lock was released on the error
 
 
@@ -329,7 +330,7 @@ def test_setup_compile_cache_modes(monkeypatch, tmp_path):
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", COMPILE_LOCK_DIR_ENV):
         monkeypatch.setenv(name, "")  # recorded, so teardown restores what was there before
         monkeypatch.delenv(name)
-    monkeypatch.setattr(dm, "_warm_flex_keys", set())  # as if nothing had compiled in this process
+    monkeypatch.setattr(dc, "_warm_flex_keys", set())  # as if nothing had compiled in this process
     root = tmp_path.resolve()
     assert setup_compile_cache("per_rank", tmp_path, rank=3) == root
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "rank_3")
@@ -339,7 +340,7 @@ def test_setup_compile_cache_modes(monkeypatch, tmp_path):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root)
     with pytest.raises(ValueError, match="--compile_cache"):
         setup_compile_cache("per_node", tmp_path)
-    monkeypatch.setattr(dm, "_warm_flex_keys", {("a compiled key",)})
+    monkeypatch.setattr(dc, "_warm_flex_keys", {("a compiled key",)})
     with pytest.raises(RuntimeError, match="before the first"):
         setup_compile_cache("shared", tmp_path)
 
@@ -368,9 +369,9 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
     eager_loss, eager_grads = step(tiny_drafter(block_size=4).train(), compiled=False)
     drafter = tiny_drafter(block_size=4).train()
     drafter.compile_layers()
-    with caplog.at_level(logging.DEBUG, logger="dflash_model"):  # a warm inductor cache logs its fast compiles at DEBUG
+    with caplog.at_level(logging.DEBUG, logger="dflash_compile"):  # a warm inductor cache logs its fast compiles at DEBUG
         loss, grads = step(drafter, compiled=True)
-    compiles = dm.flex_compile_stats()["compiles"]
+    compiles = dc.flex_compile_stats()["compiles"]
     # 2 layers (forward+backward each) + the loss chunk; each announced by the lock.
     assert compiles == 3, caplog.text
     assert caplog.text.count("Compilation time") == 3 and caplog.text.count("drafter layer") >= 2
@@ -379,5 +380,18 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
     for a, b in zip(grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     loss_again, _ = step(drafter, compiled=True)
-    assert dm.flex_compile_stats()["compiles"] == 3 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    assert dc.flex_compile_stats()["compiles"] == 3 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     torch.testing.assert_close(loss_again, loss)
+
+
+def test_compile_safety_and_the_fused_loss_import_nothing_of_the_project(repo_root):
+    """dflash_compile.py (and dflash_fused_ce.py) sit under the model: what a warm-up needs from the
+    drafter (the mask builder, the shapes) is passed in, so neither imports a module of this repo."""
+    import ast
+
+    project = {p.stem for p in repo_root.glob("*.py")}
+    for name in ("dflash_compile.py", "dflash_fused_ce.py"):
+        tree = ast.parse((repo_root / name).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & project, (name, imported & project)

@@ -10,8 +10,10 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
-from dflash_model import DFlashConfig, DFlashDraftModel, DFlashStaticContextCache
+from dflash_model import DFlashDraftModel
+from dflash_target import drafter_config_for_target
 from eval_dflash import (
+    DFlashStaticContextCache,
     check_drafter_matches_target,
     evaluate_acceptance,
     greedy_generate,
@@ -37,7 +39,7 @@ def tiny_target(vocab_size=VOCAB, hidden=64, seed=0, **extra):
 
 def tiny_drafter(target, mask_token_id=MASK_ID, block_size=TRAINED_BLOCK, seed=1):
     torch.manual_seed(seed)
-    config = DFlashConfig.from_target_config(
+    config = drafter_config_for_target(
         target.config, mask_token_id=mask_token_id, num_draft_layers=2, block_size=block_size, target_layer_ids=LAYER_IDS
     )
     drafter = DFlashDraftModel(config).eval()

@@ -15,14 +15,13 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from dflash_model import (
-    DFlashConfig,
     DFlashDraftModel,
     block_labels,
     dflash_loss,
     loss_weights,
     sample_anchors,
 )
-from dflash_target import TargetFeatureExtractor, check_target_scaling
+from dflash_target import TargetFeatureExtractor, check_target_scaling, drafter_config_for_target
 from eval_dflash import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem
 
 VOCAB = 96
@@ -96,7 +95,7 @@ def padded_batch(lengths=(14, 9), seed=0):
 
 
 def drafter_for(target, **layout) -> DFlashDraftModel:
-    config = DFlashConfig.from_target_config(target.config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=4,
+    config = drafter_config_for_target(target.config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=4,
                                              target_layer_ids=[0, 2], **layout)
     torch.manual_seed(1)
     drafter = DFlashDraftModel(config).eval()
@@ -282,7 +281,7 @@ def test_draft_pass_equals_the_reference_arithmetic(is_causal):
     pass (growing cache) equals the reference arithmetic at several context lengths."""
     target = tiny_target("qwen3_5_moe")
     text = target.config.get_text_config()
-    config = DFlashConfig.from_target_config(target.config, mask_token_id=MASK_ID, num_draft_layers=3, block_size=5,
+    config = drafter_config_for_target(target.config, mask_token_id=MASK_ID, num_draft_layers=3, block_size=5,
                                              target_layer_ids=[0, 2, 3], layer_types="last_full", sliding_window=3,
                                              is_causal=is_causal)
     assert (config.num_attention_heads, config.head_dim, config.intermediate_size) == (32, 128, 3 * text.hidden_size)

@@ -21,10 +21,8 @@ from bench_dflash import (
     target_forward_flops,
     visible_pairs,
 )
+from dflash_fused_ce import weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
 from dflash_model import (
-    DFlashConfig,
-    _weighted_ce_and_grad_chunk,
-    _weighted_ce_and_grad_chunk_functional,
     DFlashDraftModel,
     block_labels,
     dense_anchor_block_mask,
@@ -32,7 +30,7 @@ from dflash_model import (
     loss_weights,
     sample_anchors,
 )
-from dflash_target import TargetFeatureExtractor
+from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
 VOCAB = 128
 HIDDEN = 32
@@ -48,7 +46,7 @@ def tiny_target_config(num_layers=6):
 
 def tiny_drafter(num_draft_layers=2):
     """A 2-layer drafter reading 2 target layers ([1, 3] of 6), with frozen random target tables."""
-    config = DFlashConfig.from_target_config(
+    config = drafter_config_for_target(
         tiny_target_config(), mask_token_id=VOCAB - 1, num_draft_layers=num_draft_layers, block_size=BLOCK
     )
     drafter = DFlashDraftModel(config)
@@ -203,5 +201,5 @@ def test_compiled_ce_chunk_equals_eager_chunk():
     logits = torch.randn(9, VOCAB, generator=generator).bfloat16()
     targets = torch.randint(0, VOCAB, (9,), generator=generator)
     weights = torch.rand(9, generator=generator)
-    for a, b in zip(_weighted_ce_and_grad_chunk(logits, targets, weights), _weighted_ce_and_grad_chunk_functional(logits, targets, weights)):
+    for a, b in zip(weighted_ce_and_grad_chunk(logits, targets, weights), weighted_ce_and_grad_chunk_functional(logits, targets, weights)):
         torch.testing.assert_close(a, b)

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig, Qwen3Config
 
+from dflash_target import drafter_config_for_target
+from eval_dflash import DFlashStaticContextCache  # the static cache lives where it is used
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
-    DFlashStaticContextCache,
     block_input_ids,
     block_labels,
     block_position_ids,
@@ -35,13 +36,13 @@ MASK_ID = 63
 
 def tiny_drafter(block_size=4, num_draft_layers=2, seed=0, **layout):
     """A drafter at hidden 16 over a tiny Qwen3 target config, with random target tables attached.
-    `layout`: layer_types / sliding_window / is_causal for `DFlashConfig.from_target_config`."""
+    `layout`: layer_types / sliding_window / is_causal for `drafter_config_for_target`."""
     torch.manual_seed(seed)
     target_config = Qwen3Config(
         hidden_size=16, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
         intermediate_size=32, vocab_size=VOCAB,
     )
-    config = DFlashConfig.from_target_config(
+    config = drafter_config_for_target(
         target_config, mask_token_id=MASK_ID, num_draft_layers=num_draft_layers, block_size=block_size, **layout
     )
     drafter = DFlashDraftModel(config).eval()
@@ -333,13 +334,13 @@ def test_export_round_trip_is_bit_identical(tmp_path):
 def test_config_from_llama_target_and_errors():
     llama = LlamaConfig(hidden_size=32, num_hidden_layers=30, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=64, vocab_size=100, rope_theta=1e5)
-    config = DFlashConfig.from_target_config(llama, mask_token_id=7)
+    config = drafter_config_for_target(llama, mask_token_id=7)
     assert config.head_dim == 8 and config.num_hidden_layers == 5 and config.num_target_layers == 30
     assert config.target_layer_ids == default_target_layer_ids(30, 5) and config.rope_theta == 1e5
     with pytest.raises(ValueError, match="mask_token_id"):
-        DFlashConfig.from_target_config(llama, mask_token_id=100)
+        drafter_config_for_target(llama, mask_token_id=100)
     with pytest.raises(ValueError, match="target_layer_ids"):
-        DFlashConfig.from_target_config(llama, mask_token_id=7, target_layer_ids=[1, 30])
+        drafter_config_for_target(llama, mask_token_id=7, target_layer_ids=[1, 30])
 
 
 def test_scaled_rope_is_exported_for_older_loaders_too(tmp_path):
@@ -350,7 +351,7 @@ def test_scaled_rope_is_exported_for_older_loaders_too(tmp_path):
     llama31 = LlamaConfig(hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=64, vocab_size=100, rope_theta=500000.0, rope_scaling=dict(scaling),  # a copy: the config adds rope_theta to it
                           max_position_embeddings=131072)
-    config = DFlashConfig.from_target_config(llama31, mask_token_id=7, num_draft_layers=2)
+    config = drafter_config_for_target(llama31, mask_token_id=7, num_draft_layers=2)
     DFlashDraftModel(config).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["rope_scaling"] == scaling and saved["rope_theta"] == 500000.0
@@ -364,7 +365,7 @@ def test_scaled_rope_is_exported_for_older_loaders_too(tmp_path):
     assert reloaded.rotary_emb.rope_type == "llama3"
     torch.testing.assert_close(reloaded.rotary_emb.inv_freq, DFlashDraftModel(config).rotary_emb.inv_freq, rtol=0, atol=0)
     # Plain RoPE writes no rope_scaling.
-    assert "rope_scaling" not in DFlashConfig.from_target_config(LlamaConfig(num_hidden_layers=4), mask_token_id=7).to_dict()
+    assert "rope_scaling" not in drafter_config_for_target(LlamaConfig(num_hidden_layers=4), mask_token_id=7).to_dict()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
-from dflash_model import DFlashConfig, DFlashDraftModel, sampling_probs
+from dflash_model import DFlashDraftModel, sampling_probs
+from dflash_target import drafter_config_for_target
 from eval_dflash import Decoder, plain_generate, rejection_sample, speculative_generate
 
 VOCAB = 16
@@ -34,7 +35,7 @@ def models():
     config = Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                          intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.15)
     target = Qwen3ForCausalLM(config).eval()
-    draft_config = DFlashConfig.from_target_config(config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=BLOCK,
+    draft_config = drafter_config_for_target(config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=BLOCK,
                                                    target_layer_ids=[0, 1], layer_types="last_full", sliding_window=3)
     torch.manual_seed(1)
     drafter = DFlashDraftModel(draft_config).eval()

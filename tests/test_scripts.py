@@ -22,11 +22,12 @@ def smoke_runs(tiny_qwen3_target, train_env, tmp_path_factory) -> dict:
     """{script: (CompletedProcess, its output folder)} for one tiny run of each script."""
     from transformers import AutoConfig
 
-    from dflash_model import DFlashConfig, DFlashDraftModel
+    from dflash_model import DFlashDraftModel
+    from dflash_target import drafter_config_for_target
 
     root = tmp_path_factory.mktemp("smoke")
     drafter = root / "drafter"
-    config = DFlashConfig.from_target_config(AutoConfig.from_pretrained(tiny_qwen3_target), mask_token_id=151669,
+    config = drafter_config_for_target(AutoConfig.from_pretrained(tiny_qwen3_target), mask_token_id=151669,
                                              num_draft_layers=1, block_size=4)
     DFlashDraftModel(config).save_pretrained(drafter)
     prompts = root / "prompts.jsonl"

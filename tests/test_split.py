@@ -258,3 +258,36 @@ def test_transport_is_quiet_across_a_checkpoint(monkeypatch):
     assert len(sent) == 9, f"flush returned with {9 - len(sent)} sends still in flight"
     sender.finish()
     assert len(sent) == 10  # + END
+
+
+@pytest.mark.parametrize("drafters, accumulation", [(1, 1), (2, 2)])
+def test_schedule_counts_steps_and_refuses_another_number_of_drafter_ranks(drafters, accumulation):
+    """make_schedule: steps per epoch from the plan, --max_steps or epochs in all, the micro-steps left
+    after the resume point; a checkpoint of another number of drafter ranks is refused, naming the fix."""
+    from train_dflash import ResumePoint, TrainData, TrainSettings, make_schedule
+
+    lengths = [(7 * i) % 23 + 1 for i in range(19)]
+    data = TrainData(dataset=None, lengths=lengths, eval_prompts=None, chat_kwargs=None)
+    settings = TrainSettings(target_model="x", train_data=["x"], per_device_batch_size=2, gradient_accumulation_steps=accumulation,
+                             num_train_epochs=3)
+    schedule = make_schedule(settings, data, ResumePoint(None, {}), drafters)
+    assert schedule.total_steps == 3 * schedule.steps_per_epoch and schedule.num_epochs == 3
+    assert schedule.micro_steps_left == schedule.total_steps * accumulation
+    resumed = ResumePoint("ckpt", {"global_step": 2, "epoch": 0, "micro_step_in_epoch": 2 * accumulation, "drafter_ranks": drafters})
+    resumed_schedule = make_schedule(settings, data, resumed, drafters)
+    assert resumed_schedule.micro_steps_left == (schedule.total_steps - 2) * accumulation
+    plan = list(resumed_schedule.plan(data, settings, resumed, drafters))
+    assert plan[0][:2] == (0, 2 * accumulation) and len(plan) == (schedule.total_steps - 2) * accumulation
+    with pytest.raises(ValueError, match="same number of processes"):
+        make_schedule(settings, data, ResumePoint("ckpt", {"drafter_ranks": drafters + 1}), drafters)
+
+
+def test_compute_follows_the_backend():
+    """resolve_compute: auto is flex on a GPU and SDPA on CPU; padding and compilation follow the backend."""
+    from train_dflash import TrainSettings, resolve_compute
+
+    cpu = resolve_compute(TrainSettings(target_model="x", train_data=["x"]), torch.device("cpu"))
+    assert (cpu.backend, cpu.pad_multiple, cpu.compile_drafter, cpu.compile_target) == ("sdpa", 8, False, False)
+    flex = resolve_compute(TrainSettings(target_model="x", train_data=["x"], attention_backend="flex"), torch.device("cpu"))
+    assert (flex.backend, flex.pad_multiple, flex.compile_drafter, flex.compile_target) == ("flex", 128, True, True)
+    assert resolve_compute(TrainSettings(target_model="x", train_data=["x"], dtype="bfloat16"), torch.device("cpu")).dtype == torch.bfloat16

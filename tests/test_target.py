@@ -200,8 +200,8 @@ def test_resolve_target_path(smollm2_gguf, monkeypatch):
 def test_compiled_target_layers_equal_eager_and_compile_once_per_shape(tiny_qwen3_target, monkeypatch, tmp_path):
     """TargetFeatureExtractor.compile_layers: the same features as eager (padded and unpadded
     batches); each new input signature compiles once, under the compile lock; a repeat compiles nothing."""
-    import dflash_model as dm
-    from dflash_model import COMPILE_LOCK_DIR_ENV
+    import dflash_compile as dc
+    from dflash_compile import COMPILE_LOCK_DIR_ENV
     from dflash_target import TargetFeatureExtractor, load_target
 
     monkeypatch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path))
@@ -215,15 +215,15 @@ def test_compiled_target_layers_equal_eager_and_compile_once_per_shape(tiny_qwen
     with pytest.raises(ValueError, match="truncate=True"):
         TargetFeatureExtractor(load_target(str(tiny_qwen3_target), device="cpu")[0], [0], truncate=False).compile_layers()
 
-    before = dm.flex_compile_stats()["compiles"]
+    before = dc.flex_compile_stats()["compiles"]
     extractor.compile_layers()
     compiled = [extractor(ids, padded), extractor(ids, torch.ones_like(ids))]
     # 3 layers run (ids 0..2) x 2 signatures (a padding mask, or none), each through the lock.
-    assert dm.flex_compile_stats()["compiles"] - before == 6
+    assert dc.flex_compile_stats()["compiles"] - before == 6
     assert any(p.name.endswith(".lock") for p in tmp_path.iterdir())
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     again = extractor(ids, padded)
-    assert dm.flex_compile_stats()["compiles"] - before == 6 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert dc.flex_compile_stats()["compiles"] - before == 6 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     for a, b in zip(compiled + [again], eager + [eager[0]]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

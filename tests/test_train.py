@@ -453,10 +453,10 @@ def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
     from transformers import Qwen3Config
 
     from conftest import TINY_QWEN3
-    from dflash_model import DFlashConfig
+    from dflash_target import drafter_config_for_target
     from train_dflash import TrainSettings, model_card
 
-    config = DFlashConfig.from_target_config(Qwen3Config(**TINY_QWEN3), mask_token_id=151669, num_draft_layers=2, block_size=16)
+    config = drafter_config_for_target(Qwen3Config(**TINY_QWEN3), mask_token_id=151669, num_draft_layers=2, block_size=16)
     settings = TrainSettings(target_model="Qwen/Qwen3-8B", train_data=["chats.jsonl"], eval_data="heldout.jsonl",
                              eval_num_prompts=10, eval_max_new_tokens=192)
     card = ModelCard(model_card(settings, config, steps=992, num_samples=992, eval_tau=1.8571, location="me/qwen3-8b-dflash"))

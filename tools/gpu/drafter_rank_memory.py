@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo's flat modules
 
 from bench_dflash import MasterWeightAdamW, make_batch
-from dflash_model import DFlashConfig, DFlashDraftModel, block_labels, dflash_loss, loss_weights, sample_anchors
-from dflash_target import SAFETENSORS_INDEX, load_target_embeddings, parameter_bytes
+from dflash_model import DFlashDraftModel, block_labels, dflash_loss, loss_weights, sample_anchors
+from dflash_target import SAFETENSORS_INDEX, drafter_config_for_target, load_target_embeddings, parameter_bytes
 
 QWEN3_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
                  intermediate_size=25600, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> None:
     load_s = time.perf_counter() - started
     loaded_gib = torch.cuda.memory_allocated(device) / 2**30 if on_cuda else None
 
-    draft_config = DFlashConfig.from_target_config(config, mask_token_id=config.vocab_size - 1,
+    draft_config = drafter_config_for_target(config, mask_token_id=config.vocab_size - 1,
                                                    num_draft_layers=args.num_draft_layers, block_size=16)
     torch.manual_seed(0)
     drafter = DFlashDraftModel(draft_config)

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dflash_model import DFlashConfig, DFlashDraftModel  # noqa: E402  (the repository root, on the path above)
+from dflash_model import DFlashDraftModel  # noqa: E402  (the repository root, on the path above)
+from dflash_target import drafter_config_for_target  # noqa: E402
 
 files, out = Path(sys.argv[1]), Path(sys.argv[2])
 config = AutoConfig.from_pretrained(files)
@@ -22,5 +23,5 @@ AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(o
 for f in files.iterdir():
     if f.name != "config.json":
         shutil.copy(f, out / f.name)
-DFlashDraftModel(DFlashConfig.from_target_config(config, mask_token_id=16)).save_pretrained(out / "drafter")
+DFlashDraftModel(drafter_config_for_target(config, mask_token_id=16)).save_pretrained(out / "drafter")
 print(f"{out}: random {config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}")
