@@ -355,6 +355,15 @@ def test_compiled_decode_step_falls_back_to_the_eager_step(tmp_path, tiny_target
     assert len(warnings) == 1 and "RuntimeError: simulated inductor failure" in warnings[0], caplog.text
 
 
+def test_compile_decode_setting_is_checked(prompts_file):
+    common = ["--target_model", "t", "--prompts", prompts_file, "--output", "o.jsonl"]
+    assert regenerate_data.parse_args(common)[0].compile_decode == "auto"
+    with pytest.raises(ValueError, match="--compile_decode must be auto, on or off"):
+        regenerate_data.parse_args(common + ["--compile_decode", "yes"])
+    with pytest.raises(ValueError, match="needs --kv_cache static"):
+        regenerate_data.parse_args(common + ["--compile_decode", "on", "--kv_cache", "dynamic"])
+
+
 def test_packed_gqa_sdpa_matches_repeated_kv_heads():
     """One query token with grouped KV heads: attending with the query heads packed as rows of their
     KV head equals transformers' sdpa attention over repeated KV heads; other shapes go to it unchanged."""
