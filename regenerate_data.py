@@ -35,9 +35,12 @@ itself from the `seed` it is sent).
 
 Speed on a GPU (`--kv_cache static`, the default there): every batch has the same shape (prompts
 left-padded to the longest prompt of the run, the last batch filled up), so one static KV cache
-serves the run and the whole decode step (the target forward over every row) is captured once as a
-CUDA graph and replayed (`StaticBatchDecoder`); transformers' `generate` spends most of a step in
-Python for a small target. BENCHMARKS.md has the tokens/s.
+serves the run, and the whole decode step (the target forward over every row) is compiled with
+torch.compile (`--compile_decode`, fused kernels), captured once as a CUDA graph and replayed
+(`StaticBatchDecoder`). The compiled step has not been measured on a GPU yet. With SmolLM2-135M at
+batch 512 on an H200 the eager graphed step as it was before (not compiled, grouped KV heads
+repeated) ran 31.6 ms per step (10,300 new tokens/s), transformers' compiled static-cache `generate`
+19 ms per step (17,200 new tokens/s). BENCHMARKS.md has the tokens/s.
 """
 
 import hashlib
@@ -50,10 +53,12 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, HfArgumentParser, LogitsProcessor, LogitsProcessorList
 
 from dflash_data import load_prompts, prompt_hash, require_chat_template
+from dflash_compile import CUDAGraphCall
 from dflash_target import load_target, resolve_target_path
 
 logger = logging.getLogger(__name__)
@@ -75,6 +80,7 @@ class RegenerateArgs:
     chat_template_kwargs: str = field(default="{}", metadata={"help": "JSON dict for the chat template, e.g. '{\"enable_thinking\": false}'."})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 on a CPU with AVX512-BF16/AMX is faster."})
     kv_cache: str = field(default="auto", metadata={"help": "static (a fixed batch shape; on CUDA the whole decode step is replayed as one CUDA graph), dynamic (transformers' generate with a growing cache) or auto: static on CUDA, dynamic on CPU."})
+    compile_decode: str = field(default="auto", metadata={"help": "Compile the static cache's decode step with torch.compile before it is captured as a CUDA graph, so the replayed graph runs fused kernels instead of one eager kernel per operation (the first batch then includes the compile); if the compile fails, the eager step is graphed instead. auto: on with CUDA graphs (on CUDA), on, or off."})
     server_url: str | None = field(default=None, metadata={"help": "An OpenAI-compatible endpoint to generate with instead of a local model, e.g. http://localhost:8000/v1 (vLLM, SGLang, transformers serve)."})
     server_model: str | None = field(default=None, metadata={"help": "Model name sent to --server_url (default: --target_model)."})
     server_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Environment variable that holds the server's API key (unset: no key)."})
@@ -203,21 +209,60 @@ def read_done(output_path: str, prompts: list[list[dict]]) -> set[tuple[int, int
 # A local model
 
 
-class StaticBatchDecoder:
-    """Decoding of left-padded prompt batches from a static KV cache, the decode step replayed as one
-    CUDA graph: the GPU path of `regenerate_locally`.
+PACKED_GQA_SDPA = "regenerate_packed_gqa_sdpa"  # the name `StaticBatchDecoder` registers `packed_gqa_sdpa` under
 
-    For a small target transformers' `generate` spends most of a decode step in Python (19 ms per
-    step at batch 512 for SmolLM2-135M on an H200, with its static cache and compiled forward;
-    BENCHMARKS.md). Here a step copies three small inputs into the captured buffers, replays the
-    graph (the whole target forward), picks the next tokens on the device and, every
-    `CHECK_EVERY` steps, asks the host whether every row has ended. The cache and the graph are made
-    once for the run: every batch has `batch_size` rows of `prompt_width` columns (left padding).
+
+def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except for a single query token with grouped KV heads and a mask
+    shared by the heads (a decode step): the query heads of each KV head become that KV head's query
+    rows, so SDPA reads every cached key and value once. transformers repeats the keys and values for
+    every query head when a mask is given (`repeat_kv`: 5.17 always, 5.24 under torch.compile), which
+    at batch 512 copies the whole static cache every layer and step; `enable_gqa` with a mask falls
+    back to the math kernel on CUDA. Everything else goes to `sdpa_attention_forward` unchanged.
+
+    Args:
+        query: [batch, heads, Q, head_dim]; key, value: [batch, kv_heads, columns, head_dim].
+        attention_mask: [batch, 1 or heads, Q, columns] (bool, or additive) or None.
+    Returns:
+        ([batch, Q, heads, head_dim], None), as `sdpa_attention_forward`.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (query.shape[2] != 1 or groups == 1 or attention_mask is None or attention_mask.shape[1] != 1
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    batch, heads, _, head_dim = query.shape
+    rows = query.reshape(batch, heads // groups, groups, head_dim)  # query head h is row h % groups of KV head h // groups
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)  # [batch, kv_heads, groups, head_dim]
+    return out.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+class StaticBatchDecoder:
+    """Decoding of left-padded prompt batches from a static KV cache, the decode step compiled and
+    replayed as one CUDA graph: the GPU path of `regenerate_locally`.
+
+    transformers' `generate` runs its Python loop around every forward (19 ms per step at batch 512
+    for SmolLM2-135M on an H200, with its static cache and compiled forward; BENCHMARKS.md). Here a
+    step copies three small inputs into the captured buffers, replays the graph (the whole target
+    forward), picks the next tokens on the device and, every `CHECK_EVERY` steps, asks the host
+    whether every row has ended. The cache and the graph are made once for the run: every batch has
+    `batch_size` rows of `prompt_width` columns (left padding).
+
+    With `compile_step` the decode step is `torch.compile(_forward)` (static shapes; the default
+    mode, since the graph is captured here), so the captured graph replays inductor's fused kernels
+    rather than one eager kernel per operation. The first decode step compiles (and captures); if
+    that raises, the run goes on with the eager step, graphed the same way, after one warning. The
+    prefill stays eager: it has another shape and runs once per batch. Without CUDA graphs (CPU) the
+    compiled step is simply called every step.
 
     The attention mask is built inside the forward from a per-row table of the cache columns that
     hold real tokens (`valid`: the prompt's, then every generated one) and the query's column, so the
     graph serves every step. A query sees valid columns up to its own, and always its own column (a
-    left-pad query would otherwise see nothing, and SDPA returns NaN for a fully masked row).
+    left-pad query would otherwise see nothing, and SDPA returns NaN for a fully masked row). An sdpa
+    target decodes with `packed_gqa_sdpa` (its grouped KV heads are not repeated); an eager one keeps
+    its own attention.
 
     Raises:
         ValueError: for targets that cannot decode from a static cache (`eval_dflash.static_cache_problem`:
@@ -226,10 +271,10 @@ class StaticBatchDecoder:
 
     CHECK_EVERY = 8  # steps between host checks for "every row has ended" (each check is a sync)
 
-    def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool):
-        from transformers import StaticCache
+    def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool,
+                 compile_step: bool = False):
+        from transformers import AttentionInterface, StaticCache
 
-        from dflash_compile import CUDAGraphCall
         from eval_dflash import _cache_argument, static_cache_problem
 
         problem = static_cache_problem(model)
@@ -239,10 +284,18 @@ class StaticBatchDecoder:
         self.length = prompt_width + max_new_tokens
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
         self.cache_argument = _cache_argument(model)
-        self.additive_mask = getattr(model.config, "_attn_implementation", None) == "eager"
+        implementation = model.config._attn_implementation
+        self.additive_mask = implementation == "eager"
+        self.attention = PACKED_GQA_SDPA if implementation == "sdpa" else implementation  # for `generate`'s forwards
+        if self.attention == PACKED_GQA_SDPA:
+            AttentionInterface.register(PACKED_GQA_SDPA, packed_gqa_sdpa)
         self.dtype = model.get_input_embeddings().weight.dtype
         self.valid = torch.zeros(batch_size, self.length, dtype=torch.bool, device=model.device)  # [batch, columns]
-        self.graphed = CUDAGraphCall(self._forward) if cuda_graphs else None
+        self.cuda_graphs = cuda_graphs
+        # dynamic=False: one shape for the run. Not mode="reduce-overhead": the CUDA graph is captured here.
+        self.step = torch.compile(self._forward, dynamic=False) if compile_step else self._forward
+        self.step_tried = not compile_step  # whether the compiled step's first call (compile, capture) has run
+        self.graphed = CUDAGraphCall(self.step) if cuda_graphs else None
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
         """tokens, positions [batch, T] written at cache columns column..column+T-1 (column: [1] int64)
@@ -259,15 +312,46 @@ class StaticBatchDecoder:
                             **{self.cache_argument: self.cache}).logits
         return logits[:, -1]  # [batch, vocab]
 
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        """tokens, positions [batch, 1] at cache column `column` ([1] int64) -> logits [batch, vocab]:
+        `step` (compiled or eager), replayed from its CUDA graph when there is one."""
+        run = self.graphed if self.graphed is not None else self.step
+        if self.step_tried:
+            return run(tokens, positions, column)
+        self.step_tried = True
+        try:  # the first call compiles (and captures the graph); a step that repeats writes the same cache column
+            return run(tokens, positions, column)
+        except Exception as error:
+            logger.warning("the compiled decode step failed in its warm-up (%s: %s); decoding with the eager step instead",
+                           type(error).__name__, error)
+            self.step = self._forward
+            if self.cuda_graphs:
+                torch.cuda.synchronize()  # what the failed call queued ends before the eager step rewrites the column
+                self.graphed = CUDAGraphCall(self._forward)
+            return self._decode_step(tokens, positions, column)
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_ids: list[int], pad_token_id: int,
                  sampler: "SeededSampling | None" = None) -> torch.Tensor:
         """input_ids, attention_mask [batch, prompt_width] (left padding) -> new tokens [batch, N] int64
         (N <= max_new_tokens; after a row's EOS it holds pad_token_id). Greedy, or `sampler`'s draws."""
         batch, width = input_ids.shape
-        device = input_ids.device
         if (batch, width) != (self.valid.shape[0], self.width):
             raise ValueError(f"a batch of {batch} x {width}; this decoder was made for {self.valid.shape[0]} x {self.width}")
+        # The decoder's forwards attend with `self.attention`; the model gets its own back afterwards
+        # (transformers' generate, the retry path, makes its masks by that implementation's name).
+        config = self.model.config
+        restore = config._attn_implementation
+        config._attn_implementation = self.attention
+        try:
+            return self._generate(input_ids, attention_mask, eos_ids, pad_token_id, sampler)
+        finally:
+            config._attn_implementation = restore
+
+    def _generate(self, input_ids, attention_mask, eos_ids, pad_token_id, sampler) -> torch.Tensor:
+        """`generate`, with the model on the decoder's attention."""
+        batch, width = input_ids.shape
+        device = input_ids.device
         self.valid.zero_()
         self.valid[:, :width] = attention_mask.bool()
         self.valid[:, width:] = True  # generated columns; the causal part of the mask hides the future ones
@@ -283,8 +367,8 @@ class StaticBatchDecoder:
             finished |= torch.isin(tokens, eos)
             if step + 1 == self.max_new_tokens or (step % self.CHECK_EVERY == self.CHECK_EVERY - 1 and bool(finished.all())):
                 return out[:, : step + 1]
-            inputs = (tokens[:, None], next_position + step, torch.full((1,), width + step, dtype=torch.long, device=device))
-            logits = self.graphed(*inputs) if self.graphed is not None else self._forward(*inputs)
+            logits = self._decode_step(tokens[:, None], next_position + step,
+                                       torch.full((1,), width + step, dtype=torch.long, device=device))
         return out
 
 
@@ -338,16 +422,18 @@ def regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwar
     config_eos = model.generation_config.eos_token_id
     eos_ids |= set(config_eos if isinstance(config_eos, list) else [config_eos])
     eos_ids = sorted(i for i in eos_ids if i is not None)
-    decoder = None
+    decoder, compile_step, cuda_graphs = None, False, False
     if static:
         # One shape for every batch, so the cache and the CUDA graph are made once: the longest prompt
         # of the run, and full batches.
         texts = [tokenizer.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
                  for i in sorted({i for i, _ in todo})]
         prompt_width = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
-        decoder = StaticBatchDecoder(model, args.batch_size, prompt_width, args.max_new_tokens, cuda_graphs=model.device.type == "cuda")
-        logger.info("static KV cache: batches of %d, prompts left-padded to %d tokens%s", args.batch_size, prompt_width,
-                    ", decode step replayed as a CUDA graph" if decoder.graphed is not None else "")
+        cuda_graphs = model.device.type == "cuda"
+        compile_step = args.compile_decode == "on" or (args.compile_decode == "auto" and cuda_graphs)
+        decoder = StaticBatchDecoder(model, args.batch_size, prompt_width, args.max_new_tokens, cuda_graphs, compile_step)
+        logger.info("static KV cache: batches of %d, prompts left-padded to %d tokens; decode step %s%s", args.batch_size,
+                    prompt_width, "compiled" if compile_step else "eager", ", replayed as a CUDA graph" if cuda_graphs else "")
     for start in range(0, len(todo), args.batch_size):
         group = todo[start : start + args.batch_size]
         filled = group + [group[-1]] * (args.batch_size - len(group)) if static else group
@@ -357,8 +443,9 @@ def regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwar
                                        [reply_seed(args.seed, i, k) for i, k in filled], args, chat_template_kwargs,
                                        eos_ids, decoder)
             tokens = sum(n for _, n, _ in replies[: len(group)])
+            setup = start == 0 and decoder is not None and (compile_step or cuda_graphs)
             logger.info("batch of %d replies: %d new tokens in %.1f s (%.0f tokens/s%s)", len(group), tokens, time.time() - began,
-                        tokens / max(time.time() - began, 1e-9), ", CUDA graph capture included" if decoder is not None and decoder.graphed is not None and start == 0 else "")
+                        tokens / max(time.time() - began, 1e-9), ", the decode step's compile and capture included" if setup else "")
             yield from zip(group, replies)
         except Exception as error:  # e.g. out of memory on one long prompt: retry one by one
             logger.warning("batch starting at prompt %d failed (%s: %s); retrying its replies one by one", group[0][0], type(error).__name__, error)
@@ -434,6 +521,10 @@ def parse_args(argv: list[str] | None) -> tuple[RegenerateArgs, dict]:
         raise ValueError(f"--dtype must be auto, bfloat16 or float32, got {args.dtype!r}")
     if args.kv_cache not in ("auto", "static", "dynamic"):
         raise ValueError(f"--kv_cache must be auto, static or dynamic, got {args.kv_cache!r}")
+    if args.compile_decode not in ("auto", "on", "off"):
+        raise ValueError(f"--compile_decode must be auto, on or off, got {args.compile_decode!r}")
+    if args.compile_decode == "on" and args.kv_cache == "dynamic":
+        raise ValueError("--compile_decode on compiles the static cache's decode step: it needs --kv_cache static (or auto on CUDA)")
     if args.server_url is None and args.target_model is None:
         raise ValueError("pass --target_model (a local model or hub id) or --server_url (an OpenAI-compatible endpoint)")
     if args.server_url is not None and not (args.server_model or args.target_model):
@@ -478,6 +569,8 @@ def main(argv: list[str] | None = None) -> dict:
             if problem is not None:
                 logger.warning("%s: decoding with a growing cache (transformers' generate)", problem)
                 static = False
+        if args.compile_decode == "on" and not static:
+            logger.warning("--compile_decode on: no static KV cache in this run (--kv_cache auto chose the growing cache), nothing to compile")
         replies = regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwargs, static)
     else:
         replies = regenerate_from_server(args, prompts, todo, chat_template_kwargs)

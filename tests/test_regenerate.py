@@ -6,6 +6,7 @@ target; generations are short (max_new_tokens 6).
 """
 
 import json
+import logging
 
 import pytest
 import torch
@@ -297,3 +298,90 @@ def test_static_decoder_writes_what_generate_writes(tmp_path, tiny_target, promp
     regenerate(tiny_target, prompts_file, static, "--batch_size", "4", "--kv_cache", "static")
     assert replies(read_output(static)) == replies(read_output(dynamic))
     assert [r["num_new_tokens"] for r in read_output(static)] == [r["num_new_tokens"] for r in read_output(dynamic)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled decode step (the GPU default; forced on here, where it runs without CUDA graphs)
+
+
+@pytest.mark.parametrize("sampling", [(), ("--num_samples_per_prompt", "2", "--temperature", "0.8")], ids=["greedy", "sampled"])
+def test_compiled_decode_step_writes_what_generate_writes(tmp_path, tiny_target, prompts_file, caplog, monkeypatch, sampling):
+    """The static decoder with its decode step compiled (torch.compile, inductor) writes the same
+    replies as the eager static step and as transformers' generate with a growing cache: left
+    padding, a filled-up last batch and per-reply sampling seeds included."""
+    real_compile, compiled_calls = torch.compile, []
+
+    def counting_compile(fn, **kwargs):
+        compiled = real_compile(fn, **kwargs)
+
+        def step(tokens, *inputs):
+            compiled_calls.append(tokens.shape[1])
+            return compiled(tokens, *inputs)
+        return step
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    runs = {"dynamic": ("--kv_cache", "dynamic"), "eager": ("--kv_cache", "static", "--compile_decode", "off"),
+            "compiled": ("--kv_cache", "static", "--compile_decode", "on")}
+    texts = {}
+    with caplog.at_level(logging.INFO, logger="regenerate_data"):
+        for name, flags in runs.items():
+            output = tmp_path / f"{name}.jsonl"
+            regenerate(tiny_target, prompts_file, output, "--num_prompts", "3", "--batch_size", "4", *sampling, *flags)
+            texts[name] = {(r["id"], r["sample"]): (r["messages"][-1]["content"], r["num_new_tokens"]) for r in read_output(output)}
+    assert len(texts["dynamic"]) == (6 if sampling else 3)
+    assert texts["compiled"] == texts["eager"] == texts["dynamic"]
+    assert "decode step compiled" in caplog.text and "failed in its warm-up" not in caplog.text
+    assert compiled_calls and set(compiled_calls) == {1}, compiled_calls  # every decode step compiled, the prefill eager
+
+
+def test_compiled_decode_step_falls_back_to_the_eager_step(tmp_path, tiny_target, prompts_file, caplog, monkeypatch):
+    """A compiled step that raises in its first call: one warning naming the error, and the run
+    goes on with the eager step (same replies, nothing failed)."""
+    def failing_compile(fn, **kwargs):
+        def compiled(*inputs):
+            raise RuntimeError("simulated inductor failure")
+        return compiled
+
+    flags = ("--num_prompts", "3", "--batch_size", "2", "--kv_cache", "static")  # two batches: the fallback lasts the run
+    eager = tmp_path / "eager.jsonl"
+    regenerate(tiny_target, prompts_file, eager, *flags, "--compile_decode", "off")
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    fallback = tmp_path / "fallback.jsonl"
+    with caplog.at_level(logging.WARNING, logger="regenerate_data"):
+        summary = regenerate(tiny_target, prompts_file, fallback, *flags, "--compile_decode", "on")
+    assert summary["written"] == 3 and summary["failed"] == 0
+    assert replies(read_output(fallback)) == replies(read_output(eager))
+    warnings = [r.getMessage() for r in caplog.records if "failed in its warm-up" in r.getMessage()]
+    assert len(warnings) == 1 and "RuntimeError: simulated inductor failure" in warnings[0], caplog.text
+
+
+def test_compile_decode_setting_is_checked(prompts_file):
+    common = ["--target_model", "t", "--prompts", prompts_file, "--output", "o.jsonl"]
+    assert regenerate_data.parse_args(common)[0].compile_decode == "auto"
+    with pytest.raises(ValueError, match="--compile_decode must be auto, on or off"):
+        regenerate_data.parse_args(common + ["--compile_decode", "yes"])
+    with pytest.raises(ValueError, match="needs --kv_cache static"):
+        regenerate_data.parse_args(common + ["--compile_decode", "on", "--kv_cache", "dynamic"])
+
+
+def test_packed_gqa_sdpa_matches_repeated_kv_heads():
+    """One query token with grouped KV heads: attending with the query heads packed as rows of their
+    KV head equals transformers' sdpa attention over repeated KV heads; other shapes go to it unchanged."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    batch, kv_heads, columns, head_dim = 2, 2, 11, 8
+    query = torch.randn(batch, kv_heads * 3, 1, head_dim)
+    key, value = torch.randn(2, batch, kv_heads, columns, head_dim)
+    mask = torch.rand(batch, 1, 1, columns) < 0.7
+    mask[..., 0] = True  # no fully masked row
+    packed, _ = regenerate_data.packed_gqa_sdpa(Attention(), query, key, value, mask, scaling=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.3)
+    assert packed.shape == (batch, 1, kv_heads * 3, head_dim)
+    torch.testing.assert_close(packed, expected.transpose(1, 2))
+    queries, mask = torch.randn(batch, kv_heads * 3, 4, head_dim), torch.ones(batch, 1, 4, columns, dtype=torch.bool).tril(columns - 4)
+    torch.testing.assert_close(regenerate_data.packed_gqa_sdpa(Attention(), queries, key, value, mask, scaling=0.3)[0],
+                               sdpa_attention_forward(Attention(), queries, key, value, mask, scaling=0.3)[0])

@@ -4,6 +4,8 @@
 # tokenizer files, e.g. SmolLM2-135M-Instruct's): random weights never stop early, so every reply has
 # the full --max_new_tokens and both sides decode the same number of tokens. A random drafter drafts
 # nothing useful (tau ~1), so evaluation times the target-only and verify forwards, not the speedup.
+# Regeneration: the earlier checkout, then this one with the decode step eager and compiled
+# (--compile_decode off / on); each batch's tokens/s is in the step's log.
 #
 #   bash tools/gpu/decode_speed.sh OUT_DIR BEFORE_DIR TARGET_FILES
 set -uo pipefail
@@ -19,5 +21,9 @@ step eval_after 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 5 --out
 step eval_before 60 python3 "$BEFORE/eval_dflash.py" "${evaluate[@]}" --num_prompts 2 --baseline none --output "$OUT/eval_before.json"
 regen=(--target_model "$T" --prompts "$OUT/questions.jsonl" --temperature 0 --max_new_tokens 320)
 step regen_before 90 python3 "$BEFORE/regenerate_data.py" "${regen[@]}" --output "$OUT/regen_before.jsonl" --num_prompts 512 --batch_size 512
-step regen_after 150 python3 regenerate_data.py "${regen[@]}" --output "$OUT/regen_after.jsonl" --num_prompts 4096 --batch_size 2048
+# The static-cache decode step eager (graphed) against compiled (and graphed), 4 batches of 512 each.
+step regen_eager 150 python3 regenerate_data.py "${regen[@]}" --output "$OUT/regen_eager.jsonl" --num_prompts 2048 --batch_size 512 \
+  --compile_decode off
+step regen_compiled 240 python3 regenerate_data.py "${regen[@]}" --output "$OUT/regen_compiled.jsonl" --num_prompts 2048 --batch_size 512 \
+  --compile_decode on
 step eval_after_dynamic 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 2 --baseline none --kv_cache dynamic --output "$OUT/eval_after_dynamic.json"
