@@ -8,6 +8,7 @@
 set -uo pipefail  # a run that reproduces the race is not a script failure
 out=$(realpath -m "${1:?usage: bash tools/gpu/compile_race.sh OUTPUT_DIR}")
 cd "$(dirname "$0")/../.."
+source tools/gpu/setup.sh  # staging only: every run compiles into a fresh cache dir of its own
 mkdir -p "$out/logs" "$out/logs1"
 cp BENCHMARKS.md "$out/BENCHMARKS.md"
 python3 bench_compile_race.py race --pattern naive --runs 3 --parallel 3 --timeout 90 \
