@@ -345,6 +345,13 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
     if unknown_flags:
         hint = did_you_mean([a for a in unknown_flags if a.startswith("-")], known, prefix="--")
         raise ValueError(f"unknown command-line arguments {unknown_flags}{': ' + hint if hint else ''}; see `python train_dflash.py --help`")
+    # Local data paths are checked here, before any model loads; Hub ids ("org/name") are checked
+    # when they load.
+    for flag, paths in (("--train_data", settings.train_data), ("--eval_data", [settings.eval_data] if settings.eval_data else [])):
+        for path in paths:
+            local = str(path).endswith((".jsonl", ".json", ".parquet")) or str(path).startswith((".", "/", "~"))
+            if local and not os.path.exists(os.path.expanduser(path)) and not (REPO_DIR / path).exists():
+                raise ValueError(f"{flag} {path}: no such file or folder")
     return settings, config_path
 
 
@@ -1043,6 +1050,9 @@ def find_resume_point(settings: TrainSettings, accelerator: Accelerator, rank: i
             )
         accelerator.wait_for_everyone()  # every rank has seen the earlier run before rank 0 deletes it
         if rank == 0:
+            logger.warning("--overwrite_output_dir: deleting the earlier run in %s (%s)%s", settings.output_dir,
+                           ", ".join(p.name for p in earlier_run),
+                           "; its final/ export is replaced at the end" if (Path(settings.output_dir) / "final").is_dir() else "")
             for path in earlier_run:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     if resume and rank == 0 and log_file.is_file():

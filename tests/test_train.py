@@ -168,11 +168,18 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
     from train_dflash import DEMO_CONFIG, parse_settings
 
     config = tmp_path / "run.yaml"
-    config.write_text("target_model: some/model\ntrain_data: [a.jsonl, b.jsonl]\nnum_anchors: 64\nblock_size: 8\n")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.touch(), b.touch()
+    config.write_text(f"target_model: some/model\ntrain_data: [{a}, {b}]\nnum_anchors: 64\nblock_size: 8\n")
     settings, path = parse_settings(["--config", str(config), "--num_anchors", "32"])
     assert path == str(config)
     assert settings.num_anchors == 32  # the flag wins
-    assert settings.block_size == 8 and settings.train_data == ["a.jsonl", "b.jsonl"]  # the YAML fills the rest
+    assert settings.block_size == 8 and settings.train_data == [str(a), str(b)]  # the YAML fills the rest
+    # A local data path that does not exist stops here, before any model loads; a Hub id passes.
+    for flag in ("--train_data", "--eval_data"):
+        with pytest.raises(ValueError, match=f"^{flag} {tmp_path}/missing.jsonl: no such file or folder$"):
+            parse_settings(["--config", str(config), flag, str(tmp_path / "missing.jsonl")])
+    assert parse_settings(["--config", str(config), "--train_data", "org/dataset"])[0].train_data == ["org/dataset"]
     assert settings.learning_rate == 6e-4  # untouched defaults stay
     # No --config and no --target_model: the demo.
     demo, path = parse_settings([])
@@ -256,6 +263,7 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tiny_qwen3_target
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1, target_layer_ids="1 3", overwrite_output_dir="true"), train_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "checkpoint-3").exists() and [row["step"] for row in read_log(out)] == [1]
+    assert f"--overwrite_output_dir: deleting the earlier run in {out} (checkpoint-3, train_log.jsonl)" in result.stderr
 
 
 def test_filler_micro_batches_change_neither_the_step_nor_the_logs(tiny_qwen3_target, train_env, tmp_path):
