@@ -1072,11 +1072,13 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
     dtype = parse_dtype(args.dtype, device)
     resolve_kv_cache(args.kv_cache, args.cuda_graphs, device)  # bad flags fail before anything loads
     drafter = load_drafter(args.draft_model, dtype, device)
+    block_size = resolve_block_size(drafter, args.block_size)  # also before the target loads
+    if not os.path.exists(args.data):
+        raise ValueError(f"--data {args.data}: no such file")
     target, tokenizer = load_target(args.target_model, gguf_file=args.target_gguf_file, dtype=dtype, device=device)
     check_drafter_matches_target(target, drafter)
     kv_cache, cuda_graphs = resolve_kv_cache(args.kv_cache, args.cuda_graphs, device, target)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
-    block_size = resolve_block_size(drafter, args.block_size)
     eos_token_ids = eos_token_ids_of(tokenizer, target)
     prompts = load_prompts(args.data, tokenizer, num_prompts=args.num_prompts)
     encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]

@@ -329,7 +329,7 @@ def test_evaluate_acceptance_restores_training_mode(qwen3_dirs):
     assert not drafter.training
 
 
-def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path):
+def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path, monkeypatch):
     target_dir, drafter_dir, prompts, _ = qwen3_dirs
     base = ["--target_model", str(target_dir), "--data", str(prompts), "--max_new_tokens", "8",
             "--output", str(tmp_path / "r.json"), "--device", "cpu"]
@@ -341,8 +341,18 @@ def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "-0.5"])
     with pytest.raises(ValueError, match="--top_p"):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "0.7", "--top_p", "0"])
+    # A block size the drafter cannot draft and a missing prompt file fail before the target loads.
+    import dflash_target
+
+    def no_target_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the settings were checked")
+
+    monkeypatch.setattr(dflash_target, "load_target", no_target_load)
     with pytest.raises(ValueError, match="block_size 7"):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--block_size", "7", "--baseline", "none"])
+    missing = base[:2] + ["--data", str(tmp_path / "missing.jsonl")] + base[4:]
+    with pytest.raises(ValueError, match=f"--data {tmp_path}/missing.jsonl: no such file"):
+        eval_dflash.main(missing + ["--draft_model", str(drafter_dir)])
 
 
 # ----------------------------------------------------------------------------------------------
