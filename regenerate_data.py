@@ -615,5 +615,5 @@ if __name__ == "__main__":
     try:
         main()
     except ValueError as error:  # user errors (bad flags, bad prompt lines): one clear line, no traceback
-        logger.error("%s", error)
-        sys.exit(1)
+        print(f"error: {error}", file=sys.stderr)  # as train_dflash.py says it
+        sys.exit(2)

@@ -8,6 +8,7 @@ test checks one script's run.
 
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,18 @@ def test_race_outcomes_count_only_the_fx_error_and_hangs():
     assert race.classify_run(False, {"status": "ok", "errors": []}, "") == "clean"
     table = race.summary_table("naive", ["hang", "fx-error", "error", "clean"], [90.0, 30.0, 5.0, 40.0])
     assert table[-1] == "| naive | 4 | 2 | 1 | 1 | 35.0 |"
+
+
+def test_user_errors_of_the_tools_are_one_line_like_training(tmp_path):
+    """A bad setting: `error: ...` on stderr, exit code 2, no traceback (as train_dflash.py answers)."""
+    runs = {
+        "eval_dflash.py": (["--target_model", "x", "--draft_model", "y", "--data", "d.jsonl", "--max_new_tokens", "4",
+                            "--output", str(tmp_path / "r.json"), "--temperature", "-1"], "error: --temperature must be >= 0"),
+        "regenerate_data.py": (["--target_model", "x", "--prompts", "p.jsonl", "--output", str(tmp_path / "o.jsonl"),
+                                "--compile_decode", "maybe"], "error: --compile_decode must be auto, on or off, got 'maybe'"),
+    }
+    for script, (args, message) in runs.items():
+        result = subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr, f"{script}: {result.stderr[-2000:]}"
+        assert result.stderr.strip().splitlines()[-1].startswith(message), f"{script}: {result.stderr[-500:]}"
