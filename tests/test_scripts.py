@@ -125,3 +125,33 @@ def test_user_errors_of_the_tools_are_one_line_like_training(tmp_path):
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert result.returncode == 2 and "Traceback" not in result.stderr, f"{script}: {result.stderr[-2000:]}"
         assert result.stderr.strip().splitlines()[-1].startswith(message), f"{script}: {result.stderr[-500:]}"
+
+
+def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_path):
+    """The helper scripts of tools/ in their smallest CPU form, so that a stale import fails here."""
+    files = tmp_path / "files"  # config + tokenizer, as a staged model folder without weights
+    files.mkdir()
+    for f in Path(tiny_qwen3_target).iterdir():
+        if not f.name.endswith(".safetensors"):
+            (files / f.name).write_bytes(f.read_bytes())
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    gsm8k.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(16)))
+    runs = {
+        "tools/gpu/drafter_rank_memory.py": ["--out", str(tmp_path / "rank"), "--device", "cpu", "--tiny", "--steps", "2"],
+        "tools/gpu/random_target.py": [str(files), str(tmp_path / "random")],
+        "tools/gpu/shaped_targets.py": [str(tmp_path / "shaped"), str(gsm8k)],
+        "tools/gpu/ablation_table.py": [str(tmp_path)],
+        "tools/gpu/bench_table.py": [str(tmp_path)],
+        "tools/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
+    }
+    env = dict(train_env, HF_HUB_OFFLINE="1")
+    out = {}
+    for script, args in runs.items():
+        result = subprocess.run([sys.executable, script, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{script}: exit {result.returncode}\n{result.stderr[-3000:]}"
+        out[script] = result.stdout
+    assert json.loads(out["tools/gpu/drafter_rank_memory.py"].splitlines()[0])["missing_layer_shards"]
+    assert (tmp_path / "random" / "model.safetensors").is_file() and (tmp_path / "random" / "drafter" / "config.json").is_file()
+    assert (tmp_path / "shaped" / "q8b" / "config.json").is_file() and (tmp_path / "shaped" / "conv8.jsonl").is_file()
+    assert out["tools/gpu/ablation_table.py"].startswith("| run | held-out tau |")
+    assert any((tmp_path / "tp").glob("*.safetensors"))
