@@ -149,6 +149,32 @@ def train_env(tmp_path_factory) -> dict:
     return env
 
 
+def run_args(target_dir, data, output_dir, **overrides) -> list[str]:
+    """train_dflash.py flags of a tiny multi-rank run: 18 samples in batches of 2 (9 micro-batches per
+    epoch, so with 2 drafter ranks the last micro-step of every epoch has one zero-loss filler), 2
+    epochs, 2 drafter layers reading target layers 1 and 3; `overrides` replace any of them."""
+    settings = dict(
+        target_model=str(target_dir), train_data=str(data), output_dir=str(output_dir), max_samples=18,
+        num_train_epochs=2, num_anchors=16, block_size=8, num_draft_layers=2, max_seq_length=192,
+        target_layer_ids="1 3", per_device_batch_size=2, learning_rate=1e-2, logging_steps=2, save_steps=0,
+        report_to="none", num_proc=1,
+    )
+    settings.update(overrides)
+    args = []
+    for key, value in settings.items():
+        args += [f"--{key}", *str(value).split()]
+    return args
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module of tiny models: thread start-up costs more than the matmuls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def launch_ranks(args, env, world, log_dir, rank_env=None):
     """Start the ranks of one run as plain processes, each with torchrun's environment, around a
     TCPStore hosted here (as torchrun's agent hosts it). Not torchrun itself: its agent kills the

@@ -47,13 +47,7 @@ def tiny_drafter(target, mask_token_id=MASK_ID, block_size=TRAINED_BLOCK, seed=1
     return drafter
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models: thread start-up costs more than the matmuls, and CI machines have few, shared cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, few shared CI cores
 
 
 @pytest.fixture(scope="module")

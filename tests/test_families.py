@@ -59,12 +59,7 @@ PARTIAL_ROTARY = {"qwen3_next", "qwen3_5_moe"}
 STATIC_CACHE = {"qwen3", "qwen3_moe", "llama3.1", "granite"}  # no sliding-window or linear-attention layers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: thread start-up costs more than the matmuls
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
 
 
 _targets: dict[str, torch.nn.Module] = {}

@@ -194,13 +194,19 @@ def test_weighted_loss_equals_hand_computed_value():
     assert acc.tolist() == [1.0, 1.0]
 
 
-def test_padding_never_counts_and_chunking_is_exact():
+def random_loss_inputs():
+    """Seeded loss inputs: hidden [2, 3, 5, 8] (batch, anchors, B - 1, hidden; requires grad), LM head
+    [40, 8], labels [2, 3, 5], valid [2, 3, 5] (about 70% True), weights of block size 6, gamma 2."""
     torch.manual_seed(0)
     hidden = torch.randn(2, 3, 5, 8, requires_grad=True)
     head = torch.randn(40, 8)
     labels = torch.randint(0, 40, (2, 3, 5))
     valid = torch.rand(2, 3, 5) > 0.3
-    weights = loss_weights(6, gamma=2.0)
+    return hidden, head, labels, valid, loss_weights(6, gamma=2.0)
+
+
+def test_padding_never_counts_and_chunking_is_exact():
+    hidden, head, labels, valid, weights = random_loss_inputs()
     loss_a, acc_a = dflash_loss(hidden, head, labels, valid, weights, chunk_size=4)
     (grad_a,) = torch.autograd.grad(loss_a, hidden)
     # Reference: full logits, plain loops.
@@ -511,12 +517,7 @@ def test_compiled_flex_forward_equals_sdpa_mixed_layers_on_cpu():
 @pytest.mark.parametrize("multiplier, cap", [(0.125, None), (1.0, 3.0), (4.0, 2.0)])
 def test_loss_applies_the_logit_multiplier_and_cap(multiplier, cap):
     """Loss and gradient through the scaled, capped logits equal autograd on scale_and_cap_logits."""
-    torch.manual_seed(0)
-    hidden = torch.randn(2, 3, 5, 8, requires_grad=True)
-    head = torch.randn(40, 8)
-    labels = torch.randint(0, 40, (2, 3, 5))
-    valid = torch.rand(2, 3, 5) > 0.3
-    weights = loss_weights(6, gamma=2.0)
+    hidden, head, labels, valid, weights = random_loss_inputs()
     loss, _ = dflash_loss(hidden, head, labels, valid, weights, chunk_size=4, output_multiplier=multiplier,
                           final_logit_softcapping=cap)
     (grad,) = torch.autograd.grad(loss, hidden)

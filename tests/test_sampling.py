@@ -19,12 +19,7 @@ PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
 TEMPERATURE, TOP_P = 0.8, 0.9
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: thread start-up costs more than the matmuls
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
 
 
 @pytest.fixture(scope="module")

@@ -20,25 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch_ranks
+from conftest import launch_ranks, run_args
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_args(target_dir, data, output_dir, **overrides):
-    """18 samples in batches of 2: 9 micro-batches per epoch, so with 2 drafter ranks the last
-    micro-step of every epoch has one zero-loss filler."""
-    settings = dict(
-        target_model=str(target_dir), train_data=str(data), output_dir=str(output_dir), max_samples=18,
-        num_train_epochs=2, num_anchors=16, block_size=8, num_draft_layers=2, max_seq_length=192,
-        target_layer_ids="1 3", per_device_batch_size=2, learning_rate=1e-2, logging_steps=2, save_steps=0,
-        report_to="none", num_proc=1,
-    )
-    settings.update(overrides)
-    args = []
-    for key, value in settings.items():
-        args += [f"--{key}", *str(value).split()]
-    return args
 
 
 def accelerate_launch(args, env, nproc, timeout=300):

@@ -26,24 +26,15 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TINY_QWEN3, launch_ranks
+from conftest import run_args as tiny_run_args
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 EMBEDDING_BYTES = TINY_QWEN3["vocab_size"] * TINY_QWEN3["hidden_size"] * 4  # [vocab, hidden] fp32
 
 
 def run_args(target, data, output_dir, **overrides):
-    """18 samples in micro-batches of 2, 2 drafter layers reading target layers 1 and 3."""
-    settings = dict(
-        target_model=str(target), train_data=str(data), output_dir=str(output_dir), max_samples=18,
-        num_train_epochs=1, num_anchors=16, block_size=8, num_draft_layers=2, max_seq_length=192,
-        target_layer_ids="1 3", per_device_batch_size=2, learning_rate=1e-2, logging_steps=1, save_steps=0,
-        report_to="none", num_proc=1,
-    )
-    settings.update(overrides)
-    args = []
-    for key, value in settings.items():
-        args += [f"--{key}", *str(value).split()]
-    return args
+    """conftest's tiny multi-rank run, one epoch, a log row every step."""
+    return tiny_run_args(target, data, output_dir, **{"num_train_epochs": 1, "logging_steps": 1, **overrides})
 
 
 def launch(args, env, nproc, *, machines=None, cwd=REPO_ROOT, timeout=300):
