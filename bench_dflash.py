@@ -5,6 +5,7 @@
     python bench_dflash.py --variant baseline --variant compile_layers+fused_ce_compiled
     python bench_dflash.py --device cpu --tiny         # CPU smoke test: tiny config, SDPA, 2 timed steps (< 60 s)
     python bench_dflash.py --quick --compile_target    # (b) also with the target's layers compiled
+    python bench_dflash.py --quick --drafter_only --layer_types last_full --sliding_window 2048   # (a) only
 
 On a machine whose working tree does not come back (the device tool), append to a copy:
     cp BENCHMARKS.md $OUT/ && python bench_dflash.py --quick --record-to $OUT/BENCHMARKS.md 2>&1 | tee $OUT/bench.log
@@ -123,6 +124,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per config after the flex warm-up (default 3, tiny 1)")
     p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 300, full 500, tiny 50); (a) stops 75 s earlier to leave time for (b) and (c)")
     p.add_argument("--compile_target", action="store_true", help="(b) also with the target's layers compiled (TargetFeatureExtractor.compile_layers); (c) then uses the compiled target")
+    p.add_argument("--drafter_only", action="store_true", help="(a) only: skip the target supply (b) and the colocated estimate (c)")
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
     p.add_argument("--layer_types", default=None, help="drafter layer layout as train_dflash.py's --layer_types (all_full, last_full, ...)")
     p.add_argument("--sliding_window", type=int, default=None, help="window of the sliding layers (train_dflash.py's --sliding_window)")
@@ -817,7 +819,7 @@ def main(argv: list[str]) -> None:
 
     # (a) every variant at the headline shapes, then the rest of the grid for the first variant; it
     # stops starting configs early enough to leave time for (b) and (c).
-    budget_a = args.budget_s - (0 if args.tiny else 75)
+    budget_a = args.budget_s - (0 if args.tiny or args.drafter_only else 75)
     drafter_rows = []
     run_drafter_grid(ctx, progress, args.variants, s["headline"], drafter_rows, budget_a)
     if not args.quick:
@@ -828,7 +830,9 @@ def main(argv: list[str]) -> None:
     ctx["head_weight"] = None
     free_memory(device)
     target_rows, colocated_rows = [], []
-    if progress.over_budget():
+    if args.drafter_only:
+        progress("(b), (c) skipped: --drafter_only")
+    elif progress.over_budget():
         progress("(b), (c) skipped: time budget")
     else:
         target_rows, extractor = run_target_supply(args, s, config, device, dtype, progress)

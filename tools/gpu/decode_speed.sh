@@ -8,6 +8,7 @@
 # (--compile_decode off / on); each batch's tokens/s is in the step's log.
 #
 #   bash tools/gpu/decode_speed.sh OUT_DIR BEFORE_DIR TARGET_FILES
+#   EVAL=0 bash tools/gpu/decode_speed.sh ...      # regeneration only
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); BEFORE=$(realpath "$2"); FILES=$(realpath "$3")
@@ -17,8 +18,10 @@ T=$ROOT/random_target
 python3 tools/gpu/random_target.py "$FILES" "$T"
 head -n 4096 "$DATA_DIR/gsm8k/train.jsonl" > "$OUT/questions.jsonl"
 evaluate=(--target_model "$T" --draft_model "$T/drafter" --data "$OUT/questions.jsonl" --max_new_tokens 128)
-step eval_after 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 5 --output "$OUT/eval_after.json"
-step eval_before 60 python3 "$BEFORE/eval_dflash.py" "${evaluate[@]}" --num_prompts 2 --baseline none --output "$OUT/eval_before.json"
+if [[ ${EVAL:-1} != 0 ]]; then
+  step eval_after 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 5 --output "$OUT/eval_after.json"
+  step eval_before 60 python3 "$BEFORE/eval_dflash.py" "${evaluate[@]}" --num_prompts 2 --baseline none --output "$OUT/eval_before.json"
+fi
 regen=(--target_model "$T" --prompts "$OUT/questions.jsonl" --temperature 0 --max_new_tokens 320)
 step regen_before 90 python3 "$BEFORE/regenerate_data.py" "${regen[@]}" --output "$OUT/regen_before.jsonl" --num_prompts 512 --batch_size 512
 # The static-cache decode step eager (graphed) against compiled (and graphed), 4 batches of 512 each.
@@ -26,4 +29,4 @@ step regen_eager 150 python3 regenerate_data.py "${regen[@]}" --output "$OUT/reg
   --compile_decode off
 step regen_compiled 240 python3 regenerate_data.py "${regen[@]}" --output "$OUT/regen_compiled.jsonl" --num_prompts 2048 --batch_size 512 \
   --compile_decode on
-step eval_after_dynamic 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 2 --baseline none --kv_cache dynamic --output "$OUT/eval_after_dynamic.json"
+[[ ${EVAL:-1} != 0 ]] && step eval_after_dynamic 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 2 --baseline none --kv_cache dynamic --output "$OUT/eval_after_dynamic.json"

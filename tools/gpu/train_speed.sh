@@ -5,10 +5,11 @@
 # wall time of the whole run (load, tokenize, compile, train). Target: $TARGET, default SmolLM2 as
 # an HF folder (tools/gpu/setup.sh). BEFORE_DIR: an earlier checkout, run with its own defaults.
 #   before        BEFORE_DIR, batch 16
-#   b16           this checkout, batch 16, one padded shape, the target's forward from CUDA graphs,
+#   b32           this checkout, batch 32, one padded shape, the target's forward from CUDA graphs,
 #                 a short held-out evaluation at the end (as the quality recipe runs)
-#   b32           the same at batch 32
-# If the CUDA-graph target fails, b16 and b32 run without it (b16_eager, b32_eager).
+#   b64           the same at batch 64
+#   profile       b32 for 30 steps with --profile_steps 5: profile/profile.txt, ops by GPU and by host time
+# If the CUDA-graph target fails, b32 and b64 run without it (b32_eager, b64_eager).
 # Writes OUT_DIR/table.md.
 #
 #   bash tools/gpu/train_speed.sh OUT_DIR [BEFORE_DIR]
@@ -28,13 +29,17 @@ fi
 # As the quality recipe trains: one padded shape, and the target kept whole for a held-out evaluation
 # (here a short one after the last step, outside the timed windows).
 ours=("${common[@]}" --pad_to_multiple_of 512 --eval_data "$DATA_DIR/gsm8k/train.jsonl" --eval_num_prompts 4 --eval_max_new_tokens 64)
-step b16 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 16 --target_cuda_graphs --output_dir "$OUT/b16"
-if grep -q $'^b16\t[0-9.]*\t0$' "$OUT/steps.tsv"; then
-  step b32 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --target_cuda_graphs --output_dir "$OUT/b32"
+step b32 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --target_cuda_graphs --output_dir "$OUT/b32"
+if grep -q $'^b32\t[0-9.]*\t0$' "$OUT/steps.tsv"; then
+  step b64 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --target_cuda_graphs --output_dir "$OUT/b64"
+  graphs=(--target_cuda_graphs)
 else
-  step b16_eager 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 16 --output_dir "$OUT/b16_eager"
   step b32_eager 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --output_dir "$OUT/b32_eager"
+  step b64_eager 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --output_dir "$OUT/b64_eager"
+  graphs=()
 fi
+step profile 150 "${launch[@]}" train_dflash.py "${common[@]}" --max_steps 30 --pad_to_multiple_of 512 --per_device_batch_size 32 \
+  "${graphs[@]}" --profile_steps 5 --output_dir "$OUT/profile"
 python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
 import json, statistics, sys
 from pathlib import Path
@@ -42,6 +47,8 @@ out = Path(sys.argv[1])
 print("| variant | samples/s (median of 20-step windows after the first) | windows | wall time (s) | exit code |\n|---|---|---|---|---|")
 for line in (out / "steps.tsv").read_text().splitlines():
     name, seconds, rc = line.split("\t")[:3]
+    if name == "profile":
+        continue
     log = out / name / "train_log.jsonl"
     rates = [json.loads(l)["samples_per_s"] for l in log.read_text().splitlines() if "samples_per_s" in l] if log.is_file() else []
     median = f"{statistics.median(rates[1:]):.1f}" if len(rates) > 1 else "-"
