@@ -51,6 +51,7 @@ import stat
 import sys
 import time
 import traceback
+import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
@@ -205,7 +206,7 @@ class TrainSettings:
     seed: int = field(default=0, metadata={"help": "Seed for data order, anchors and init"})
     # bookkeeping
     logging_steps: int = field(default=10, metadata={"help": "Log scalars every N optimizer steps"})
-    profile_steps: int = field(default=0, metadata={"help": "Profile this many optimizer steps (torch.profiler, on the lead) after the first 20, when compiles are done; writes {output_dir}/profile.txt (ops by self time) and profile_trace.json (chrome://tracing)"})
+    profile_steps: int = field(default=0, metadata={"help": "Profile this many optimizer steps (torch.profiler, on the lead) after the first 20, when compiles are done; writes {output_dir}/profile.txt (ops by GPU and by host time; on a GPU also the operations that made the host wait, by call stack) and profile_trace.json (chrome://tracing)"})
     save_steps: int = field(default=500, metadata={"help": "Write {output_dir}/checkpoint-{step} every N optimizer steps (0 = never)"})
     save_total_limit: int | None = field(default=3, metadata={"help": "Keep at most this many checkpoints (oldest deleted)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Start fresh in an --output_dir that holds an earlier run (its checkpoints and log are deleted)"})
@@ -393,6 +394,11 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
         **{"bf16.enabled": bf16, "fp16.enabled": False},
     )
     config = plugin.deepspeed_config
+    zero = config.get("zero_optimization", {})
+    if drafter_ranks == 1 and zero.get("overlap_comm"):
+        # With one drafter rank there is no communication to overlap, and ZeRO's overlap path
+        # synchronizes the whole device twice per optimizer step.
+        config["zero_optimization"] = {**zero, "overlap_comm": False}
     if split:
         # The tag check all-reduces over the whole world, target ranks included (dflash_split.py,
         # "Checkpoints in split mode"); our tag is a constant anyway.
@@ -689,14 +695,32 @@ PROFILE_AFTER_STEPS = 20  # --profile_steps starts here: the first steps compile
 
 def profile_window(profiler, step: int, settings: TrainSettings, on_cuda: bool):
     """--profile_steps: start torch.profiler after optimizer step PROFILE_AFTER_STEPS, stop it
-    settings.profile_steps steps later and write the tables (by GPU and by host time) and the trace. Returns the profiler
-    while it runs, else None."""
+    settings.profile_steps steps later and write the tables (by GPU and by host time) and the trace.
+    On CUDA, torch's sync debug mode also reports every operation in the window that made the host
+    wait for the device (an `.item()`, a copy to pageable memory, ...); profile.txt lists them by
+    call stack. Returns the profiler while it runs, else None."""
     if step == PROFILE_AFTER_STEPS:
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
         profiler = torch.profiler.profile(activities=activities)
         profiler.__enter__()
+        profiler.dflash_syncs, profiler.dflash_warnings = {}, warnings.catch_warnings()
+        if on_cuda:
+            profiler.dflash_warnings.__enter__()
+            warnings.simplefilter("always")  # every sync, not the first per source line
+            shown = warnings.showwarning
+
+            def record_sync(message, category, filename, lineno, file=None, line=None):
+                if "synchronizing CUDA operation" not in str(message):
+                    return shown(message, category, filename, lineno, file, line)
+                stack = "".join(traceback.format_stack(limit=12)[:-1])  # without this function
+                profiler.dflash_syncs[stack] = profiler.dflash_syncs.get(stack, 0) + 1
+
+            warnings.showwarning = record_sync
+            torch.cuda.set_sync_debug_mode("warn")
     elif profiler is not None and step == PROFILE_AFTER_STEPS + settings.profile_steps:
         if on_cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            profiler.dflash_warnings.__exit__(None, None, None)
             torch.cuda.synchronize()
         profiler.__exit__(None, None, None)
         out = Path(settings.output_dir)
@@ -704,6 +728,11 @@ def profile_window(profiler, step: int, settings: TrainSettings, on_cuda: bool):
         tables = [f"optimizer steps {PROFILE_AFTER_STEPS + 1}..{step}"]
         for sort_by in (["self_cuda_time_total"] if on_cuda else []) + ["self_cpu_time_total"]:
             tables.append(f"sorted by {sort_by}\n{profiler.key_averages().table(sort_by=sort_by, row_limit=50)}")
+        if on_cuda:
+            syncs = sorted(profiler.dflash_syncs.items(), key=lambda item: -item[1])
+            tables.append(f"host waits for the device (torch.cuda.set_sync_debug_mode; explicit synchronize() calls are not "
+                          f"listed): {sum(profiler.dflash_syncs.values())} in {settings.profile_steps} steps")
+            tables += [f"{count} x\n{stack}" for stack, count in syncs]
         (out / "profile.txt").write_text("\n".join(tables) + "\n")
         profiler.export_chrome_trace(str(out / "profile_trace.json"))
         logger.info("Profiled steps %d..%d: %s", PROFILE_AFTER_STEPS + 1, step, out / "profile.txt")

@@ -136,6 +136,11 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
             (files / f.name).write_bytes(f.read_bytes())
     gsm8k = tmp_path / "gsm8k.jsonl"
     gsm8k.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(16)))
+    run = tmp_path / "sliding_w64"  # a training run that made its own held-out evaluation at the end
+    (run / "final").mkdir(parents=True)
+    (run / "train_log.jsonl").write_text(json.dumps({"step": 10, "tau_estimate": 2.25, "elapsed_s": 31.0}) + "\n"
+                                         + json.dumps({"step": 10, "eval_tau": 2.5, "elapsed_s": 40.0}) + "\n")
+    (run / "final" / "training_settings.json").write_text(json.dumps({"eval_num_prompts": 8}))
     runs = {
         "tools/gpu/drafter_rank_memory.py": ["--out", str(tmp_path / "rank"), "--device", "cpu", "--tiny", "--steps", "2"],
         "tools/gpu/random_target.py": [str(files), str(tmp_path / "random")],
@@ -154,4 +159,5 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     assert (tmp_path / "random" / "model.safetensors").is_file() and (tmp_path / "random" / "drafter" / "config.json").is_file()
     assert (tmp_path / "shaped" / "q8b" / "config.json").is_file() and (tmp_path / "shaped" / "conv8.jsonl").is_file()
     assert out["tools/gpu/ablation_table.py"].startswith("| run | held-out tau |")
+    assert "| sliding_w64 | 2.50 | 8 | 2.25 | 10 | 31 |" in out["tools/gpu/ablation_table.py"]
     assert any((tmp_path / "tp").glob("*.safetensors"))

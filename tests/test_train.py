@@ -494,3 +494,14 @@ def test_a_diverged_loss_stops_the_run_naming_the_window_the_settings_and_the_ch
     # What makes the check necessary: the shipped config lets DeepSpeed skip no bf16 step.
     config = resolve_deepspeed_config(settings, drafter_ranks=1, bf16=True, split=False)
     assert config["bf16"] == {"enabled": True, "check_grad_overflow": False}
+
+
+def test_the_shipped_deepspeed_config_asks_for_no_per_step_device_syncs():
+    from train_dflash import TrainSettings, resolve_deepspeed_config
+
+    settings = TrainSettings(target_model="x", train_data=["x"], output_dir="unused")
+    one = resolve_deepspeed_config(settings, drafter_ranks=1, bf16=True, split=False)
+    assert one["timers"] == {"throughput": {"enabled": False}}  # DeepSpeed's timer syncs the device per micro-step
+    assert one["zero_optimization"]["overlap_comm"] is False  # one drafter rank: nothing to overlap
+    several = resolve_deepspeed_config(settings, drafter_ranks=4, bf16=True, split=False)
+    assert several["zero_optimization"]["overlap_comm"] is True and several["train_batch_size"] == 4 * settings.per_device_batch_size

@@ -1,5 +1,7 @@
-"""The table of tools/gpu/quality_ablations.sh: per run, held-out tau (OUT_DIR/eval_<run>.json) and the
-tau estimate from training accuracy at the end (OUT_DIR/<run>/train_log.jsonl).
+"""The table of tools/gpu/quality_ablations.sh and sliding_window.sh: per run, held-out tau
+(OUT_DIR/eval_<run>.json, or else the last held-out evaluation in the run's own train_log.jsonl, whose
+prompt count is the run's --eval_num_prompts) and the tau estimate from training accuracy at the end
+(OUT_DIR/<run>/train_log.jsonl).
 
     python3 tools/gpu/ablation_table.py OUT_DIR
 """
@@ -18,8 +20,13 @@ def main() -> None:
         last = next((r for r in reversed(rows) if "tau_estimate" in r), {})
         result = out / f"eval_{run.name}.json"
         evaluation = json.loads(result.read_text()) if result.is_file() else {}
-        tau = evaluation.get("acceptance_length")
-        print(f"| {run.name} | {'-' if tau is None else f'{tau:.2f}'} | {evaluation.get('num_prompts', '-')} | "
+        tau, prompts = evaluation.get("acceptance_length"), evaluation.get("num_prompts", "-")
+        if tau is None:  # the held-out evaluation the training run made itself
+            tau = next((r["eval_tau"] for r in reversed(rows) if "eval_tau" in r), None)
+            settings = run / "final" / "training_settings.json"
+            if tau is not None and settings.is_file():
+                prompts = json.loads(settings.read_text()).get("eval_num_prompts", "-")
+        print(f"| {run.name} | {'-' if tau is None else f'{tau:.2f}'} | {prompts} | "
               f"{last.get('tau_estimate', float('nan')):.2f} | {last.get('step', '-')} | {last.get('elapsed_s', float('nan')):.0f} |")
 
 
