@@ -4,11 +4,21 @@ Each `race` run is a fresh process on a fresh, cold TORCHINDUCTOR_CACHE_DIR. Thr
 together, each with its OWN sequence length (--lengths, default 256, 384 and 512, as ranks with
 different batches have), so each triggers its own compile at the same moment. Each thread trains
 --steps steps: an attention layer calling flex_attention with the anchor BlockMask, a chunked
-LM-head cross-entropy, both under reentrant activation checkpointing (use_reentrant=True: the
-layer's forward runs again inside backward, on CUDA in autograd's own thread), and the backward.
-Then it goes on training until every thread has done its steps, as a rank keeps training while
-its neighbours compile: its calls into the compiled flex land while another thread is tracing,
-and tracing sets a process-wide FX flag that the compiled function's entry checks.
+LM-head cross-entropy under reentrant activation checkpointing (use_reentrant=True), and the
+backward. Then it goes on training until every thread has done its steps, as a rank keeps
+training while its neighbours compile. Two ways the naive pattern fails:
+
+  - FX-tracing error: a thread calls the compiled flex while another thread traces its own
+    compile; tracing sets a process-wide FX flag that the compiled function's entry checks.
+  - hang: AOTAutograd compiles flex's backward lazily, at the first backward, which on CUDA runs
+    in autograd's one worker thread per device, shared by every Python thread. That compile waits
+    for dynamo's process-wide compile lock while another thread holds it to compile its forward
+    with grad, whose joint forward/backward trace needs that same autograd worker thread.
+
+The second needs a forward compiled WITH grad in a Python thread, so the attention layer runs
+without checkpointing by default (a reentrant checkpoint would run its first forward without
+grad); --layer-checkpoint checkpoints it too (reentrant: its forward then runs again inside
+backward, in autograd's worker thread).
 Patterns:
 
     naive      a per-device `torch.compile(flex_attention)` (torch's default dynamic shapes; or
@@ -174,7 +184,7 @@ def race_child(args) -> None:
                           num_anchors=num_anchors, block_size=block_size, dtype=dtype)
             if train:
                 dc.warm_up_flex_attention(device, dm.create_anchor_block_mask, **shapes, training=True)
-            if not train or args.loss_checkpoint == "reentrant":  # a reentrant checkpoint's first forward runs without grad
+            if not train or (args.layer_checkpoint and args.loss_checkpoint == "reentrant"):  # its first forward runs without grad
                 dc.warm_up_flex_attention(device, dm.create_anchor_block_mask, **shapes, training=False)
     warm_seconds = time.perf_counter() - start
     compiles_before = dc.flex_compile_stats()["compiles"]
@@ -210,10 +220,10 @@ def race_child(args) -> None:
                 weights = torch.rand(batch * q_len, device=device)
                 if train:
                     mode = args.loss_checkpoint
-                    if args.no_layer_checkpoint:
-                        h = layer(x)
-                    else:
+                    if args.layer_checkpoint:
                         h = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=mode == "reentrant")
+                    else:
+                        h = layer(x)
                     loss = chunked_loss(h.reshape(-1, hidden), head_weight, labels, weights, q_len // 4, mode)
                     loss.backward()
                 else:
@@ -306,8 +316,8 @@ def race_run(args, run: int) -> dict:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.parallel))
     command = [sys.executable, os.path.abspath(__file__), "race-child", "--pattern", args.pattern, "--device", args.device,
                "--threads", str(args.threads), "--steps", str(args.steps), "--loss-checkpoint", args.loss_checkpoint]
-    if args.no_layer_checkpoint:
-        command.append("--no-layer-checkpoint")
+    if args.layer_checkpoint:
+        command.append("--layer-checkpoint")
     command += ["--naive-dynamic", args.naive_dynamic]
     if args.lengths:
         command += ["--lengths", *map(str, args.lengths)]
@@ -371,7 +381,7 @@ def race(args) -> None:
     if not args.no_record:
         environment = next((r["environment"] for r in runs if r["environment"]), None) or environment_line(args.device)
         settings = (f"{args.threads} threads at lengths {lengths}, loss checkpoint {args.loss_checkpoint}"
-                    f"{' (layer not checkpointed)' if args.no_layer_checkpoint else ''}"
+                    f"{', attention layer checkpointed too' if args.layer_checkpoint else ', attention layer not checkpointed'}"
                     f"{f', {args.compile_threads} inductor compile worker(s)' if args.compile_threads else ''}"
                     f"{', torch.compile dynamic=False' if args.pattern == 'naive' and args.naive_dynamic == 'false' else ''}, "
                     f"timeout {args.timeout:.0f} s, {args.parallel} runs in parallel")
@@ -482,9 +492,10 @@ def main() -> None:
                        help="training steps per thread at least; a thread goes on stepping until every thread has done them")
         p.add_argument("--size", choices=sorted(SIZES), default=None, help="default: small on cuda, tiny on cpu")
         p.add_argument("--loss-checkpoint", choices=["reentrant", "nonreentrant"], default="reentrant",
-                       help="checkpoint mode of the attention layer and the chunked loss (reentrant is the harder case)")
-        p.add_argument("--no-layer-checkpoint", action="store_true",
-                       help="run the attention layer without checkpointing (only the loss is checkpointed)")
+                       help="checkpoint mode of the chunked loss (and of the attention layer with --layer-checkpoint)")
+        p.add_argument("--layer-checkpoint", action="store_true",
+                       help="checkpoint the attention layer too (default: only the loss; the layer's forward then "
+                            "compiles with grad in each thread, as in the probe that hung)")
         p.add_argument("--lengths", type=int, nargs="+", default=None,
                        help="sequence length of each thread, cycled (default: 256 384 512 on cuda, 64 96 128 on cpu)")
         p.add_argument("--compile-threads", type=int, default=None, help="inductor compile workers per run")

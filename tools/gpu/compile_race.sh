@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The compile-race check on one GPU (requirements installed): cold naive runs, expected to
 # reproduce the race (FX-tracing error or a hang past 90 s): 3 as users write it (torch.compile's
-# default dynamic shapes) and, beside them, 3 with dynamic=False (one static graph per length). Then 10
-# cold runs of the trainer's locked compile path, expected clean (5 compiling at once are slower,
-# hence its longer cutoff). Logs and a BENCHMARKS.md with the tables go to $1.
+# default dynamic shapes) and, beside them, 3 with dynamic=False (one static graph per length); the
+# attention layer is not checkpointed, so each thread compiles its forward with grad (see
+# bench_compile_race.py for why that can deadlock). Then 10 cold runs of the trainer's locked
+# compile path, expected clean (5 compiling at once are slower, hence its longer cutoff). Logs and
+# a BENCHMARKS.md with the tables go to $1.
 #   bash tools/gpu/compile_race.sh OUTPUT_DIR      (about 4 minutes on an H200)
 set -uo pipefail  # a run that reproduces the race is not a script failure
 out=$(realpath -m "${1:?usage: bash tools/gpu/compile_race.sh OUTPUT_DIR}")
