@@ -996,9 +996,12 @@ def dflash_loss(
         accuracy: [B-1] float32, argmax accuracy per block position k = 1..B-1 (NaN where no label).
     """
     positions = label_valid.shape[-1]
-    k_index = torch.arange(positions, device=labels.device).expand_as(labels)[label_valid]  # [T]
-    rows = hidden[label_valid]  # [T, hidden]
-    targets = labels[label_valid]  # [T]
+    # One nonzero (one wait for the device) gives the valid rows; gathering by these indices costs no
+    # further wait, where each boolean-mask index would wait once more, and again in its backward.
+    valid = label_valid.reshape(-1).nonzero().squeeze(1)  # [T] int64, flat indices into batch x N x (B-1)
+    k_index = valid % positions  # [T], block position k - 1 of each row
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)  # [T, hidden]
+    targets = labels.reshape(-1).index_select(0, valid)  # [T]
     row_weights = weights.to(rows.device)[k_index]  # [T]
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
