@@ -19,7 +19,7 @@
 #   sampled1     one sampled reply per question (temperature 0.8) instead of the greedy one: -0.2.
 #                Evaluation decodes greedily, so greedy replies are what the drafter must predict.
 #   greedy+4     the greedy reply and four sampled ones per question, the same 654 steps: +0.0 to
-#                +0.1. The same number of samples seen, more varied; the recipe's 2,180 steps on
+#                +0.1. The same number of samples seen, more varied; the recipe's 4,360 steps on
 #                them is where the volume would pay.
 #
 #   bash tools/gpu/quality_ablations.sh OUT_DIR [RECIPE_DIR]        # every run
