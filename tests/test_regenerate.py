@@ -364,6 +364,14 @@ def test_compile_decode_setting_is_checked(prompts_file):
         regenerate_data.parse_args(common + ["--compile_decode", "on", "--kv_cache", "dynamic"])
 
 
+def test_auto_compiles_the_decode_step_only_where_the_compile_pays_for_itself():
+    decide = regenerate_data.compile_decode_step
+    assert regenerate_data.COMPILE_DECODE_MIN_BATCHES == 36  # 25.5 s more first batch / 0.7 s saved per later batch
+    assert [decide("auto", True, n) for n in (1, 14, 35, 36, 100)] == [False, False, False, True, True]
+    assert not decide("auto", False, 100)  # no CUDA graphs (CPU): nothing to compile into
+    assert decide("on", False, 1) and not decide("off", True, 100)
+
+
 def test_packed_gqa_sdpa_matches_repeated_kv_heads():
     """One query token with grouped KV heads: attending with the query heads packed as rows of their
     KV head equals transformers' sdpa attention over repeated KV heads; other shapes go to it unchanged."""
