@@ -998,10 +998,9 @@ def dflash_loss(
     positions = label_valid.shape[-1]
     # One nonzero (one wait for the device) gives the valid rows; gathering by these indices costs no
     # further wait, where each boolean-mask index would wait once more, and again in its backward.
-    valid = label_valid.reshape(-1).nonzero().squeeze(1)  # [T] int64, flat indices into batch x N x (B-1)
-    k_index = valid % positions  # [T], block position k - 1 of each row
-    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)  # [T, hidden]
-    targets = labels.reshape(-1).index_select(0, valid)  # [T]
+    b_index, n_index, k_index = label_valid.nonzero().unbind(1)  # each [T] int64
+    rows = hidden[b_index, n_index, k_index]  # [T, hidden]
+    targets = labels[b_index, n_index, k_index]  # [T]
     row_weights = weights.to(rows.device)[k_index]  # [T]
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
