@@ -77,7 +77,7 @@ def test_bench_compile_race_records_the_summary_table(smoke_runs):
     recorded = (root / "BENCHMARKS.md").read_text()
     assert "| pattern | runs | reproduced (FX error or hang) | unrelated errors | clean | median seconds |" in recorded
     assert "| ours | 2 | 0 | 0 | 2 |" in recorded, recorded
-    assert "3 threads at lengths [64, 96, 128], loss checkpoint reentrant, timeout 90 s, 2 runs in parallel" in recorded
+    assert "3 threads at lengths [64, 96, 128], loss checkpoint reentrant, attention layer not checkpointed, timeout 90 s, 2 runs in parallel" in recorded
     assert len(list((root / "race_logs").glob("race_ours_*.log"))) == 2
 
 
