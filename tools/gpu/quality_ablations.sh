@@ -8,7 +8,7 @@
 #
 # Predictions, written before the runs (held-out tau against base):
 #   epochs6      1,308 steps (6 epochs): +0.3 or more. The base's loss still falls at its end,
-#                and a new user's 6 epochs of the same data at batch 16 reached tau 3.26.
+#                and the 820-step run of BENCHMARKS.md (tau 2.41) beat the 654-step ones (2.27-2.38).
 #   layers8      8 drafter layers instead of 5: +0.1. More capacity, at a small target whose
 #                features are easy to use; the step count limits more than the depth.
 #   layers3      3 drafter layers: -0.1 to -0.2.
