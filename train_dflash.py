@@ -52,7 +52,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -703,8 +703,9 @@ def profile_window(profiler, step: int, settings: TrainSettings, on_cuda: bool):
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
         profiler = torch.profiler.profile(activities=activities)
         profiler.__enter__()
-        profiler.dflash_syncs, profiler.dflash_warnings = {}, warnings.catch_warnings()
+        profiler.dflash_syncs = Counter()  # call stack -> host waits there
         if on_cuda:
+            profiler.dflash_warnings = warnings.catch_warnings()
             profiler.dflash_warnings.__enter__()
             warnings.simplefilter("always")  # every sync, not the first per source line
             shown = warnings.showwarning
@@ -713,7 +714,7 @@ def profile_window(profiler, step: int, settings: TrainSettings, on_cuda: bool):
                 if "synchronizing CUDA operation" not in str(message):
                     return shown(message, category, filename, lineno, file, line)
                 stack = "".join(traceback.format_stack(limit=12)[:-1])  # without this function
-                profiler.dflash_syncs[stack] = profiler.dflash_syncs.get(stack, 0) + 1
+                profiler.dflash_syncs[stack] += 1
 
             warnings.showwarning = record_sync
             torch.cuda.set_sync_debug_mode("warn")
@@ -725,14 +726,13 @@ def profile_window(profiler, step: int, settings: TrainSettings, on_cuda: bool):
         profiler.__exit__(None, None, None)
         out = Path(settings.output_dir)
         # GPU time shows what the kernels cost; host time shows launch, sync and Python overhead.
-        tables = [f"optimizer steps {PROFILE_AFTER_STEPS + 1}..{step}"]
+        tables, averages = [f"optimizer steps {PROFILE_AFTER_STEPS + 1}..{step}"], profiler.key_averages()
         for sort_by in (["self_cuda_time_total"] if on_cuda else []) + ["self_cpu_time_total"]:
-            tables.append(f"sorted by {sort_by}\n{profiler.key_averages().table(sort_by=sort_by, row_limit=50)}")
+            tables.append(f"sorted by {sort_by}\n{averages.table(sort_by=sort_by, row_limit=50)}")
         if on_cuda:
-            syncs = sorted(profiler.dflash_syncs.items(), key=lambda item: -item[1])
             tables.append(f"host waits for the device (torch.cuda.set_sync_debug_mode; explicit synchronize() calls are not "
-                          f"listed): {sum(profiler.dflash_syncs.values())} in {settings.profile_steps} steps")
-            tables += [f"{count} x\n{stack}" for stack, count in syncs]
+                          f"listed): {profiler.dflash_syncs.total()} in {settings.profile_steps} steps")
+            tables += [f"{count} x\n{stack}" for stack, count in profiler.dflash_syncs.most_common()]
         (out / "profile.txt").write_text("\n".join(tables) + "\n")
         profiler.export_chrome_trace(str(out / "profile_trace.json"))
         logger.info("Profiled steps %d..%d: %s", PROFILE_AFTER_STEPS + 1, step, out / "profile.txt")

@@ -29,4 +29,7 @@ step regen_eager 150 python3 regenerate_data.py "${regen[@]}" --output "$OUT/reg
   --compile_decode off
 step regen_compiled 240 python3 regenerate_data.py "${regen[@]}" --output "$OUT/regen_compiled.jsonl" --num_prompts 2048 --batch_size 512 \
   --compile_decode on
-[[ ${EVAL:-1} != 0 ]] && step eval_after_dynamic 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 2 --baseline none --kv_cache dynamic --output "$OUT/eval_after_dynamic.json"
+if [[ ${EVAL:-1} != 0 ]]; then
+  step eval_after_dynamic 60 python3 eval_dflash.py "${evaluate[@]}" --num_prompts 2 --baseline none --kv_cache dynamic \
+    --output "$OUT/eval_after_dynamic.json"
+fi
