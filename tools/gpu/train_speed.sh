@@ -8,7 +8,7 @@
 #   b32           this checkout, batch 32, one padded shape, the target's forward from CUDA graphs,
 #                 a short held-out evaluation at the end (as the quality recipe runs)
 #   b64           the same at batch 64
-#   profile       b32 for 30 steps with --profile_steps 5: profile/profile.txt, ops by GPU and by host time
+#   profile       (PROFILE=0 skips it) b32 for 30 steps with --profile_steps 5: profile/profile.txt, ops by GPU and by host time
 # If the CUDA-graph target fails, b32 and b64 run without it (b32_eager, b64_eager).
 # Writes OUT_DIR/table.md.
 #
@@ -38,7 +38,7 @@ else
   step b64_eager 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --output_dir "$OUT/b64_eager"
   graphs=()
 fi
-step profile 150 "${launch[@]}" train_dflash.py "${common[@]}" --max_steps 30 --pad_to_multiple_of 512 --per_device_batch_size 32 \
+[[ ${PROFILE:-1} == 1 ]] && step profile 150 "${launch[@]}" train_dflash.py "${common[@]}" --max_steps 30 --pad_to_multiple_of 512 --per_device_batch_size 32 \
   "${graphs[@]}" --profile_steps 5 --output_dir "$OUT/profile"
 python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
 import json, statistics, sys
