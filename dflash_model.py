@@ -294,6 +294,26 @@ def sample_anchors(
     return anchors, anchor_valid
 
 
+def anchor_slots(loss_mask: torch.Tensor, num_anchors: int, multiple: int) -> int:
+    """Anchor slots a micro-batch needs: the most eligible positions (as in `sample_anchors`) of any
+    row, rounded up to a multiple of `multiple`, at most `num_anchors`.
+
+    `sample_anchors(loss_mask, anchor_slots(...))` keeps every row's valid anchors (a row with more
+    eligible positions than `num_anchors` draws the same subset either way: the top scores of one
+    draw) and drops only padded slots, which train nothing but cost a full drafter forward and
+    backward each. Short replies leave most of the slots padded. Each distinct count is a new shape
+    for the compiled drafter, hence the rounding.
+
+    Args:
+        loss_mask: [batch, S] bool (any device; the count is read on the host: one sync on a GPU).
+        num_anchors: the most slots per row. multiple: > 0.
+    Returns:
+        int in [min(multiple, num_anchors), num_anchors].
+    """
+    eligible = int((loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()).sum(dim=1).max())
+    return min(num_anchors, multiple * max(1, -(-eligible // multiple)))
+
+
 def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, mask_token_id: int, block_size: int) -> torch.Tensor:
     """Token ids of every block: `[token[a_j], MASK x (B - 1)]`.
 

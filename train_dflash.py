@@ -106,6 +106,7 @@ from dflash_model import (
     DEFAULT_LOSS_GAMMA,
     DFlashConfig,
     DFlashDraftModel,
+    anchor_slots,
     block_labels,
     create_anchor_block_mask,
     default_loss_gamma,
@@ -176,6 +177,7 @@ class TrainSettings:
     num_proc: int = field(default=4, metadata={"help": "Tokenization processes"})
     # objective
     num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
+    anchor_slots_multiple: int = field(default=0, metadata={"help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots). The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
     loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
@@ -253,6 +255,8 @@ class TrainSettings:
         for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.anchor_slots_multiple < 0:
+            raise ValueError(f"--anchor_slots_multiple must be >= 0 (0 = always --num_anchors slots), got {self.anchor_slots_multiple}")
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (an anchor plus at least one drafted token), got {self.block_size}")
         if isinstance(self.layer_types, (list, tuple)):  # a YAML list
@@ -1027,7 +1031,10 @@ class MicroBatchLoss:
         epoch, reproducible on resume."""
         settings, config = self.settings, self.draft_config
         generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
-        anchors, anchor_valid = sample_anchors(loss_mask, settings.num_anchors, generator)
+        num_anchors = settings.num_anchors
+        if settings.anchor_slots_multiple:
+            num_anchors = anchor_slots(loss_mask, num_anchors, settings.anchor_slots_multiple)
+        anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
         return dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,

@@ -15,6 +15,7 @@ from eval_dflash import DFlashStaticContextCache  # the static cache lives where
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
+    anchor_slots,
     block_input_ids,
     block_labels,
     block_position_ids,
@@ -282,6 +283,38 @@ def test_draft_pass_matches_training_forward():
     assert torch.equal(draft[0], expected)
     cache.crop(5)
     assert cache.length == 5 and cache.keys[0].shape[2] == 5
+
+
+def test_trimmed_anchor_slots_give_the_same_loss_and_gradients():
+    loss_mask = torch.zeros(3, 40, dtype=torch.bool)
+    loss_mask[0, 20:31] = True  # 10 eligible positions (20..29)
+    loss_mask[1, 30:] = True  # 9
+    loss_mask[2, 36:] = True  # 3
+    assert anchor_slots(loss_mask, 32, 4) == 12 and anchor_slots(loss_mask, 32, 16) == 16
+    assert anchor_slots(loss_mask, 8, 4) == 8  # never more than --num_anchors
+    assert anchor_slots(torch.zeros(2, 40, dtype=torch.bool), 32, 4) == 4  # nothing eligible: one bucket
+    drafter = tiny_drafter(block_size=4).train()
+    input_ids = torch.randint(0, VOCAB - 1, (3, 40), generator=torch.Generator().manual_seed(1))
+    features = torch.randn(3, 40, 2 * 16, generator=torch.Generator().manual_seed(2))
+    weights = loss_weights(4, gamma=2.0)
+
+    def loss_and_grads(num_anchors):
+        anchors, valid = sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(3))
+        hidden = drafter(features, input_ids, anchors, valid)
+        labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
+        loss, accuracy = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, weights)
+        drafter.zero_grad()
+        loss.backward()
+        return anchors, loss, accuracy, [p.grad.clone() for p in drafter.parameters() if p.requires_grad]
+
+    full = loss_and_grads(32)
+    trimmed = loss_and_grads(anchor_slots(loss_mask, 32, 4))
+    assert full[0].shape == (3, 32) and trimmed[0].shape == (3, 12)
+    assert torch.equal(full[0][:, :12], trimmed[0]) and not full[0][:, 12:].any()  # the same anchors, fewer padded slots
+    torch.testing.assert_close(trimmed[1], full[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(trimmed[2], full[2], rtol=1e-5, atol=1e-6)
+    for a, b in zip(trimmed[3], full[3]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_loss_falls_on_a_fixed_batch():

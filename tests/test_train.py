@@ -221,6 +221,7 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
         (["--max_step", "5"], "unknown command-line arguments ['--max_step', '5']: --max_step: did you mean --max_steps?"),
         (["--block_size", "1"], "--block_size must be >= 2"),
         (["--max_dropped_fraction", "1.5"], "--max_dropped_fraction must be between 0 and 1"),
+        (["--anchor_slots_multiple", "-1"], "--anchor_slots_multiple must be >= 0"),
     ]:
         with pytest.raises(ValueError) as error:
             parse_settings(base + argv)
