@@ -148,6 +148,8 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
         "tools/gpu/ablation_table.py": [str(tmp_path)],
         "tools/gpu/bench_table.py": [str(tmp_path)],
         "tools/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
+        "tools/anchor_flops.py": [str(gsm8k), "--target_model", str(files), "--num_anchors", "64", "--max_seq_length", "96",
+                                  "--batch_size", "4", "--anchor_slots_multiple", "8"],
     }
     env = dict(train_env, HF_HUB_OFFLINE="1")
     out = {}
@@ -161,3 +163,7 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     assert out["tools/gpu/ablation_table.py"].startswith("| run | held-out tau |")
     assert "| sliding_w64 | 2.50 | 8 | 2.25 | 10 | 31 |" in out["tools/gpu/ablation_table.py"]
     assert any((tmp_path / "tp").glob("*.safetensors"))
+    flops = json.loads(out["tools/anchor_flops.py"].splitlines()[-1])  # short answers: most of 64 slots are padding
+    per_sample = flops["flop_per_sample"]
+    assert flops["samples"] == 16 and 0 < flops["valid_slot_share"] < 0.25
+    assert per_sample["drafter_useful"] < per_sample["drafter_executed_anchor_slots_multiple_8"] < 0.75 * per_sample["drafter_executed"]

@@ -1,0 +1,94 @@
+"""How much of a training step's compute is padded anchor slots, on your data (CPU, no weights needed).
+
+Tokenizes the data as train_dflash.py does, draws each sample's anchors, and counts FLOPs per
+sample (forward + backward, `bench_dflash.drafter_step_flops`; the target's forward at the padded
+length): the useful drafter work (valid anchor blocks), what a step executes with every row
+carrying --num_anchors slots, and what it executes with --anchor_slots_multiple M (each
+length-grouped micro-batch keeps the slots its fullest row needs, rounded up to M).
+
+    python tools/anchor_flops.py ../shared/data/gsm8k/train.jsonl --target_model TARGET_DIR \\
+        --num_anchors 256 --max_seq_length 512 --batch_size 64 --anchor_slots_multiple 64
+
+TARGET_DIR needs only config.json and the tokenizer files. Prints a table and one JSON line.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat modules
+
+from bench_dflash import drafter_step_flops, target_forward_flops  # noqa: E402
+from dflash_data import build_train_dataset, length_grouped_batches  # noqa: E402
+from dflash_model import anchor_slots, block_labels, sample_anchors  # noqa: E402
+from dflash_target import drafter_config_for_target  # noqa: E402
+
+
+def step_flops(config, seq_len: int, loss_mask: torch.Tensor, num_anchors: int) -> tuple[int, int]:
+    """(useful, executed) drafter FLOPs, forward + backward, of rows loss_mask [batch, seq_len] at
+    `num_anchors` slots per row. Executed: every slot runs the layers (its queries see their own
+    block only); the LM head runs on valid labels only, as `dflash_loss` does."""
+    anchors, valid = sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(0))
+    _, label_valid = block_labels(torch.zeros_like(loss_mask, dtype=torch.long), loss_mask, anchors, valid, config.block_size)
+    useful = drafter_step_flops(config, seq_len, anchors, valid, label_valid)
+    every_slot = drafter_step_flops(config, seq_len, anchors, torch.ones_like(valid), label_valid)
+    # a padded slot's queries see their own block only: B x B pairs per layer, forward + backward (3x)
+    padded_attention = 3 * 2 * 2 * config.num_hidden_layers * int((~valid).sum()) * config.block_size ** 2 * config.num_attention_heads * 2 * config.head_dim
+    executed = sum(f + b for part, (f, b) in every_slot.items() if part != "attention") + sum(useful["attention"]) + padded_attention
+    return sum(f + b for f, b in useful.values()), executed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", nargs="+", help="training data files, as --train_data")
+    parser.add_argument("--target_model", required=True, help="a folder with the target's config.json and tokenizer")
+    parser.add_argument("--num_anchors", type=int, default=256)
+    parser.add_argument("--max_seq_length", type=int, default=512, help="also the padded length every row runs at")
+    parser.add_argument("--block_size", type=int, default=16)
+    parser.add_argument("--num_draft_layers", type=int, default=5)
+    parser.add_argument("--batch_size", type=int, default=32, help="micro-batch rows, for --anchor_slots_multiple")
+    parser.add_argument("--anchor_slots_multiple", type=int, default=64)
+    parser.add_argument("--max_samples", type=int, default=1024, help="count this many samples (the first of the shuffled order)")
+    args = parser.parse_args()
+    if min(args.num_anchors, args.batch_size, args.anchor_slots_multiple, args.max_samples) < 1:
+        parser.error("--num_anchors, --batch_size, --anchor_slots_multiple and --max_samples must be >= 1")
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
+    target_config = AutoConfig.from_pretrained(args.target_model)
+    config = drafter_config_for_target(target_config, mask_token_id=0, num_draft_layers=args.num_draft_layers, block_size=args.block_size)
+    dataset = build_train_dataset(args.data, tokenizer, max_seq_length=args.max_seq_length, max_samples=args.max_samples)
+    seq_len = args.max_seq_length
+    masks = torch.zeros(len(dataset), seq_len, dtype=torch.bool)
+    for row, sample in enumerate(dataset):
+        masks[row, : len(sample["loss_mask"])] = torch.as_tensor(sample["loss_mask"], dtype=torch.bool)
+
+    useful, executed = step_flops(config, seq_len, masks, args.num_anchors)
+    trimmed = 0
+    for batch in length_grouped_batches(list(dataset["num_tokens"]), args.batch_size, seed=0, epoch=0):
+        rows = masks[batch]
+        trimmed += step_flops(config, seq_len, rows, anchor_slots(rows, args.num_anchors, args.anchor_slots_multiple))[1]
+    target = target_forward_flops(target_config, target_config.num_hidden_layers, 1, seq_len)
+    eligible = (masks[:, :-1] & masks[:, 1:]).sum(1).clamp(max=args.num_anchors)
+    n = len(dataset)
+    result = {
+        "samples": n, "num_anchors": args.num_anchors, "valid_slot_share": round(float(eligible.sum()) / (n * args.num_anchors), 4),
+        "flop_per_sample": {
+            "drafter_useful": useful // n, "drafter_executed": executed // n,
+            f"drafter_executed_anchor_slots_multiple_{args.anchor_slots_multiple}": trimmed // n, "target_forward": target,
+        },
+    }
+    print(f"{n} samples, {args.num_anchors} anchor slots per row, {result['valid_slot_share']:.1%} of them valid")
+    print("| GFLOP per sample (forward + backward) | drafter | with the target's forward |\n|---|---|---|")
+    for name, value in [("useful (valid blocks only)", useful), (f"executed, {args.num_anchors} slots per row", executed),
+                        (f"executed, --anchor_slots_multiple {args.anchor_slots_multiple} at batch {args.batch_size}", trimmed)]:
+        print(f"| {name} | {value / n / 1e9:.0f} | {(value / n + target) / 1e9:.0f} |")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
