@@ -587,8 +587,8 @@ def build_train_dataset(
     """Conversations from `paths` -> tokenized training samples, shuffled by `seed`.
 
     Columns: `input_ids` (list[int], length <= max_seq_length), `loss_mask` (list[int] of
-    0/1, same length; 1 on assistant tokens incl. the end-of-turn token) and `num_tokens`
-    (int, = len(input_ids)). Every sample has at least one DFlash anchor (two consecutive
+    0/1, same length; 1 on assistant tokens incl. the end-of-turn token), `num_tokens`
+    (int, = len(input_ids)) and `num_loss_tokens` (int, = sum(loss_mask)). Every sample has at least one DFlash anchor (two consecutive
     assistant tokens).
 
     Truncation to `max_seq_length` keeps the first tokens. A sample left with no anchor (a
@@ -670,7 +670,7 @@ def build_train_dataset(
         sum(tokenized["num_tokens"]),
         sum(tokenized["num_loss_tokens"]),
     )
-    return tokenized.select_columns(["input_ids", "loss_mask", "num_tokens"])
+    return tokenized.select_columns(["input_ids", "loss_mask", "num_tokens", "num_loss_tokens"])
 
 
 def collate_batch(samples: list[dict], pad_token_id: int, pad_to_multiple_of: int = 1, rows: int | None = None) -> dict:

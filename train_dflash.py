@@ -177,7 +177,7 @@ class TrainSettings:
     num_proc: int = field(default=4, metadata={"help": "Tokenization processes"})
     # objective
     num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
-    anchor_slots_multiple: int = field(default=0, metadata={"help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots). The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
+    anchor_slots_multiple: int = field(default=0, metadata={"help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
     loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
@@ -869,8 +869,8 @@ class Compute:
 class TrainData:
     """The tokenized training set and the held-out prompts (`load_data`)."""
 
-    dataset: object  # datasets.Dataset with input_ids, loss_mask, num_tokens
-    lengths: list[int]  # tokens per sample
+    dataset: object  # datasets.Dataset with input_ids, loss_mask, num_tokens, num_loss_tokens
+    lengths: list[int]  # what batches are grouped by: tokens per sample, or assistant tokens with --anchor_slots_multiple
     eval_prompts: list | None  # --eval_data, tokenized; None without it
     chat_kwargs: dict | None  # --chat_template_kwargs
 
@@ -1056,7 +1056,10 @@ def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> T
     if settings.eval_data:
         eval_file = settings.eval_data if os.path.exists(settings.eval_data) else str(REPO_DIR / settings.eval_data)
         eval_prompts = load_prompts(eval_file, tokenizer, num_prompts=settings.eval_num_prompts)
-    return TrainData(dataset, dataset["num_tokens"], eval_prompts, chat_kwargs)
+    # Micro-batches group samples of similar length. With --anchor_slots_multiple, of similar assistant
+    # length: that decides the anchor slots a micro-batch needs (the whole length only its padding).
+    lengths = dataset["num_loss_tokens"] if settings.anchor_slots_multiple else dataset["num_tokens"]
+    return TrainData(dataset, lengths, eval_prompts, chat_kwargs)
 
 
 def find_resume_point(settings: TrainSettings, accelerator: Accelerator, rank: int) -> ResumePoint:

@@ -98,7 +98,8 @@ def test_files_and_hf_datasets_give_identical_samples(tmp_path, qwen3_tokenizer)
 
     def samples(path):
         dataset = build_train_dataset([path], qwen3_tokenizer, max_seq_length=128, seed=3)
-        assert dataset.column_names == ["input_ids", "loss_mask", "num_tokens"]
+        assert dataset.column_names == ["input_ids", "loss_mask", "num_tokens", "num_loss_tokens"]
+        assert all(s["num_loss_tokens"] == sum(s["loss_mask"]) for s in dataset)
         return sorted((tuple(s["input_ids"]), tuple(s["loss_mask"]), s["num_tokens"]) for s in dataset)
 
     reference = samples(jsonl)

@@ -506,3 +506,22 @@ def test_the_shipped_deepspeed_config_asks_for_no_per_step_device_syncs():
     assert one["zero_optimization"]["overlap_comm"] is False  # one drafter rank: nothing to overlap
     several = resolve_deepspeed_config(settings, drafter_ranks=4, bf16=True, split=False)
     assert several["zero_optimization"]["overlap_comm"] is True and several["train_batch_size"] == 4 * settings.per_device_batch_size
+
+
+def test_anchor_slots_multiple_groups_batches_by_assistant_length(qwen3_tokenizer):
+    """With --anchor_slots_multiple, micro-batches group samples by assistant tokens (what decides the
+    slots a micro-batch needs), not by whole length."""
+    import contextlib
+
+    sys.path.insert(0, str(REPO))
+    from train_dflash import load_data, parse_settings
+
+    class OneProcess:
+        local_main_process_first = staticmethod(contextlib.nullcontext)
+
+    base = ["--target_model", "x", "--train_data", str(REPO / "data" / "demo_conversations.jsonl"), "--num_proc", "1",
+            "--max_seq_length", "256", "--max_samples", "40"]
+    plain = load_data(parse_settings(base)[0], qwen3_tokenizer, OneProcess())
+    trimmed = load_data(parse_settings(base + ["--anchor_slots_multiple", "32"])[0], qwen3_tokenizer, OneProcess())
+    assert plain.lengths == [len(ids) for ids in plain.dataset["input_ids"]]
+    assert trimmed.lengths == [sum(mask) for mask in trimmed.dataset["loss_mask"]] != plain.lengths

@@ -3,8 +3,8 @@
 Tokenizes the data as train_dflash.py does, draws each sample's anchors, and counts FLOPs per
 sample (forward + backward, `bench_dflash.drafter_step_flops`; the target's forward at the padded
 length): the useful drafter work (valid anchor blocks), what a step executes with every row
-carrying --num_anchors slots, and what it executes with --anchor_slots_multiple M (each
-length-grouped micro-batch keeps the slots its fullest row needs, rounded up to M).
+carrying --num_anchors slots, and what it executes with --anchor_slots_multiple M (micro-batches
+grouped by assistant length, each keeping the slots its fullest row needs, rounded up to M).
 
     python tools/anchor_flops.py ../shared/data/gsm8k/train.jsonl --target_model TARGET_DIR \\
         --num_anchors 256 --max_seq_length 512 --batch_size 64 --anchor_slots_multiple 64
@@ -69,7 +69,7 @@ def main() -> None:
 
     useful, executed = step_flops(config, seq_len, masks, args.num_anchors)
     trimmed = 0
-    for batch in length_grouped_batches(list(dataset["num_tokens"]), args.batch_size, seed=0, epoch=0):
+    for batch in length_grouped_batches(list(dataset["num_loss_tokens"]), args.batch_size, seed=0, epoch=0):  # as the trainer groups them with the flag
         rows = masks[batch]
         trimmed += step_flops(config, seq_len, rows, anchor_slots(rows, args.num_anchors, args.anchor_slots_multiple))[1]
     target = target_forward_flops(target_config, target_config.num_hidden_layers, 1, seq_len)

@@ -8,8 +8,9 @@
 #   b32           this checkout, batch 32, one padded shape, the target's forward from CUDA graphs,
 #                 a short held-out evaluation at the end (as the quality recipe runs)
 #   b64           the same at batch 64
-#   b64_trim      b64 with --anchor_slots_multiple 64: each micro-batch keeps only the anchor slots its
-#                 longest reply fills (GSM8K answers fill about half of 256), rounded up to 64
+#   b64_trim      b64 with --anchor_slots_multiple 32: micro-batches grouped by assistant length, each
+#                 keeping only the anchor slots its longest reply fills (GSM8K answers fill about half
+#                 of 256), rounded up to 32
 #   profile       (PROFILE=0 skips it) b32 for 30 steps with --profile_steps 5: profile/profile.txt, ops by GPU and by host time
 # If the CUDA-graph target fails, b32 and b64 run without it (b32_eager, b64_eager).
 # Writes OUT_DIR/table.md.
@@ -34,7 +35,7 @@ ours=("${common[@]}" --pad_to_multiple_of 512 --eval_data "$DATA_DIR/gsm8k/train
 step b32 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --target_cuda_graphs --output_dir "$OUT/b32"
 if grep -q $'^b32\t[0-9.]*\t0$' "$OUT/steps.tsv"; then
   step b64 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --target_cuda_graphs --output_dir "$OUT/b64"
-  step b64_trim 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --target_cuda_graphs --anchor_slots_multiple 64 \
+  step b64_trim 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --target_cuda_graphs --anchor_slots_multiple 32 \
     --output_dir "$OUT/b64_trim"
   graphs=(--target_cuda_graphs)
 else
