@@ -588,8 +588,8 @@ def build_train_dataset(
 
     Columns: `input_ids` (list[int], length <= max_seq_length), `loss_mask` (list[int] of
     0/1, same length; 1 on assistant tokens incl. the end-of-turn token), `num_tokens`
-    (int, = len(input_ids)) and `num_loss_tokens` (int, = sum(loss_mask)). Every sample has at least one DFlash anchor (two consecutive
-    assistant tokens).
+    (int, = len(input_ids)) and `num_loss_tokens` (int, = sum(loss_mask)). Every sample has at
+    least one DFlash anchor (two consecutive assistant tokens).
 
     Truncation to `max_seq_length` keeps the first tokens. A sample left with no anchor (a
     prompt that fills max_seq_length) is dropped, not an error; samples dropped and replies cut
