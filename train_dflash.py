@@ -1064,8 +1064,9 @@ def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> T
 
 def find_resume_point(settings: TrainSettings, accelerator: Accelerator, rank: int) -> ResumePoint:
     """The checkpoint to resume (every rank needs it: the target ranks make the batches from there on).
-    A fresh run clears an earlier run's checkpoints and log only with --overwrite_output_dir; a
-    resumed run cuts its log back to the checkpoint's step."""
+    A fresh run clears an earlier run's checkpoints and log only with --overwrite_output_dir, or with
+    --resume_from_checkpoint latest when the earlier run left only its log (no checkpoint, no export);
+    a resumed run cuts its log back to the checkpoint's step."""
     resume = settings.resume_from_checkpoint
     if resume == "latest":
         found = checkpoint_dirs(settings.output_dir)
@@ -1080,10 +1081,17 @@ def find_resume_point(settings: TrainSettings, accelerator: Accelerator, rank: i
     point = ResumePoint(resume, state)
     log_file = Path(settings.output_dir) / "train_log.jsonl"
     earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [log_file] if p.is_file()]
+    # Asked to continue a run that stopped before its first checkpoint (only its log is there, no
+    # export): nothing to continue from, so it starts over, as a rerun of a recipe expects.
+    nothing_to_resume = (settings.resume_from_checkpoint == "latest" and not resume
+                         and not (Path(settings.output_dir) / "final").is_dir())
     if not resume and earlier_run:
         # A fresh run on top of an earlier one would mix two logs and two runs' checkpoints, and
         # --resume_from_checkpoint latest could then pick the wrong run.
-        if not settings.overwrite_output_dir:
+        if settings.resume_from_checkpoint == "latest" and not (settings.overwrite_output_dir or nothing_to_resume):
+            raise ValueError(f"--output_dir {settings.output_dir} holds a finished run (final/) and no checkpoint to resume: "
+                             f"pass --overwrite_output_dir to train again, or a new --output_dir")
+        if not (settings.overwrite_output_dir or nothing_to_resume):
             raise ValueError(
                 f"--output_dir {settings.output_dir} holds an earlier run ({', '.join(p.name for p in earlier_run)}): "
                 f"pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, "
@@ -1091,7 +1099,8 @@ def find_resume_point(settings: TrainSettings, accelerator: Accelerator, rank: i
             )
         accelerator.wait_for_everyone()  # every rank has seen the earlier run before rank 0 deletes it
         if rank == 0:
-            logger.warning("--overwrite_output_dir: deleting the earlier run in %s (%s)%s", settings.output_dir,
+            logger.warning("%s: deleting the earlier run in %s (%s)%s",
+                           "--overwrite_output_dir" if settings.overwrite_output_dir else "no checkpoint to resume", settings.output_dir,
                            ", ".join(p.name for p in earlier_run),
                            "; its final/ export is replaced at the end" if (Path(settings.output_dir) / "final").is_dir() else "")
             for path in earlier_run:

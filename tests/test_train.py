@@ -525,3 +525,30 @@ def test_anchor_slots_multiple_groups_batches_by_assistant_length(qwen3_tokenize
     trimmed = load_data(parse_settings(base + ["--anchor_slots_multiple", "32"])[0], qwen3_tokenizer, OneProcess())
     assert plain.lengths == [len(ids) for ids in plain.dataset["input_ids"]]
     assert trimmed.lengths == [sum(mask) for mask in trimmed.dataset["loss_mask"]] != plain.lengths
+
+
+def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(tmp_path):
+    """A recipe rerun after a crash before the first checkpoint: only the log is there, so it starts
+    over (the log goes); a finished run (final/) with no checkpoint is kept, with a clear error."""
+    sys.path.insert(0, str(REPO))
+    from train_dflash import find_resume_point, parse_settings
+
+    class OneProcess:
+        def wait_for_everyone(self):
+            pass
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train_log.jsonl").write_text(json.dumps({"step": 50, "loss": 3.0}) + "\n")
+    settings = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(out),
+                               "--resume_from_checkpoint", "latest"])[0]
+    point = find_resume_point(settings, OneProcess(), 0)
+    assert point.global_step == 0 and not (out / "train_log.jsonl").exists()
+    (out / "train_log.jsonl").write_text(json.dumps({"step": 50, "loss": 3.0}) + "\n")
+    (out / "final").mkdir()
+    with pytest.raises(ValueError, match=r"holds a finished run \(final/\) and no checkpoint to resume"):
+        find_resume_point(settings, OneProcess(), 0)
+    assert (out / "train_log.jsonl").exists()
+    fresh = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(out)])[0]
+    with pytest.raises(ValueError, match="pass --resume_from_checkpoint latest to continue it"):
+        find_resume_point(fresh, OneProcess(), 0)
