@@ -1023,6 +1023,7 @@ class MicroBatchLoss:
     compute: Compute
     weights: torch.Tensor  # [B-1] float32, `loss_weights_for`
     lm_head: torch.nn.Module | None  # the target's (frozen); None on a rank that trains nothing
+    slots_used: list[int] = field(default_factory=list)  # anchor slots per micro-batch since the last log (--anchor_slots_multiple)
 
     def __call__(self, model, context_features, input_ids, loss_mask, anchor_key: tuple):
         """(loss, per-position accuracy [B-1]) of one micro-batch. model: the DeepSpeed engine or the bare
@@ -1034,12 +1035,23 @@ class MicroBatchLoss:
         num_anchors = settings.num_anchors
         if settings.anchor_slots_multiple:
             num_anchors = anchor_slots(loss_mask, num_anchors, settings.anchor_slots_multiple)
+            self.slots_used.append(num_anchors)
         anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
         return dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
                            chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
                            output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping)
+
+
+    def take_mean_anchor_slots(self) -> float | None:
+        """Mean anchor slots per micro-batch of this rank since the last call (which it resets); None
+        when nothing was trimmed (--anchor_slots_multiple 0)."""
+        if not self.slots_used:
+            return None
+        mean = sum(self.slots_used) / len(self.slots_used)
+        self.slots_used.clear()
+        return mean
 
 
 def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> TrainData:
@@ -1608,6 +1620,9 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
         if progress.global_step % settings.logging_steps == 0 or progress.global_step == schedule.total_steps:
             scalars = window_scalars(progress, supply, settings, layout, scheduler, compute, device)
             check_finite_loss(scalars["loss"], progress.global_step, settings)
+            slots = loss_fn.take_mean_anchor_slots()
+            if slots is not None:
+                scalars["anchor_slots"] = slots  # this rank's micro-batches, of --num_anchors
             progress.bar.set_postfix(loss=f"{scalars['loss']:.3f}", acc=f"{scalars['acc_first']:.3f}",
                                      tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
             if layout.is_lead:  # the other ranks have no trackers

@@ -50,10 +50,12 @@ def read_log(output_dir):
 
 def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
     out = tmp_path / "run"
-    result = run(tiny_args(trainable_qwen3_target, gsm8k_path, out, target_layer_ids="1 3", profile_steps=2), train_env)
+    result = run(tiny_args(trainable_qwen3_target, gsm8k_path, out, target_layer_ids="1 3", profile_steps=2,
+                           anchor_slots_multiple=8), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
     log = read_log(out)
     assert [row["step"] for row in log] == [5, 10, 15, 20, 25, 30]
+    assert all(row["anchor_slots"] == 16 for row in log)  # the micro-batches' slots: every row here fills its 16
     profile = (out / "profile.txt").read_text()  # --profile_steps: steps 21..22, ops by self time
     assert profile.startswith("optimizer steps 21..22\nsorted by self_cpu_time_total") and "aten::" in profile
     assert (out / "profile_trace.json").stat().st_size > 1000
