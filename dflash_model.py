@@ -254,13 +254,20 @@ class DFlashConfig(Qwen3Config):
 # Pure helpers: anchors, blocks, labels, masks (the training objective, arXiv 2602.06036)
 
 
+def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """loss_mask [batch, S] (bool or 0/1) -> [batch, S-1] bool: position p can anchor a block when
+    `loss_mask[p]` and `loss_mask[p + 1]` are both set (the anchor token is known and at least its
+    first label trains)."""
+    loss_mask = loss_mask.bool()
+    return loss_mask[:, :-1] & loss_mask[:, 1:]
+
+
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample anchor positions without replacement, per row.
 
-    A position p is eligible when `loss_mask[p]` and `loss_mask[p + 1]` are both set: the anchor
-    token is known and at least its first label trains. Rows with fewer eligible positions than
+    Eligible positions are those of `eligible_anchors`. Rows with fewer eligible positions than
     `num_anchors` get padded slots (anchor 0, valid False) at the end, so the shape is static.
 
     Args:
@@ -273,8 +280,7 @@ def sample_anchors(
         anchor_valid: [batch, N] bool.
     """
     batch, seq_len = loss_mask.shape
-    loss_mask = loss_mask.bool()
-    eligible = loss_mask[:, :-1] & loss_mask[:, 1:]  # [batch, S-1]
+    eligible = eligible_anchors(loss_mask)  # [batch, S-1]
     scores = torch.rand(eligible.shape, generator=generator)  # [batch, S-1], drawn on the CPU: reproducible
     if loss_mask.is_cuda:
         # From pinned memory without blocking: a plain copy from pageable memory would make the host
@@ -295,7 +301,7 @@ def sample_anchors(
 
 
 def anchor_slots(loss_mask: torch.Tensor, num_anchors: int, multiple: int) -> int:
-    """Anchor slots a micro-batch needs: the most eligible positions (as in `sample_anchors`) of any
+    """Anchor slots a micro-batch needs: the most eligible positions (`eligible_anchors`) of any
     row, rounded up to a multiple of `multiple`, at most `num_anchors`.
 
     `sample_anchors(loss_mask, anchor_slots(...))` keeps every row's valid anchors (a row with more
@@ -310,7 +316,7 @@ def anchor_slots(loss_mask: torch.Tensor, num_anchors: int, multiple: int) -> in
     Returns:
         int in [min(multiple, num_anchors), num_anchors].
     """
-    eligible = int((loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()).sum(dim=1).max())
+    eligible = int(eligible_anchors(loss_mask).sum(dim=1).max())
     return min(num_anchors, multiple * max(1, -(-eligible // multiple)))
 
 

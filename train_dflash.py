@@ -1043,7 +1043,6 @@ class MicroBatchLoss:
                            chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
                            output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping)
 
-
     def take_mean_anchor_slots(self) -> float | None:
         """Mean anchor slots per micro-batch of this rank since the last call (which it resets); None
         when nothing was trimmed (--anchor_slots_multiple 0)."""
@@ -1093,17 +1092,17 @@ def find_resume_point(settings: TrainSettings, accelerator: Accelerator, rank: i
     point = ResumePoint(resume, state)
     log_file = Path(settings.output_dir) / "train_log.jsonl"
     earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [log_file] if p.is_file()]
-    # Asked to continue a run that stopped before its first checkpoint (only its log is there, no
-    # export): nothing to continue from, so it starts over, as a rerun of a recipe expects.
-    nothing_to_resume = (settings.resume_from_checkpoint == "latest" and not resume
-                         and not (Path(settings.output_dir) / "final").is_dir())
     if not resume and earlier_run:
         # A fresh run on top of an earlier one would mix two logs and two runs' checkpoints, and
-        # --resume_from_checkpoint latest could then pick the wrong run.
-        if settings.resume_from_checkpoint == "latest" and not (settings.overwrite_output_dir or nothing_to_resume):
-            raise ValueError(f"--output_dir {settings.output_dir} holds a finished run (final/) and no checkpoint to resume: "
-                             f"pass --overwrite_output_dir to train again, or a new --output_dir")
-        if not (settings.overwrite_output_dir or nothing_to_resume):
+        # --resume_from_checkpoint latest could then pick the wrong run. Asked to continue a run that
+        # stopped before its first checkpoint (only its log, no export), it starts over: there is
+        # nothing to continue from, and a rerun of a recipe expects that.
+        asked_to_resume = settings.resume_from_checkpoint == "latest"
+        finished = (Path(settings.output_dir) / "final").is_dir()
+        if not settings.overwrite_output_dir and (finished or not asked_to_resume):
+            if asked_to_resume:
+                raise ValueError(f"--output_dir {settings.output_dir} holds a finished run (final/) and no checkpoint to resume: "
+                                 f"pass --overwrite_output_dir to train again, or a new --output_dir")
             raise ValueError(
                 f"--output_dir {settings.output_dir} holds an earlier run ({', '.join(p.name for p in earlier_run)}): "
                 f"pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, "
@@ -1114,7 +1113,7 @@ def find_resume_point(settings: TrainSettings, accelerator: Accelerator, rank: i
             logger.warning("%s: deleting the earlier run in %s (%s)%s",
                            "--overwrite_output_dir" if settings.overwrite_output_dir else "no checkpoint to resume", settings.output_dir,
                            ", ".join(p.name for p in earlier_run),
-                           "; its final/ export is replaced at the end" if (Path(settings.output_dir) / "final").is_dir() else "")
+                           "; its final/ export is replaced at the end" if finished else "")
             for path in earlier_run:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     if resume and rank == 0 and log_file.is_file():

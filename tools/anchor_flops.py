@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat 
 
 from bench_dflash import drafter_step_flops, target_forward_flops  # noqa: E402
 from dflash_data import build_train_dataset, length_grouped_batches  # noqa: E402
-from dflash_model import anchor_slots, block_labels, sample_anchors  # noqa: E402
+from dflash_model import anchor_slots, block_labels, eligible_anchors, sample_anchors  # noqa: E402
 from dflash_target import drafter_config_for_target, load_target_config  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def main() -> None:
         rows = masks[batch]
         trimmed += step_flops(config, seq_len, rows, anchor_slots(rows, args.num_anchors, args.anchor_slots_multiple))[1]
     target = target_forward_flops(target_config, target_config.num_hidden_layers, 1, seq_len)
-    eligible = (masks[:, :-1] & masks[:, 1:]).sum(1).clamp(max=args.num_anchors)
+    eligible = eligible_anchors(masks).sum(1).clamp(max=args.num_anchors)
     n = len(dataset)
     result = {
         "samples": n, "num_anchors": args.num_anchors, "valid_slot_share": round(float(eligible.sum()) / (n * args.num_anchors), 4),
