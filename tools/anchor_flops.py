@@ -30,16 +30,14 @@ from dflash_target import drafter_config_for_target, load_target_config  # noqa:
 
 def step_flops(config, seq_len: int, loss_mask: torch.Tensor, num_anchors: int) -> tuple[int, int]:
     """(useful, executed) drafter FLOPs, forward + backward, of rows loss_mask [batch, seq_len] at
-    `num_anchors` slots per row. Executed: every slot runs the layers (its queries see their own
-    block only); the LM head runs on valid labels only, as `dflash_loss` does."""
+    `num_anchors` slots per row. Executed: every slot runs the layers, a padded one (anchor 0)
+    attending to its own block only, which is what `drafter_step_flops` counts for it when called
+    valid; the LM head runs on valid labels only, as `dflash_loss` does."""
     anchors, valid = sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(0))
     _, label_valid = block_labels(torch.zeros_like(loss_mask, dtype=torch.long), loss_mask, anchors, valid, config.block_size)
     useful = drafter_step_flops(config, seq_len, anchors, valid, label_valid)
-    every_slot = drafter_step_flops(config, seq_len, anchors, torch.ones_like(valid), label_valid)
-    # a padded slot's queries see their own block only: B x B pairs per layer, forward + backward (3x)
-    padded_attention = 3 * 2 * 2 * config.num_hidden_layers * int((~valid).sum()) * config.block_size ** 2 * config.num_attention_heads * 2 * config.head_dim
-    executed = sum(f + b for part, (f, b) in every_slot.items() if part != "attention") + sum(useful["attention"]) + padded_attention
-    return sum(f + b for f, b in useful.values()), executed
+    executed = drafter_step_flops(config, seq_len, anchors, torch.ones_like(valid), label_valid)
+    return sum(f + b for f, b in useful.values()), sum(f + b for f, b in executed.values())
 
 
 def main() -> None:
