@@ -79,7 +79,7 @@ class RegenerateArgs:
     chat_template_kwargs: str = field(default="{}", metadata={"help": "JSON dict for the chat template, e.g. '{\"enable_thinking\": false}'."})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 on a CPU with AVX512-BF16/AMX is faster."})
     kv_cache: str = field(default="auto", metadata={"help": "static (a fixed batch shape; on CUDA the whole decode step is replayed as one CUDA graph), dynamic (transformers' generate with a growing cache) or auto: static on CUDA, dynamic on CPU."})
-    compile_decode: str = field(default="auto", metadata={"help": "Compile the static cache's decode step with torch.compile before it is captured as a CUDA graph, so the replayed graph runs fused kernels instead of one eager kernel per operation (the first batch then includes the compile, ~25 s on a cold cache); if the compile fails, the eager step is graphed instead. auto: on with CUDA graphs (on CUDA) for runs of at least 18,432 replies (36 batches of 512), where the compile pays for itself; on; off."})
+    compile_decode: str = field(default="auto", metadata={"help": "Compile the static cache's decode step with torch.compile before it is captured as a CUDA graph, so the replayed graph runs fused kernels instead of one eager kernel per operation (the first batch then includes the compile, ~25 s on a cold cache); if the compile fails, the eager step is graphed instead. auto: on with CUDA graphs (on CUDA) for runs of at least 36 batches, where the compile pays for itself (it saves a fixed time per decode step, whatever the batch size); on; off."})
     server_url: str | None = field(default=None, metadata={"help": "An OpenAI-compatible endpoint to generate with instead of a local model, e.g. http://localhost:8000/v1 (vLLM, SGLang, transformers serve)."})
     server_model: str | None = field(default=None, metadata={"help": "Model name sent to --server_url (default: --target_model)."})
     server_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Environment variable that holds the server's API key (unset: no key)."})
@@ -159,7 +159,8 @@ class SeededSampling(LogitsProcessor):
         logits = scores.float() / self.temperature  # [batch, vocab]
         if self.top_p < 1.0:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            mass_before = sorted_logits.softmax(dim=-1).cumsum(dim=-1) - sorted_logits.softmax(dim=-1)
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
             drop = mass_before >= self.top_p  # the most likely token always stays (its mass before is 0)
             logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
         uniform = counter_uniform(self.seeds.to(logits.device), step, logits.shape[-1])
@@ -414,20 +415,20 @@ def generate_replies(model, tokenizer, prompts, seeds, args, chat_template_kwarg
     return replies
 
 
-# Measured on an H200 with a SmolLM2-135M-shaped target at batch 512 (BENCHMARKS.md, "regeneration
-# speed: ... the eager CUDA-graph decode step, the compiled one"): compiling the decode step takes
-# ~25 s more on a cold compile cache, then saves ~0.7 s per batch (7.2 against 9.4 ms per step): it
-# pays from 36 batches of 512, 18,432 replies. The saving per step grows with the rows a step decodes
-# (the fused kernels are elementwise over the batch), so the threshold counts replies, not batches.
-COMPILE_DECODE_MIN_REPLIES = 36 * 512
+# Measured on an H200 with SmolLM2-135M (BENCHMARKS.md, "regeneration speed: ... the eager CUDA-graph
+# decode step, the compiled one" and "the sampled step with the compiled decode step"): compiling the
+# decode step costs ~26 s once on a cold compile cache, then saves ~0.7 s per later batch, at 512
+# greedy rows as at 1024 sampled ones (~2.2 ms per decode step, whatever the rows): it pays from
+# about 36 batches.
+COMPILE_DECODE_MIN_BATCHES = 36
 
 
-def compile_decode_step(setting: str, cuda_graphs: bool, num_rows: int) -> bool:
+def compile_decode_step(setting: str, cuda_graphs: bool, num_batches: int) -> bool:
     """Whether to compile the static cache's decode step (--compile_decode): "on", "off", or "auto",
-    which compiles on CUDA (with CUDA graphs) when the run decodes at least COMPILE_DECODE_MIN_REPLIES
-    rows (replies, the last batch counted full), where the compile pays for itself."""
+    which compiles on CUDA (with CUDA graphs) when the run decodes at least COMPILE_DECODE_MIN_BATCHES
+    batches, where the compile pays for itself."""
     if setting == "auto":
-        return cuda_graphs and num_rows >= COMPILE_DECODE_MIN_REPLIES
+        return cuda_graphs and num_batches >= COMPILE_DECODE_MIN_BATCHES
     return setting == "on"
 
 
@@ -447,9 +448,9 @@ def regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwar
         prompt_width = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
         cuda_graphs = model.device.type == "cuda"
         num_batches = -(-len(todo) // args.batch_size)
-        compile_step = compile_decode_step(args.compile_decode, cuda_graphs, num_batches * args.batch_size)
+        compile_step = compile_decode_step(args.compile_decode, cuda_graphs, num_batches)
         decoder = StaticBatchDecoder(model, args.batch_size, prompt_width, args.max_new_tokens, cuda_graphs, compile_step)
-        why = (f" (--compile_decode auto: {num_batches * args.batch_size} rows to decode; compiling pays from about {COMPILE_DECODE_MIN_REPLIES})"
+        why = (f" (--compile_decode auto: {num_batches} batches to decode; compiling pays from about {COMPILE_DECODE_MIN_BATCHES})"
                if args.compile_decode == "auto" and cuda_graphs else "")
         logger.info("static KV cache: batches of %d, prompts left-padded to %d tokens; decode step %s%s%s", args.batch_size,
                     prompt_width, "compiled" if compile_step else "eager", ", replayed as a CUDA graph" if cuda_graphs else "", why)

@@ -366,8 +366,8 @@ def test_compile_decode_setting_is_checked(prompts_file):
 
 def test_auto_compiles_the_decode_step_only_where_the_compile_pays_for_itself():
     decide = regenerate_data.compile_decode_step
-    assert regenerate_data.COMPILE_DECODE_MIN_REPLIES == 36 * 512  # 25.5 s more first batch / 0.7 s saved per later batch of 512
-    assert [decide("auto", True, n) for n in (512, 14 * 512, 36 * 512 - 1, 36 * 512, 28 * 1024)] == [False, False, False, True, True]
+    assert regenerate_data.COMPILE_DECODE_MIN_BATCHES == 36  # ~26 s more first batch / ~0.7 s saved per later batch, of 512 or 1024 rows
+    assert [decide("auto", True, n) for n in (1, 14, 28, 35, 36, 200)] == [False, False, False, False, True, True]
     assert not decide("auto", False, 100)  # no CUDA graphs (CPU): nothing to compile into
     assert decide("on", False, 1) and not decide("off", True, 100)
 

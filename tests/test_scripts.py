@@ -138,7 +138,8 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     gsm8k.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(16)))
     run = tmp_path / "sliding_w64"  # a training run that made its own held-out evaluation at the end
     (run / "final").mkdir(parents=True)
-    (run / "train_log.jsonl").write_text(json.dumps({"step": 10, "tau_estimate": 2.25, "elapsed_s": 31.0}) + "\n"
+    (run / "train_log.jsonl").write_text(json.dumps({"step": 5, "tau_estimate": 2.0, "elapsed_s": 20.0}) + "\n"  # estimate: their mean
+                                         + json.dumps({"step": 10, "tau_estimate": 2.5, "elapsed_s": 31.0}) + "\n"
                                          + json.dumps({"step": 10, "eval_tau": 2.5, "elapsed_s": 40.0}) + "\n")
     (run / "final" / "training_settings.json").write_text(json.dumps({"eval_num_prompts": 8}))
     runs = {

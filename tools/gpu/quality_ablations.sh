@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One lever at a time against a short base run of the SmolLM2 GSM8K recipe on one GPU. Base: the
 # greedy replies only, 654 steps (3 epochs at batch 32), configs/smollm2-gsm8k-gpu.yaml otherwise.
-# The trainings run side by side, RUNS_AT_ONCE at a time (a 135M target leaves most of the GPU idle,
-# so their wall times are not speeds); each evaluates itself at its last step on the first 64
-# held-out questions (block size as trained, temperature 0). Needs the recipe's replies
+# The trainings run RUNS_AT_ONCE at a time, default 2 (one batch-32 training already fills an H200:
+# six side by side ran at ~240 samples/s together, one alone at 234; two let one's start-up and
+# evaluation overlap the other's training, and results come in as runs finish); each evaluates
+# itself at its last step on the first 64 held-out questions (block size as trained, temperature 0). Needs the recipe's replies
 # (tools/gpu/smollm2_gsm8k.sh, step 1): the greedy ones, and the sampled ones for the data runs.
 #
 # Predictions, written before the runs (held-out tau against base):
@@ -57,7 +58,7 @@ for name in ${RUNS:-${order[@]}}; do
     --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 64 \
     --max_steps 654 --eval_steps 0 --save_steps 0 --output_dir "$OUT/$name" --overwrite_output_dir ${flags[$name]} \
     > "$OUT/$name.log" 2>&1 &
-  while (($(jobs -rp | wc -l) >= ${RUNS_AT_ONCE:-4})); do sleep 2; done
+  while (($(jobs -rp | wc -l) >= ${RUNS_AT_ONCE:-2})); do sleep 2; done
 done
 wait
 python3 tools/gpu/ablation_table.py "$OUT" | tee "$OUT/table.md"
