@@ -417,7 +417,7 @@ def generate_replies(model, tokenizer, prompts, seeds, args, chat_template_kwarg
 
 # Measured on an H200 with SmolLM2-135M (BENCHMARKS.md, "regeneration speed: ... the eager CUDA-graph
 # decode step, the compiled one" and "the sampled step with the compiled decode step"): compiling the
-# decode step costs ~26 s once on a cold compile cache, then saves ~0.7 s per later batch, at 512
+# decode step costs ~25 s once on a cold compile cache, then saves ~0.7 s per later batch, at 512
 # greedy rows as at 1024 sampled ones (~2.2 ms per decode step, whatever the rows): it pays from
 # about 36 batches.
 COMPILE_DECODE_MIN_BATCHES = 36
