@@ -136,6 +136,8 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
             (files / f.name).write_bytes(f.read_bytes())
     gsm8k = tmp_path / "gsm8k.jsonl"
     gsm8k.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(16)))
+    bad_record = tmp_path / "bad.jsonl"  # skipped with --skip_bad_samples: anchor_flops still counts the 16 good ones
+    bad_record.write_text(json.dumps({"prompt": "no assistant turn"}) + "\n")
     run = tmp_path / "sliding_w64"  # a training run that made its own held-out evaluation at the end
     (run / "final").mkdir(parents=True)
     (run / "train_log.jsonl").write_text(json.dumps({"step": 5, "tau_estimate": 2.0, "elapsed_s": 20.0}) + "\n"  # estimate: their mean
@@ -149,8 +151,8 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
         "tools/gpu/ablation_table.py": [str(tmp_path)],
         "tools/gpu/bench_table.py": [str(tmp_path)],
         "tools/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
-        "tools/anchor_flops.py": [str(gsm8k), "--target_model", str(files), "--num_anchors", "64", "--max_seq_length", "96",
-                                  "--batch_size", "4", "--anchor_slots_multiple", "8"],
+        "tools/anchor_flops.py": [str(gsm8k), str(bad_record), "--target_model", str(files), "--num_anchors", "64", "--max_seq_length", "96",
+                                  "--batch_size", "4", "--anchor_slots_multiple", "8", "--skip_bad_samples"],
     }
     env = dict(train_env, HF_HUB_OFFLINE="1")
     out = {}

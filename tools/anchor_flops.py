@@ -57,6 +57,7 @@ def main() -> None:
                         help="count this many samples (the first of the shuffled order); length grouping, as the trainer "
                              "does it (transformers' megabatches), only groups with at least 8 batches of samples: "
                              "pass the data set's size for the trainer's figure")
+    parser.add_argument("--skip_bad_samples", action="store_true", help="skip malformed records instead of stopping, as the trainer's flag")
     args = parser.parse_args()
     if min(args.num_anchors, args.batch_size, args.anchor_slots_multiple, args.max_samples) < 1:
         parser.error("--num_anchors, --batch_size, --anchor_slots_multiple and --max_samples must be >= 1")
@@ -67,7 +68,8 @@ def main() -> None:
         parser.error(str(error))
     config = drafter_config_for_target(target_config, mask_token_id=0, num_draft_layers=args.num_draft_layers, block_size=args.block_size)
     try:
-        dataset = build_train_dataset(args.data, tokenizer, max_seq_length=args.max_seq_length, max_samples=args.max_samples)
+        dataset = build_train_dataset(args.data, tokenizer, max_seq_length=args.max_seq_length, max_samples=args.max_samples,
+                                      skip_bad_samples=args.skip_bad_samples)
     except ValueError as error:  # a missing file, a malformed record (named by file and line)
         parser.error(str(error))
     seq_len = args.max_seq_length
