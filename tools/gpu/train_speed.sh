@@ -11,8 +11,10 @@
 #   b64_trim      b64 with --anchor_slots_multiple 32: micro-batches grouped by assistant length, each
 #                 keeping only the anchor slots its longest reply fills (GSM8K answers fill about half
 #                 of 256), rounded up to 32
+#   b128_trim     the same at batch 128
 #   profile       (PROFILE=0 skips it) b32 for 30 steps with --profile_steps 5: profile/profile.txt, ops by GPU and by host time
-# If the CUDA-graph target fails, b32 and b64 run without it (b32_eager, b64_eager).
+# VARIANTS="before b128_trim" runs only those (default: every one above but the profile, which PROFILE sets). If the CUDA-graph target
+# fails in b32, b32 and b64 run without it (b32_eager, b64_eager) instead of the rest.
 # Writes OUT_DIR/table.md.
 #
 #   bash tools/gpu/train_speed.sh OUT_DIR [BEFORE_DIR]
@@ -25,18 +27,21 @@ T=${TARGET:-$SMOLLM2}
 common=(--target_model "$T" --mask_token_id 16 --train_data "$DATA_DIR/gsm8k/train.jsonl" --num_anchors 256
         --max_seq_length 512 --max_steps 100 --logging_steps 20 --save_steps 0 --report_to none --num_proc 8)
 launch=(accelerate launch --config_file accelerate_configs/1gpu.yaml)
-if [[ -n $BEFORE ]]; then
+want() { [[ " ${VARIANTS:-before b32 b64 b64_trim b128_trim} " == *" $1 "* ]]; }
+if [[ -n $BEFORE ]] && want before; then
   step before 240 "${launch[@]}" "$BEFORE/train_dflash.py" "${common[@]}" --per_device_batch_size 16 --output_dir "$OUT/before" \
     --compile_cache_dir "$ROOT/compile_cache_before"  # a cold cache of its own: neither checkout profits from the other's compiles
 fi
 # As the quality recipe trains: one padded shape, and the target kept whole for a held-out evaluation
 # (here a short one after the last step, outside the timed windows).
 ours=("${common[@]}" --pad_to_multiple_of 512 --eval_data "$DATA_DIR/gsm8k/train.jsonl" --eval_num_prompts 4 --eval_max_new_tokens 64)
-step b32 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --target_cuda_graphs --output_dir "$OUT/b32"
-if grep -q $'^b32\t[0-9.]*\t0$' "$OUT/steps.tsv"; then
-  step b64 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --target_cuda_graphs --output_dir "$OUT/b64"
-  step b64_trim 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --target_cuda_graphs --anchor_slots_multiple 32 \
-    --output_dir "$OUT/b64_trim"
+want b32 && step b32 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --target_cuda_graphs --output_dir "$OUT/b32"
+if ! grep -qs $'^b32\t' "$OUT/steps.tsv" || grep -q $'^b32\t[0-9.]*\t0$' "$OUT/steps.tsv"; then  # b32 not run, or its graphs worked
+  want b64 && step b64 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 64 --target_cuda_graphs --output_dir "$OUT/b64"
+  for batch in 64 128; do
+    want b${batch}_trim && step b${batch}_trim 240 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size $batch --target_cuda_graphs \
+      --anchor_slots_multiple 32 --output_dir "$OUT/b${batch}_trim"
+  done
   graphs=(--target_cuda_graphs)
 else
   step b32_eager 180 "${launch[@]}" train_dflash.py "${ours[@]}" --per_device_batch_size 32 --output_dir "$OUT/b32_eager"
