@@ -1019,7 +1019,9 @@ def dflash_loss(
             apply them before sampling.
     Returns:
         loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
-        accuracy: [B-1] float32, argmax accuracy per block position k = 1..B-1 (NaN where no label).
+        accepted: [B-1] float32; at block position k = 1..B-1, the share of blocks with a label at k
+            whose argmax is right at every position 1..k (NaN where no block has a label at k). Entry
+            0 is the first position's accuracy; `estimate_acceptance_length` turns it into tau.
     """
     positions = label_valid.shape[-1]
     # One nonzero (one wait for the device) gives the valid rows; gathering by these indices costs no
@@ -1034,18 +1036,26 @@ def dflash_loss(
     weighted_ce, hit = fused_linear_weighted_ce(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk,
                                                 output_multiplier, final_logit_softcapping)
     loss = weighted_ce / row_weights.sum()
-    hits = torch.zeros(positions, device=rows.device).index_add_(0, k_index, hit.float())
-    counts = torch.zeros(positions, device=rows.device).index_add_(0, k_index, torch.ones_like(row_weights))
-    return loss, hits / counts
+    # A block's draft is accepted up to its first wrong (or unlabelled) position, as verification
+    # stops there; counting runs, not per-position accuracies, keeps the errors' correlation.
+    correct = torch.zeros_like(label_valid)  # [batch, N, B-1] bool
+    correct[b_index, n_index, k_index] = hit
+    accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [B-1]
+    return loss, accepted / label_valid.sum(dim=(0, 1)).float()
 
 
-def estimate_acceptance_length(accuracy: torch.Tensor) -> float:
-    """Acceptance length tau predicted from per-position accuracy: `1 + sum_k prod_{j<=k} acc_j`.
+def estimate_acceptance_length(accepted: torch.Tensor) -> float:
+    """Acceptance length tau from the training blocks: `1 + sum_k P(draft right at positions 1..k)`.
 
-    A draft token counts only if every earlier one was accepted; the 1 is the target's bonus
-    token. E.g. accuracy [0.9, 0.8, 0.5] -> 1 + 0.9 + 0.72 + 0.36 = 2.98.
+    The 1 is the target's bonus token. A block is drafted in one pass from its context, as at
+    inference, so on the target's own greedy replies this is the tau the drafter reaches on those
+    replies at a random anchor (teacher forcing equals greedy verification there); held-out replies
+    give less once the drafter fits its training data. Replies sampled from the target also lower
+    it: their tokens are not always the ones greedy verification accepts. E.g. accepted
+    [0.9, 0.72, 0.36] -> 1 + 0.9 + 0.72 + 0.36 = 2.98.
 
     Args:
-        accuracy: [B-1] float, NaN where a position had no label (treated as 0).
+        accepted: [B-1] float from `dflash_loss` (a window's mean), NaN where a position had no
+            label (treated as 0).
     """
-    return 1.0 + torch.cumprod(torch.nan_to_num(accuracy.float(), nan=0.0), dim=0).sum().item()
+    return 1.0 + torch.nan_to_num(accepted.float(), nan=0.0).sum().item()

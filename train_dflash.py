@@ -684,7 +684,7 @@ def plot_training_curves(output_dir: Path) -> None:
     # Markers: a short run logs a single point, which a bare line would not draw.
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], "o-")
     ax_loss.set(xlabel="optimizer step", ylabel="weighted CE loss", title="loss")
-    ax_tau.plot([r["step"] for r in train], [r["tau_estimate"] for r in train], "o-", label="estimate from accuracy")
+    ax_tau.plot([r["step"] for r in train], [r["tau_estimate"] for r in train], "o-", label="estimate from the training blocks")
     if held_out:
         ax_tau.plot([r["step"] for r in held_out], [r["eval_tau"] for r in held_out], "o-", label="held-out, speculative decoding")
     ax_tau.set(xlabel="optimizer step", ylabel="acceptance length tau", title="tau")

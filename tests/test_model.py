@@ -237,10 +237,25 @@ def test_loss_with_no_valid_label_is_zero_with_a_graph():
     assert loss.item() == 0.0 and torch.isnan(acc).all() and (hidden.grad == 0).all()
 
 
+def test_accepted_counts_runs_of_right_draft_tokens_per_block():
+    """Three blocks of B - 1 = 3 label positions, argmax = the hidden state's hot index: right, right,
+    wrong / right, wrong, right / right, right, no label. Verification stops at a block's first wrong
+    position, so the block that is right again after a miss accepts 1, not 2."""
+    head = torch.eye(3)  # vocab 3, hidden 3: logits = hidden
+    drafted = torch.tensor([[[0, 1, 2], [0, 1, 2], [0, 1, 2]]])  # [1, 3, 3], argmax per position
+    hidden = F.one_hot(drafted, 3).float()
+    labels = torch.tensor([[[0, 1, 0], [0, 2, 2], [0, 1, 0]]])
+    valid = torch.tensor([[[True, True, True], [True, True, True], [True, True, False]]])
+    _, accepted = dflash_loss(hidden, head, labels, valid, loss_weights(4, 2.0))
+    # k=1: 3 of 3 blocks right; k=2: blocks 0 and 2 of 3 right through 2; k=3: none of the 2 labelled.
+    torch.testing.assert_close(accepted, torch.tensor([1.0, 2 / 3, 0.0]))
+    assert abs(estimate_acceptance_length(accepted) - (1 + 1 + 2 / 3)) < 1e-6  # per-position accuracies would give 3.0
+
+
 def test_estimate_acceptance_length():
-    assert abs(estimate_acceptance_length(torch.tensor([0.9, 0.8, 0.5])) - 2.98) < 1e-6
+    assert abs(estimate_acceptance_length(torch.tensor([0.9, 0.72, 0.36])) - 2.98) < 1e-6
     assert estimate_acceptance_length(torch.tensor([1.0] * 15)) == 16.0
-    assert estimate_acceptance_length(torch.tensor([float("nan"), 1.0])) == 1.0
+    assert estimate_acceptance_length(torch.tensor([float("nan"), 1.0])) == 2.0
 
 
 def _batch(seq_len=24, batch=2, seed=0):
