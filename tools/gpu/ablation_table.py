@@ -1,6 +1,6 @@
 """The table of tools/gpu/quality_ablations.sh and sliding_window.sh: per run, held-out tau
 (OUT_DIR/eval_<run>.json, or else the last held-out evaluation in the run's own train_log.jsonl, whose
-prompt count is the run's --eval_num_prompts) and the tau estimate from training accuracy, the mean of
+prompt count is the run's --eval_num_prompts) and the tau estimate from training (`tau_estimate`), the mean of
 the last 5 logged steps (OUT_DIR/<run>/train_log.jsonl; runs with one seed log the same batches,
 so their estimates compare on the same samples).
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 def main() -> None:
     out = Path(sys.argv[1])
-    print("| run | held-out tau | prompts | tau estimate from training accuracy (last 5 logs) | steps | training wall time (s) |\n"
+    print("| run | held-out tau | prompts | tau estimate from training (last 5 logs) | steps | training wall time (s) |\n"
           "|---|---|---|---|---|---|")
     for run in sorted(p for p in out.iterdir() if (p / "train_log.jsonl").is_file()):
         rows = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
