@@ -1026,8 +1026,8 @@ class MicroBatchLoss:
     slots_used: list[int] = field(default_factory=list)  # anchor slots per micro-batch since the last log (--anchor_slots_multiple)
 
     def __call__(self, model, context_features, input_ids, loss_mask, anchor_key: tuple):
-        """(loss, per-position accuracy [B-1]) of one micro-batch. model: the DeepSpeed engine or the bare
-        drafter; context_features [batch, S, n*hidden], input_ids and loss_mask [batch, S]. Anchors are
+        """(loss, accepted [B-1]: `dflash_loss`'s share of blocks right through each position) of one
+        micro-batch. model: the DeepSpeed engine or the bare drafter; context_features [batch, S, n*hidden], input_ids and loss_mask [batch, S]. Anchors are
         drawn afresh for every anchor_key = (seed, epoch, micro-step, drafter rank): re-sampled every
         epoch, reproducible on resume."""
         settings, config = self.settings, self.draft_config
@@ -1468,11 +1468,11 @@ class Progress:
                        "micro": 0, "real": 0, "tokens": 0, "samples": 0, "start": time.perf_counter(),
                        "wait_s": supply.wait_s(), "target_s": supply.target_time.seconds()}
 
-    def add(self, loss: torch.Tensor, accuracy: torch.Tensor, trains: bool, num_tokens: int, num_samples: int) -> None:
+    def add(self, loss: torch.Tensor, accepted: torch.Tensor, trains: bool, num_tokens: int, num_samples: int) -> None:
         """One micro-batch into the window; a filler counts as a micro-batch, nothing else."""
         if trains:
             self.window["loss"] += loss.detach()  # on the device: no host sync per micro-batch
-            self.window["acc"] += torch.nan_to_num(accuracy)
+            self.window["acc"] += torch.nan_to_num(accepted)
             self.window["real"] += 1
             self.window["tokens"] += num_tokens
             self.window["samples"] += num_samples
@@ -1595,7 +1595,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
         indices, trains = batches[dp_rank]
         progress.epoch = epoch
         input_ids, loss_mask, context_features, num_tokens = supply.next(collated, indices, trains)
-        loss, accuracy = loss_fn(engine, context_features, input_ids, loss_mask, (settings.seed, epoch, micro_step, dp_rank))
+        loss, accepted = loss_fn(engine, context_features, input_ids, loss_mask, (settings.seed, epoch, micro_step, dp_rank))
         # Asked before step(), which advances DeepSpeed's micro-step counter: afterwards the answer
         # would be about the next micro-batch.
         boundary = engine.is_gradient_accumulation_boundary()
@@ -1609,7 +1609,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
             debug_log(layout.rank, {"epoch": epoch, "ids": list(indices), "loss": loss.item(),
                                     "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
                                     "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else layout.rank})
-        progress.add(loss, accuracy, trains, num_tokens, len(indices))
+        progress.add(loss, accepted, trains, num_tokens, len(indices))
         if not boundary:
             continue
         progress.global_step += 1

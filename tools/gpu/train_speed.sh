@@ -13,8 +13,9 @@
 #                 of 256), rounded up to 32
 #   b128_trim     the same at batch 128
 #   profile       (PROFILE=0 skips it) b32 for 30 steps with --profile_steps 5: profile/profile.txt, ops by GPU and by host time
-# VARIANTS="before b128_trim" runs only those (default: every one above but the profile, which PROFILE sets). If the CUDA-graph target
-# fails in b32, b32 and b64 run without it (b32_eager, b64_eager) instead of the rest.
+# VARIANTS="before b128_trim" runs only those (default: every one above but the profile, which
+# PROFILE sets). If the CUDA-graph target fails in b32, b32 and b64 run without it (b32_eager,
+# b64_eager) instead of the rest.
 # Writes OUT_DIR/table.md.
 #
 #   bash tools/gpu/train_speed.sh OUT_DIR [BEFORE_DIR]
