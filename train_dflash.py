@@ -1027,9 +1027,9 @@ class MicroBatchLoss:
 
     def __call__(self, model, context_features, input_ids, loss_mask, anchor_key: tuple):
         """(loss, accepted [B-1]: `dflash_loss`'s share of blocks right through each position) of one
-        micro-batch. model: the DeepSpeed engine or the bare drafter; context_features [batch, S, n*hidden], input_ids and loss_mask [batch, S]. Anchors are
-        drawn afresh for every anchor_key = (seed, epoch, micro-step, drafter rank): re-sampled every
-        epoch, reproducible on resume."""
+        micro-batch. model: the DeepSpeed engine or the bare drafter; context_features [batch, S,
+        n*hidden], input_ids and loss_mask [batch, S]. Anchors are drawn afresh for every anchor_key =
+        (seed, epoch, micro-step, drafter rank): re-sampled every epoch, reproducible on resume."""
         settings, config = self.settings, self.draft_config
         generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
         num_anchors = settings.num_anchors
