@@ -293,7 +293,7 @@ def strip_target_layers(target: torch.nn.Module) -> None:
 #
 # One message per micro-batch, sent in the order all ranks agree on (train_dflash.train_plan):
 #   header    int64 [len(HEADER)]                      what follows, and the sender's counters
-#   tokens    int64 [2, batch, S]                      row 0 input_ids, row 1 loss_mask (0/1)
+#   tokens    int64 [3, batch, S]                      rows: input_ids, loss_mask (0/1), label_ids
 #   features  target dtype [batch, S, feature_dim]     context features, sent from the GPU
 # The end of a run is a header of kind END and nothing after it, from every target rank to every
 # drafter rank. Blocking send/recv in one thread per side: every pair sees its messages in the
@@ -343,15 +343,16 @@ class FeatureSender:
         self.thread.start()
 
     def put(self, dest: int, kind: int, epoch: int, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            features: torch.Tensor, num_tokens: int, busy_s: float) -> None:
-        """Queue one micro-batch for drafter rank `dest`. input_ids, loss_mask [batch, S] and
-        features [batch, S, feature_dim] on the target's device; busy_s: time spent making it."""
+            label_ids: torch.Tensor, features: torch.Tensor, num_tokens: int, busy_s: float) -> None:
+        """Queue one micro-batch for drafter rank `dest`. input_ids, loss_mask, label_ids (the token
+        each position is trained to predict) [batch, S] and features [batch, S, feature_dim] on the
+        target's device; busy_s: time spent making it."""
         batch, seq_len, feature_dim = features.shape
         self.busy_s += busy_s
         if kind == BATCH:
             self.samples += batch
             self.tokens += num_tokens
-        tokens = torch.stack([input_ids, loss_mask.long()])  # [2, batch, S]
+        tokens = torch.stack([input_ids, loss_mask.long(), label_ids])  # [3, batch, S]
         header = [kind, epoch, index, batch, seq_len, feature_dim, DTYPES.index(features.dtype), num_tokens,
                   *self._counters()]
         ready = None
@@ -440,7 +441,8 @@ class FeatureReceiver:
 
     def get(self) -> dict:
         """The next micro-batch: the header fields plus input_ids [batch, S] int64, loss_mask
-        [batch, S] bool and context_features [batch, S, feature_dim], on this rank's device."""
+        [batch, S] bool, label_ids [batch, S] int64 and context_features [batch, S, feature_dim],
+        on this rank's device."""
         waited = time.perf_counter()
         while True:
             if self.error is not None:
@@ -453,7 +455,7 @@ class FeatureReceiver:
         self.wait_s += time.perf_counter() - waited
         if self.device.type == "cuda":
             current = torch.cuda.current_stream(self.device)
-            for name in ("input_ids", "loss_mask", "context_features"):
+            for name in ("input_ids", "loss_mask", "label_ids", "context_features"):
                 # Allocated on the receive stream, used on this one: keep the allocator from reusing
                 # the memory before this stream is done with it.
                 item[name].record_stream(current)
@@ -510,11 +512,11 @@ class FeatureReceiver:
                             f"this rank expects {self.feature_dim} in {self.dtype}"
                         )
                     shape = (item["batch"], item["seq_len"])
-                    tokens = torch.empty((2, *shape), dtype=torch.long, device=self.device)  # [2, batch, S]
+                    tokens = torch.empty((3, *shape), dtype=torch.long, device=self.device)  # [3, batch, S]
                     features = torch.empty((*shape, self.feature_dim), dtype=self.dtype, device=self.device)
                     dist.recv(tokens, src, group=self.group)
                     dist.recv(features, src, group=self.group)
-                    item.update(input_ids=tokens[0], loss_mask=tokens[1].bool(), context_features=features)
+                    item.update(input_ids=tokens[0], loss_mask=tokens[1].bool(), label_ids=tokens[2], context_features=features)
                     if stream is not None:
                         stream.synchronize()  # queued means arrived: get() time is then the true wait
                     self.queue.put(item)
@@ -829,8 +831,8 @@ COLOCATED_MARGIN = 1.10  # colocated must beat the best split by 10% (the split 
 def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, device: torch.device) -> torch.Tensor:
     """Time the target forward and the drafter step on the same real micro-batches on this rank.
 
-    batches: micro-batches; run_target(batch) -> features; run_drafter(batch, features) runs a
-    forward and backward. Each batch runs once untimed first: a new length bucket compiles
+    batches: micro-batches; run_target(batch) -> its output (the features); run_drafter(batch,
+    output) runs a forward and backward. Each batch runs once untimed first: a new length bucket compiles
     there (flex, compiled layers), and the allocator warms up.
     Returns float64 [target_seconds, drafter_seconds, samples, tokens] over the timed runs;
     sum it over ranks (all_reduce) so every rank decides the same N.
@@ -845,10 +847,10 @@ def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, de
         run_drafter(batch, run_target(batch))
         sync()
         start = time.perf_counter()
-        features = run_target(batch)
+        output = run_target(batch)
         sync()
         middle = time.perf_counter()
-        run_drafter(batch, features)
+        run_drafter(batch, output)
         sync()
         totals += torch.tensor([middle - start, time.perf_counter() - middle, len(batch["input_ids"]),
                                 float(batch["attention_mask"].sum())], dtype=torch.float64)

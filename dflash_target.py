@@ -742,8 +742,10 @@ class TargetFeatureExtractor:
         which transformers replaces with the final-norm output).
     truncate: drop the decoder layers after `max(target_layer_ids)` from the target IN PLACE
         (their memory is freed); the target can no longer produce logits afterwards. The LM head
-        is kept (the drafter uses it) but never called here. Truncated or not, the forward of
-        `__call__` stops after the deepest captured layer.
+        is kept (the drafter uses it). Truncated or not, the forward of `__call__` stops after the
+        deepest captured layer, unless `predict_next`.
+    predict_next: also return the target's greedy next token at every position (argmax of its
+        logits): the forward runs every layer, the final norm and the LM head. Needs truncate=False.
 
     Attributes the drafter borrows by reference: `embed_tokens` (input embedding, [vocab_size,
     hidden]) and `lm_head` (output head; the same weight as `embed_tokens` for tied targets
@@ -751,7 +753,9 @@ class TargetFeatureExtractor:
     written into the drafter's config), `vocab_size` (rows of the embedding).
     """
 
-    def __init__(self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True):
+    def __init__(self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True, predict_next: bool = False):
+        if truncate and predict_next:
+            raise ValueError("TargetFeatureExtractor(predict_next=True) needs the whole target: pass truncate=False")
         decoder, layers_name, layers = _decoder_and_layers(target)
         # The untruncated count (the drafter config needs it). The config keeps it even when an
         # earlier extractor already truncated this target's layer list.
@@ -785,7 +789,7 @@ class TargetFeatureExtractor:
             layers = nn.ModuleList(layers[: max(target_layer_ids) + 1])
             setattr(decoder, layers_name, layers)  # the dropped layers lose their last reference here
         self.decoder, self.layers_name = decoder, layers_name  # called without the LM head
-        self.layers, self.truncated = layers, truncate
+        self.layers, self.truncated, self.predict_next = layers, truncate, predict_next
 
         self._captured: dict[int, torch.Tensor] | None = None  # only filled during __call__
         self._graphed = None  # a CUDAGraphCall of the forward, after use_cuda_graphs()
@@ -801,17 +805,20 @@ class TargetFeatureExtractor:
         return hook
 
     @torch.no_grad()  # not inference_mode: the drafter's autograd must be able to save these tensors
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """input_ids [batch, S] long, attention_mask [batch, S] (1 = real token, right padding)
         -> context_features [batch, S, len(target_layer_ids) * hidden] in the target dtype,
-        layer outputs concatenated in `target_layer_ids` order."""
+        layer outputs concatenated in `target_layer_ids` order. With `predict_next` a pair:
+        (context_features, next_ids [batch, S] int64), next_ids[:, t] the target's argmax after
+        position t."""
         if self._graphed is not None and input_ids.is_cuda:
-            # A copy: the graph's output buffer is overwritten by the next replay, while the drafter's
-            # autograd (and in split mode the sender thread) may still hold these features.
-            return self._graphed(input_ids, attention_mask).clone()
+            # A copy: the graph's output buffers are overwritten by the next replay, while the drafter's
+            # autograd (and in split mode the sender thread) may still hold these tensors.
+            output = self._graphed(input_ids, attention_mask)
+            return tuple(t.clone() for t in output) if self.predict_next else output.clone()
         return self._features(input_ids, attention_mask, explicit_mask=False)
 
-    def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, explicit_mask: bool) -> torch.Tensor:
+    def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, explicit_mask: bool):
         """The forward behind `__call__`. explicit_mask: pass the decoder a ready 4D mask (causal and
         padding, [batch, 1, S, S]) instead of the 2D one, so that transformers builds nothing from
         the data (its mask code may check the padding on the host, which a CUDA graph cannot hold)."""
@@ -824,17 +831,29 @@ class TargetFeatureExtractor:
         self._captured = {}
         # A target kept whole (for evaluation) runs only the layers up to the deepest captured one
         # here too: the decoder iterates a prefix of its layer list for the duration of this call.
-        full = None if self.truncated else getattr(self.decoder, self.layers_name)
+        full = None if self.truncated or self.predict_next else getattr(self.decoder, self.layers_name)
         if full is not None:
             setattr(self.decoder, self.layers_name, nn.ModuleList(full[: max(self.target_layer_ids) + 1]))
         try:
-            self.decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            output = self.decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
             features = [self._captured[i] for i in self.target_layer_ids]  # each [batch, S, hidden]
         finally:
             self._captured = None
             if full is not None:
                 setattr(self.decoder, self.layers_name, full)
-        return torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
+        features = torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
+        if not self.predict_next:
+            return features
+        return features, self._greedy_next(output.last_hidden_state)
+
+    def _greedy_next(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Argmax of the LM head over the final-norm hidden states [batch, S, hidden] -> [batch, S]
+        int64, in chunks of positions that bound the logits to ~2**28 elements (a 150k vocabulary
+        at batch 8 x 4096 would otherwise take 10 GB in bf16). Logit scaling and soft-capping are
+        monotone, so the raw head's argmax is the target's."""
+        batch, seq_len, _ = hidden.shape
+        chunk = max(1, 2**28 // (batch * self.vocab_size))
+        return torch.cat([self.lm_head(hidden[:, i : i + chunk]).argmax(-1) for i in range(0, seq_len, chunk)], dim=1)
 
     def use_cuda_graphs(self) -> None:
         """Replay the feature forward from CUDA graphs, one per input shape (`CUDAGraphCall`, one

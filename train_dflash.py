@@ -178,6 +178,7 @@ class TrainSettings:
     # objective
     num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
     anchor_slots_multiple: int = field(default=0, metadata={"help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
+    label_source: str = field(default="data", metadata={"help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix, what verification at temperature 0 accepts; sampled replies then teach no sampling noise). target_argmax runs the whole target (every layer and its LM head) on the target ranks"})
     loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
@@ -239,6 +240,11 @@ class TrainSettings:
         for name in ("compile_drafter", "compile_target"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"--{name} must be on, off or auto, got {getattr(self, name)!r}")
+        if self.label_source not in ("data", "target_argmax"):
+            raise ValueError(f"--label_source must be data or target_argmax, got {self.label_source!r}")
+        if self.label_source == "target_argmax" and self.target_tp_size > 1:
+            raise ValueError("--label_source target_argmax needs the target's whole LM head on each target rank; "
+                             "tensor parallelism (--target_tp_size > 1) splits it. Use --label_source data")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"--attention_backend must be flex, sdpa or auto, got {self.attention_backend!r}")
         if self.push_to_hub and not self.hub_model_id:
@@ -777,6 +783,17 @@ def is_eval_step(step: int, settings: TrainSettings) -> bool:
     return settings.eval_steps > 0 and step % settings.eval_steps == 0
 
 
+def target_features(extractor: TargetFeatureExtractor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The target's part of one micro-batch: (context_features [batch, S, n*hidden] in the target
+    dtype, label_ids [batch, S] int64). label_ids[:, t] is the token position t is trained to
+    predict: the data's own token (--label_source data: label_ids is input_ids), or the target's
+    argmax after position t - 1 (target_argmax; an extractor made with predict_next)."""
+    if not extractor.predict_next:
+        return extractor(input_ids, attention_mask), input_ids
+    features, next_ids = extractor(input_ids, attention_mask)
+    return features, torch.cat([input_ids[:, :1], next_ids[:, :-1]], dim=1)
+
+
 def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExtractor, layout, settings: TrainSettings,
                            device: torch.device, pad_multiple: int, global_step: int, evaluate=None) -> None:
     """A target rank's whole run (split mode): its group's share of the plan's micro-batches
@@ -799,7 +816,7 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
             batch = collate_batch(dataset.select(indices), tokenizer.pad_token_id, pad_multiple)
             input_ids = batch["input_ids"].to(device)
             loss_mask = batch["loss_mask"].to(device) if trains else torch.zeros_like(batch["loss_mask"], device=device)
-            features = extractor(input_ids, batch["attention_mask"].to(device))  # [batch, S, n*hidden], stays on the GPU
+            features, label_ids = target_features(extractor, input_ids, batch["attention_mask"].to(device))  # stay on the GPU
             if sender is None:
                 continue
             if device.type == "cuda":
@@ -809,7 +826,7 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
                 done.record()
                 done.synchronize()
             sender.put(layout.drafter_ranks[d], BATCH if trains else PADDING, epoch, index, input_ids, loss_mask,
-                       features, int(batch["attention_mask"].sum()), time.perf_counter() - busy)
+                       label_ids, features, int(batch["attention_mask"].sum()), time.perf_counter() - busy)
         if micro_done % settings.gradient_accumulation_steps == 0:
             global_step += 1
             if is_save_step(global_step, settings):
@@ -1025,11 +1042,12 @@ class MicroBatchLoss:
     lm_head: torch.nn.Module | None  # the target's (frozen); None on a rank that trains nothing
     slots_used: list[int] = field(default_factory=list)  # anchor slots per micro-batch since the last log (--anchor_slots_multiple)
 
-    def __call__(self, model, context_features, input_ids, loss_mask, anchor_key: tuple):
+    def __call__(self, model, context_features, input_ids, loss_mask, label_ids, anchor_key: tuple):
         """(loss, accepted [B-1]: `dflash_loss`'s share of blocks right through each position) of one
         micro-batch. model: the DeepSpeed engine or the bare drafter; context_features [batch, S,
-        n*hidden], input_ids and loss_mask [batch, S]. Anchors are drawn afresh for every anchor_key =
-        (seed, epoch, micro-step, drafter rank): re-sampled every epoch, reproducible on resume."""
+        n*hidden], input_ids, loss_mask and label_ids [batch, S] (`target_features`). Anchors are
+        drawn afresh for every anchor_key = (seed, epoch, micro-step, drafter rank): re-sampled every
+        epoch, reproducible on resume."""
         settings, config = self.settings, self.draft_config
         generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
         num_anchors = settings.num_anchors
@@ -1038,7 +1056,7 @@ class MicroBatchLoss:
             self.slots_used.append(num_anchors)
         anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend)
-        labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, settings.block_size)
+        labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, settings.block_size)
         return dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
                            chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
                            output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping)
@@ -1183,8 +1201,11 @@ def load_target_parts(settings: TrainSettings, target_config, draft_config: DFla
             )
         check_target_scaling(target, draft_config)
         # Truncating the target after its deepest captured layer frees the later layers, but tau
-        # evaluation verifies drafts with the target's logits, so where it runs the target stays whole.
-        extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=not roles.evaluator)
+        # evaluation verifies drafts with the target's logits, and target_argmax labels are its
+        # argmax, so where either runs the target stays whole.
+        predict = settings.label_source == "target_argmax"
+        extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=not (roles.evaluator or predict),
+                                           predict_next=predict)
         parts = TargetParts(target, extractor, extractor.embed_tokens, extractor.lm_head)
     elif settings_tp > 1:
         join_tensor_parallel_init()  # DeepSpeed AutoTP's world broadcast (dflash_split.py)
@@ -1209,7 +1230,8 @@ def speed_up_target(extractor: TargetFeatureExtractor | None, settings: TrainSet
     if extractor is not None and compute.compile_target and extractor.truncated:
         extractor.compile_layers()
     elif settings.compile_target == "on" and extractor is not None:
-        logger.warning("--compile_target on: not applied, the target is kept whole for --eval_data on this rank")
+        logger.warning("--compile_target on: not applied, the target is kept whole on this rank (for --eval_data or "
+                       "--label_source target_argmax)")
     if settings.target_cuda_graphs and compute.on_cuda and extractor is not None:
         extractor.use_cuda_graphs()
 
@@ -1235,10 +1257,12 @@ def time_rank_split(settings: TrainSettings, cluster: Cluster, roles: RankRoles,
         batches = [collate_batch(data.dataset.select(ids), tokenizer.pad_token_id, compute.pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
 
     def run_target(batch):
-        return parts.extractor(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        return target_features(parts.extractor, batch["input_ids"].to(device), batch["attention_mask"].to(device))
 
-    def run_drafter(batch, features):
-        loss, _ = loss_fn(drafter, features, batch["input_ids"].to(device), batch["loss_mask"].to(device), (settings.seed, -1, rank))
+    def run_drafter(batch, output):
+        features, label_ids = output
+        loss, _ = loss_fn(drafter, features, batch["input_ids"].to(device), batch["loss_mask"].to(device), label_ids,
+                          (settings.seed, -1, rank))
         loss.backward()
         drafter.zero_grad(set_to_none=True)
 
@@ -1263,7 +1287,7 @@ def settle_split(layout, settings: TrainSettings, draft_config: DFlashConfig, pa
     if layout.split:
         check_deepspeed_save_barriers()
         logger.info("Split mode: %s", layout.describe())
-        if layout.is_target and not layout.is_evaluator and not parts.extractor.truncated:  # auto kept it whole while timing
+        if layout.is_target and not layout.is_evaluator and not parts.extractor.truncated and not parts.extractor.predict_next:  # auto kept it whole while timing
             parts.extractor.remove_hooks()
             parts.extractor = TargetFeatureExtractor(parts.target, draft_config.target_layer_ids, truncate=True)
             if compute.compile_target:
@@ -1430,19 +1454,20 @@ class FeatureSupply:
         return {k: v.pin_memory() for k, v in batch.items()} if self.compute.on_cuda else batch
 
     def next(self, collated: list, indices: list[int], trains: bool):
-        """(input_ids [batch, S], loss_mask [batch, S], context_features [batch, S, n*hidden], tokens) of
-        this rank's next micro-batch, on the device. A filler step (trains False) has no loss mask."""
+        """(input_ids [batch, S], loss_mask [batch, S], label_ids [batch, S], context_features [batch, S,
+        n*hidden], tokens) of this rank's next micro-batch, on the device. A filler step (trains
+        False) has no loss mask."""
         if self.receiver is not None:
             item = self.receiver.get()
-            return item["input_ids"], item["loss_mask"], item["context_features"], item["num_tokens"]
+            return item["input_ids"], item["loss_mask"], item["label_ids"], item["context_features"], item["num_tokens"]
         batch, device = collated[0], self.device
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         loss_mask = batch["loss_mask"].to(device, non_blocking=True)
         if not trains:
             loss_mask = torch.zeros_like(loss_mask)  # filler step: no anchor, zero loss, same collectives
         with self.target_time.time():
-            context_features = self.extractor(input_ids, batch["attention_mask"].to(device, non_blocking=True))  # [batch, S, n*hidden]
-        return input_ids, loss_mask, context_features, sum(self.data.lengths[i] for i in indices)
+            context_features, label_ids = target_features(self.extractor, input_ids, batch["attention_mask"].to(device, non_blocking=True))
+        return input_ids, loss_mask, label_ids, context_features, sum(self.data.lengths[i] for i in indices)
 
     def wait_s(self) -> float:
         """Seconds this rank has waited for features from the target ranks (0 colocated)."""
@@ -1594,8 +1619,8 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
     for epoch, micro_step, batches, *collated in supply.steps:
         indices, trains = batches[dp_rank]
         progress.epoch = epoch
-        input_ids, loss_mask, context_features, num_tokens = supply.next(collated, indices, trains)
-        loss, accepted = loss_fn(engine, context_features, input_ids, loss_mask, (settings.seed, epoch, micro_step, dp_rank))
+        input_ids, loss_mask, label_ids, context_features, num_tokens = supply.next(collated, indices, trains)
+        loss, accepted = loss_fn(engine, context_features, input_ids, loss_mask, label_ids, (settings.seed, epoch, micro_step, dp_rank))
         # Asked before step(), which advances DeepSpeed's micro-step counter: afterwards the answer
         # would be about the next micro-batch.
         boundary = engine.is_gradient_accumulation_boundary()

@@ -1,4 +1,5 @@
-"""Split mode (--target_ranks N) on CPU over gloo: 1 target rank + 2 drafter ranks.
+"""Split mode (--target_ranks N) on CPU over gloo: 1 target rank + 2 drafter ranks, trained on the
+target's argmax labels (--label_source target_argmax), which travel with the features.
 
 One split run (a module fixture) is checked from several sides: every sample trained exactly once
 per epoch, identical weights on both drafter ranks, bit-identical to the colocated run on 2 ranks
@@ -52,7 +53,8 @@ def split_run(trainable_qwen3_target, gsm8k_path, train_env, tmp_path_factory):
     debug = out.parent / "debug"
     env = dict(train_env, DFLASH_DEBUG_LOG=str(debug))
     started = time.time()
-    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, out, target_ranks=1, save_steps=3), env, nproc=3)
+    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, out, target_ranks=1, save_steps=3,
+                                        label_source="target_argmax"), env, nproc=3)
     print(f"split run: {time.time() - started:.0f} s")
     assert result.returncode == 0, result.stderr[-4000:]
     return out, debug, result.stderr
@@ -104,7 +106,8 @@ def test_auto_picks_colocated_here_and_matches_the_split_run_bit_for_bit(split_r
     calibration keeps every rank busy with both (N=0)."""
     out, _, _ = split_run
     colocated = tmp_path / "colocated"
-    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, colocated, target_ranks="auto"), train_env, nproc=2)
+    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, colocated, target_ranks="auto", label_source="target_argmax"),
+                               train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--target_ranks auto over 2 ranks" in result.stderr and "N=1: 1 target + 1 drafter ranks" in result.stderr
     assert "=> --target_ranks 0" in result.stderr and "Split mode" not in result.stderr
@@ -116,7 +119,8 @@ def test_resume_in_split_mode_is_bit_identical(split_run, trainable_qwen3_target
     resumed, resumed_debug = tmp_path / "resumed", tmp_path / "resumed_debug"
     env = dict(train_env, DFLASH_DEBUG_LOG=str(resumed_debug))
     # auto on resume keeps the checkpoint's split (the batch plan depends on it).
-    args = run_args(trainable_qwen3_target, gsm8k_path, resumed, target_ranks="auto", resume_from_checkpoint=out / "checkpoint-3")
+    args = run_args(trainable_qwen3_target, gsm8k_path, resumed, target_ranks="auto", resume_from_checkpoint=out / "checkpoint-3",
+                    label_source="target_argmax")
     result = accelerate_launch(args, env, nproc=3)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--target_ranks auto: 1, as in the checkpoint being resumed" in result.stderr
@@ -237,7 +241,8 @@ def test_transport_is_quiet_across_a_checkpoint(monkeypatch):
     monkeypatch.setattr(dflash_split.dist, "send", slow_send)
     sender = FeatureSender(None, [1], torch.device("cpu"), depth=4)
     for i in range(3):
-        sender.put(1, BATCH, 0, i, torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), torch.zeros(1, 4, 8), 4, 0.0)
+        ids = torch.zeros(1, 4, dtype=torch.long)
+        sender.put(1, BATCH, 0, i, ids, torch.ones(1, 4), ids, torch.zeros(1, 4, 8), 4, 0.0)
     sender.flush()
     assert len(sent) == 9, f"flush returned with {9 - len(sent)} sends still in flight"
     sender.finish()

@@ -244,3 +244,37 @@ def test_explicit_mask_forward_equals_the_default_one(tiny_qwen3_target, attenti
     target.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="sdpa or eager"):
         extractor.use_cuda_graphs()
+
+
+def test_predict_next_is_the_targets_greedy_token(tiny_qwen3_target, monkeypatch):
+    """predict_next: the features are the same as without it, and next_ids is the argmax of the
+    target's own logits at every position (HF forward as the reference), also when the argmax runs
+    in chunks of positions. target_features shifts it into labels: position t is trained on the
+    target's token after t - 1; with --label_source data the labels are the input ids."""
+    from train_dflash import target_features
+
+    target, _ = load_target(str(tiny_qwen3_target))
+    input_ids, attention_mask = _batch(target.config.vocab_size)
+    with torch.no_grad():
+        reference = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.argmax(-1)
+    plain = TargetFeatureExtractor(target, [0, 2], truncate=False)
+    features = plain(input_ids, attention_mask)
+    plain.remove_hooks()
+    with pytest.raises(ValueError, match="truncate=False"):
+        TargetFeatureExtractor(target, [0, 2], predict_next=True)
+    extractor = TargetFeatureExtractor(target, [0, 2], truncate=False, predict_next=True)
+    got_features, next_ids = extractor(input_ids, attention_mask)
+    torch.testing.assert_close(got_features, features, rtol=0, atol=0)
+    assert next_ids.dtype == torch.long and torch.equal(next_ids, reference)
+    assert len(target.model.layers) == 4  # every layer ran and stays
+
+    monkeypatch.setattr(extractor, "vocab_size", 2**26)  # 2**28 elements / (2 rows * 2**26) = chunks of 2 positions
+    assert torch.equal(extractor(input_ids, attention_mask)[1], reference)
+
+    got_features, label_ids = target_features(extractor, input_ids, attention_mask)
+    torch.testing.assert_close(got_features, features, rtol=0, atol=0)
+    assert torch.equal(label_ids[:, 0], input_ids[:, 0]) and torch.equal(label_ids[:, 1:], reference[:, :-1])
+    extractor.remove_hooks()
+    data_features, data_labels = target_features(TargetFeatureExtractor(target, [0, 2], truncate=False), input_ids, attention_mask)
+    assert data_labels is input_ids
+    torch.testing.assert_close(data_features, features, rtol=0, atol=0)

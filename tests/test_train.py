@@ -554,3 +554,41 @@ def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(
     fresh = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(out)])[0]
     with pytest.raises(ValueError, match="pass --resume_from_checkpoint latest to continue it"):
         find_resume_point(fresh, OneProcess(), 0)
+
+
+def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
+    """MicroBatchLoss: the drafter sees the input ids (anchor tokens), the labels come from label_ids
+    (the target's argmax with --label_source target_argmax): the loss equals dflash_loss on labels
+    gathered from label_ids by hand, and differs from the loss on the input ids."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO))
+    from dflash_model import block_labels, dflash_loss, loss_weights
+    from train_dflash import Compute, MicroBatchLoss, TrainSettings
+
+    block_size, hidden_size, vocab = 4, 8, 50
+    settings = TrainSettings(target_model="x", train_data=["x"], num_anchors=4, block_size=block_size)
+    compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    weights = loss_weights(block_size, 2.0)
+    loss_fn = MicroBatchLoss(settings, SimpleNamespace(output_multiplier=1.0, final_logit_softcapping=None), compute, weights, head)
+    seen = {}
+
+    def drafter(features, input_ids, anchors, anchor_valid, attention_backend):  # [batch, N, B, hidden]
+        seen.update(input_ids=input_ids, anchors=anchors, valid=anchor_valid)
+        return torch.randn(*anchors.shape, block_size, hidden_size, generator=torch.Generator().manual_seed(0))
+
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab, (2, 16), generator=generator)
+    loss_mask = torch.zeros(2, 16, dtype=torch.bool)
+    loss_mask[:, 5:] = True
+    label_ids = (input_ids + 1 + torch.randint(0, vocab - 1, input_ids.shape, generator=generator)) % vocab  # never the input id
+    with torch.no_grad():
+        loss, _ = loss_fn(drafter, None, input_ids, loss_mask, label_ids, (0, 0, 0, 0))
+        assert seen["input_ids"] is input_ids
+        labels, valid = block_labels(label_ids, loss_mask, seen["anchors"], seen["valid"], block_size)
+        hidden = drafter(None, input_ids, seen["anchors"], seen["valid"], "sdpa")
+        expected, _ = dflash_loss(hidden[:, :, 1:], head.weight, labels, valid, weights)
+        data_loss, _ = loss_fn(drafter, None, input_ids, loss_mask, input_ids, (0, 0, 0, 0))
+    assert valid.sum() > 0 and torch.equal(loss, expected)
+    assert abs(data_loss.item() - loss.item()) > 1e-3

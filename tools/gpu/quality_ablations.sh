@@ -22,6 +22,10 @@
 #   greedy+4     the greedy reply and four sampled ones per question, the same 654 steps: +0.0 to
 #                +0.1. The same number of samples seen, more varied; the recipe's 4,360 steps on
 #                them is where the volume would pay.
+#   data_labels  greedy+4 trained on the replies' own tokens (--label_source data) instead of the
+#                target's argmax (the config's target_argmax): -0.1 to -0.3. A sampled token differs
+#                from the argmax where the target was unsure; those labels teach what greedy
+#                verification rejects. On greedy replies the two label sources nearly agree.
 #
 #   bash tools/gpu/quality_ablations.sh OUT_DIR [RECIPE_DIR]        # every run
 #   RUNS="base epochs6" bash tools/gpu/quality_ablations.sh OUT_DIR # some of them
@@ -46,10 +50,11 @@ declare -A flags=(
   [late_layers]="--target_layer_ids 4 10 16 22 28"
   [sampled1]="--train_data $OUT/sampled1.jsonl"
   [greedy+4]="--train_data $D/greedy.jsonl $D/sampled4.jsonl"
+  [data_labels]="--train_data $D/greedy.jsonl $D/sampled4.jsonl --label_source data"
 )
-order=(base epochs6 layers8 layers3 lr1.2e-3 block8 late_layers sampled1 greedy+4)
+order=(base epochs6 layers8 layers3 lr1.2e-3 block8 late_layers sampled1 greedy+4 data_labels)
 for name in ${RUNS:-${order[@]}}; do
-  if [[ $name == sampled1 || $name == greedy+4 ]] && [[ ! -f $D/sampled4.jsonl ]]; then
+  if [[ $name == sampled1 || $name == greedy+4 || $name == data_labels ]] && [[ ! -f $D/sampled4.jsonl ]]; then
     echo "$name: skipped, no $D/sampled4.jsonl" | tee -a "$OUT/skipped.txt"
     continue
   fi
