@@ -844,7 +844,7 @@ class TargetFeatureExtractor:
         features = torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
         if not self.predict_next:
             return features
-        return features, self._greedy_next(output.last_hidden_state)
+        return features, self._greedy_next(output[0])  # the final-norm hidden states (a ModelOutput or a tuple)
 
     def _greedy_next(self, hidden: torch.Tensor) -> torch.Tensor:
         """Argmax of the LM head over the final-norm hidden states [batch, S, hidden] -> [batch, S]
