@@ -2,7 +2,7 @@
 so a stale import or a broken command line fails here. train_dflash.py's smoke run is in test_train.py
 (test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar).
 
-The runs are subprocesses; the module fixture starts them two at a time (one thread each) and every
+The runs are subprocesses, started two at a time (`run_two_at_a_time`); in the module fixture every
 test checks one script's run.
 """
 
@@ -16,6 +16,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def run_two_at_a_time(commands: dict, env: dict, timeout: int = 300) -> dict:
+    """{script: CompletedProcess} of `python script *args` for each {script: args}, two at a time: a
+    run is mostly a single-threaded import, so two share the 2 CPU cores of CI."""
+
+    def launch(script):
+        return subprocess.run([sys.executable, script, *commands[script]], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(commands, pool.map(launch, commands)))
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +63,8 @@ def smoke_runs(tiny_qwen3_target, train_env, tmp_path_factory) -> dict:
         "regenerate_data.py": ["--target_model", str(tiny_qwen3_target), "--prompts", str(prompts), "--output",
                                str(root / "regenerated.jsonl"), "--max_new_tokens", "4", "--temperature", "0"],
     }
-    env = dict(train_env, TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1")
-
-    def launch(script):
-        return subprocess.run([sys.executable, script, *commands[script]], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=300)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return {script: (result, root) for script, result in zip(commands, pool.map(launch, commands))}
+    results = run_two_at_a_time(commands, dict(train_env, TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1"))
+    return {script: (result, root) for script, result in results.items()}
 
 
 def _ok(smoke_runs, script):
@@ -120,9 +126,9 @@ def test_user_errors_of_the_tools_are_one_line_like_training(tmp_path):
         "regenerate_data.py": (["--target_model", "x", "--prompts", "p.jsonl", "--output", str(tmp_path / "o.jsonl"),
                                 "--compile_decode", "maybe"], "error: --compile_decode must be auto, on or off, got 'maybe'"),
     }
-    for script, (args, message) in runs.items():
-        result = subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    results = run_two_at_a_time({script: args for script, (args, _) in runs.items()}, {**os.environ, "HF_HUB_OFFLINE": "1"}, 120)
+    for script, (_, message) in runs.items():
+        result = results[script]
         assert result.returncode == 2 and "Traceback" not in result.stderr, f"{script}: {result.stderr[-2000:]}"
         assert result.stderr.strip().splitlines()[-1].startswith(message), f"{script}: {result.stderr[-500:]}"
 
@@ -154,10 +160,8 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
         "tools/anchor_flops.py": [str(gsm8k), str(bad_record), "--target_model", str(files), "--num_anchors", "64", "--max_seq_length", "96",
                                   "--batch_size", "4", "--anchor_slots_multiple", "8", "--skip_bad_samples"],
     }
-    env = dict(train_env, HF_HUB_OFFLINE="1")
     out = {}
-    for script, args in runs.items():
-        result = subprocess.run([sys.executable, script, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    for script, result in run_two_at_a_time(runs, dict(train_env, HF_HUB_OFFLINE="1")).items():
         assert result.returncode == 0, f"{script}: exit {result.returncode}\n{result.stderr[-3000:]}"
         out[script] = result.stdout
     assert json.loads(out["tools/gpu/drafter_rank_memory.py"].splitlines()[0])["missing_layer_shards"]
