@@ -33,13 +33,14 @@ i and k) and its own noise at every step, so it does not depend on which other r
 batch, on --batch_size, or on where a run was resumed (up to GPU numerics; a server decides that
 itself from the `seed` it is sent).
 
-Speed on a GPU (`--kv_cache static`, the default there): every batch has the same shape (prompts
-left-padded to the longest prompt of the run, the last batch filled up), so one static KV cache
-serves the run, and the decode step (the target forward over every row) is captured once as a CUDA
-graph and replayed (`StaticBatchDecoder`); for long runs it is compiled with torch.compile first
-(`--compile_decode`, fused kernels). With a SmolLM2-135M-shaped target at batch 512 on an H200: 9.4
-ms per decode step eager, 7.2 compiled, against 80.6 with `generate` and a growing cache; the
-compile costs ~25 s once (BENCHMARKS.md).
+Speed on a GPU (`--kv_cache static`, the default there): --batch_size rows decode together from one
+static KV cache, and each row takes the next prompt as soon as its reply ends, so rows stay busy until
+the prompts run out (`StaticBatchDecoder`). The decode step (the target forward over every row) has one
+shape for the run: it is captured once as a CUDA graph and replayed; for long runs it is compiled with
+torch.compile first (`--compile_decode`, fused kernels). With a SmolLM2-135M-shaped target at batch
+512 on an H200: 9.4 ms per decode step eager, 7.2 compiled, against 80.6 with `generate` and a
+growing cache; the compile costs ~25 s once (BENCHMARKS.md). Replies are written as they end, not in
+prompt order.
 """
 
 import hashlib
@@ -73,7 +74,7 @@ class RegenerateArgs:
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature; 0 = greedy."})
     top_p: float = field(default=0.9, metadata={"help": "Nucleus sampling threshold (ignored when greedy)."})
     num_samples_per_prompt: int = field(default=1, metadata={"help": "Replies per prompt, each sampled with its own seed (needs --temperature > 0 when above 1)."})
-    batch_size: int = field(default=16, metadata={"help": "Replies per generate() call (a GPU takes hundreds for a small target)."})
+    batch_size: int = field(default=16, metadata={"help": "Replies decoded together: rows of the static KV cache (each refilled with the next prompt when its reply ends), or prompts per generate() call (a GPU takes hundreds for a small target)."})
     seed: int = field(default=0, metadata={"help": "Base seed; reply k of prompt i samples with a seed derived from (seed, i, k)."})
     num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of the file."})
     chat_template_kwargs: str = field(default="{}", metadata={"help": "JSON dict for the chat template, e.g. '{\"enable_thinking\": false}'."})
@@ -110,7 +111,7 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)  # logical shift: torch shifts int64 arithmetically
 
 
-def counter_uniform(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniform noise in (0, 1) that is a pure function of (row seed, step, token id).
 
     A counter-based generator (SplitMix64's finaliser over the three counters), so a reply's noise
@@ -118,13 +119,14 @@ def counter_uniform(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
 
     Args:
         seeds: [batch] int64, one seed per row (`reply_seed`).
-        step: index of the token being generated (0 = the first reply token).
+        step: index of the token being generated (0 = the first reply token): an int, or [batch]
+            int64, one per row.
         vocab: number of token ids.
     Returns:
         [batch, vocab] float32, strictly between 0 and 1 (24 random bits each).
     """
     tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    step = torch.full((1, 1), step + 1, dtype=torch.int64, device=seeds.device)
+    step = torch.as_tensor(step, dtype=torch.int64, device=seeds.device).reshape(-1, 1) + 1  # [1 or batch, 1]
     x = seeds[:, None] * _GOLDEN + step * _MIX2 + tokens[None, :] * _MIX1  # int64 arithmetic wraps around
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
@@ -154,8 +156,9 @@ class SeededSampling(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         return self.perturb(scores, input_ids.shape[1] - self.prompt_width)
 
-    def perturb(self, scores: torch.Tensor, step: int) -> torch.Tensor:
-        """scores [batch, vocab] of reply token `step` -> [batch, vocab] float32 whose argmax is the draw."""
+    def perturb(self, scores: torch.Tensor, step: int | torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+        """scores [batch, vocab] of reply token `step` (an int, or [batch] int64) -> [batch, vocab] float32
+        whose argmax is the draw; `seeds` ([batch] int64) replaces the rows' seeds given at construction."""
         logits = scores.float() / self.temperature  # [batch, vocab]
         if self.top_p < 1.0:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -163,7 +166,7 @@ class SeededSampling(LogitsProcessor):
             mass_before = probs.cumsum(dim=-1) - probs
             drop = mass_before >= self.top_p  # the most likely token always stays (its mass before is 0)
             logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        uniform = counter_uniform(self.seeds.to(logits.device), step, logits.shape[-1])
+        uniform = counter_uniform((self.seeds if seeds is None else seeds).to(logits.device), step, logits.shape[-1])
         return logits - torch.log(-torch.log(uniform))
 
 
@@ -240,36 +243,40 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 class StaticBatchDecoder:
-    """Decoding of left-padded prompt batches from a static KV cache, the decode step compiled and
-    replayed as one CUDA graph: the GPU path of `regenerate_locally`.
+    """Continuous batching from a static KV cache, the decode step compiled and replayed as one CUDA
+    graph: the GPU path of `regenerate_locally`.
 
     transformers' `generate` runs its Python loop around every forward (19 ms per step at batch 512
     for SmolLM2-135M on an H200, with its static cache and compiled forward; BENCHMARKS.md). Here a
     step copies three small inputs into the captured buffers, replays the graph (the whole target
-    forward), picks the next tokens on the device and, every `CHECK_EVERY` steps, asks the host
-    whether every row has ended. The cache and the graph are made once for the run: every batch has
-    `batch_size` rows of `prompt_width` columns (left padding).
+    forward over every row) and picks the next tokens on the device. Each row holds one reply at a
+    time: every `CHECK_EVERY` steps the host collects the replies that ended (an EOS token or
+    max_new_tokens) and gives their rows the next prompts, so the rows stay busy until the prompts run
+    out instead of a batch waiting for its longest reply (SmolLM2's GSM8K replies: 205 tokens on
+    average, at most 320).
+
+    The cache's columns are a ring. A step writes every row's new key and value at one shared column
+    (the graph has one shape), which then advances by one, modulo the cache length `prompt_width +
+    max_new_tokens`. A prompt that enters a row when the step is at column c is prefilled on its own
+    (eager, its own shape) and written to the columns just before c, so its reply has max_new_tokens
+    columns to grow through before the ring comes back to its prompt. The attention mask is a per-row
+    table of the columns that hold that row's tokens (`valid`); positions are per row, so RoPE does not
+    see where in the ring a token lies.
 
     With `compile_step` the decode step is `torch.compile(_forward)` (static shapes; the default
     mode, since the graph is captured here), so the captured graph replays inductor's fused kernels
     rather than one eager kernel per operation. The first decode step compiles (and captures); if
-    that raises, the run goes on with the eager step, graphed the same way, after one warning. The
-    prefill stays eager: it has another shape and runs once per batch. Without CUDA graphs (CPU) the
-    compiled step is simply called every step.
-
-    The attention mask is built inside the forward from a per-row table of the cache columns that
-    hold real tokens (`valid`: the prompt's, then every generated one) and the query's column, so the
-    graph serves every step. A query sees valid columns up to its own, and always its own column (a
-    left-pad query would otherwise see nothing, and SDPA returns NaN for a fully masked row). An sdpa
-    target decodes with `packed_gqa_sdpa` (its grouped KV heads are not repeated); an eager one keeps
-    its own attention.
+    that raises, the run goes on with the eager step, graphed the same way, after one warning.
+    Without CUDA graphs (CPU) the compiled step is simply called every step. An sdpa target decodes
+    with `packed_gqa_sdpa` (its grouped KV heads are not repeated); an eager one keeps its own
+    attention.
 
     Raises:
         ValueError: for targets that cannot decode from a static cache (`eval_dflash.static_cache_problem`:
             attention without a 4D mask, sliding-window or linear-attention layers); use --kv_cache dynamic.
     """
 
-    CHECK_EVERY = 8  # steps between host checks for "every row has ended" (each check is a sync)
+    CHECK_EVERY = 8  # steps between host checks for ended replies (each check is a sync)
 
     def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool,
                  compile_step: bool = False):
@@ -281,40 +288,47 @@ class StaticBatchDecoder:
         if problem is not None:
             raise ValueError(f"{problem}: use --kv_cache dynamic")
         self.model, self.width, self.max_new_tokens = model, prompt_width, max_new_tokens
-        self.length = prompt_width + max_new_tokens
+        self.length = prompt_width + max_new_tokens  # columns of the ring
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
         self.cache_argument = _cache_argument(model)
         implementation = model.config._attn_implementation
         self.additive_mask = implementation == "eager"
-        self.attention = PACKED_GQA_SDPA if implementation == "sdpa" else implementation  # for `generate`'s forwards
+        self.attention = PACKED_GQA_SDPA if implementation == "sdpa" else implementation  # for the decoder's forwards
         if self.attention == PACKED_GQA_SDPA:
             AttentionInterface.register(PACKED_GQA_SDPA, packed_gqa_sdpa)
         self.dtype = model.get_input_embeddings().weight.dtype
         self.valid = torch.zeros(batch_size, self.length, dtype=torch.bool, device=model.device)  # [batch, columns]
+        # transformers allocates a StaticCache on its first write: here, eagerly, never inside a compile or a capture.
+        zeros = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)
+        with torch.no_grad():
+            self._forward(zeros, zeros, zeros[0])
+        self.valid.zero_()
         self.cuda_graphs = cuda_graphs
         # dynamic=False: one shape for the run. Not mode="reduce-overhead": the CUDA graph is captured here.
         self.step = torch.compile(self._forward, dynamic=False) if compile_step else self._forward
         self.step_tried = not compile_step  # whether the compiled step's first call (compile, capture) has run
         self.graphed = CUDAGraphCall(self.step) if cuda_graphs else None
+        self.stats: dict = {}  # of the last `stream` that ended: replies, new_tokens, seconds, steps, busy_row_steps
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A bool attention mask as the target's attention wants it: bool, or additive for eager attention."""
+        if not self.additive_mask:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(self.dtype).min)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [batch, T] written at cache columns column..column+T-1 (column: [1] int64)
-        -> logits [batch, vocab] of the last of them. No host sync (it is replayed as a graph)."""
+        """The decode step: tokens, positions [batch, 1] written at cache column `column` ([1] int64),
+        which becomes valid for every row -> logits [batch, vocab]. No host sync (it is replayed as a graph)."""
         for layer in self.cache.layers:  # StaticCache writes at, then advances, each layer's cumulative_length
             layer.cumulative_length.copy_(column[0])
-        slots = torch.arange(self.length, device=tokens.device)  # [columns]
-        query_columns = column + torch.arange(tokens.shape[1], device=tokens.device)  # [T]
-        mask = self.valid[:, None, None, :] & (slots <= query_columns[:, None])[None, None]  # [batch, 1, T, columns]
-        mask |= (slots == query_columns[:, None])[None, None]  # a query always sees itself
-        if self.additive_mask:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=tokens.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+        self.valid.index_fill_(1, column, True)
+        mask = self._mask(self.valid[:, None, None, :])  # [batch, 1, 1, columns]
         logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1,
                             **{self.cache_argument: self.cache}).logits
         return logits[:, -1]  # [batch, vocab]
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [batch, 1] at cache column `column` ([1] int64) -> logits [batch, vocab]:
-        `step` (compiled or eager), replayed from its CUDA graph when there is one."""
+        """`_forward` by `step` (compiled or eager), replayed from its CUDA graph when there is one."""
         run = self.graphed if self.graphed is not None else self.step
         if self.step_tried:
             return run(tokens, positions, column)
@@ -330,89 +344,157 @@ class StaticBatchDecoder:
                 self.graphed = CUDAGraphCall(self._forward)
             return self._decode_step(tokens, positions, column)
 
+    def _prefill(self, rows: torch.Tensor, prompts: list[list[int]], column: int, pad_token_id: int) -> torch.Tensor:
+        """Start prompts in `rows`: their keys and values go to those rows' columns just before `column`
+        (the column the next decode step writes), the rest of each row's columns become invalid.
+
+        Args:
+            rows: [k] int64 row indices; prompts: k lists of token ids (each <= the decoder's width).
+        Returns:
+            logits [k, vocab] of each prompt's last token.
+        """
+        from transformers import DynamicCache
+
+        device, width = self.valid.device, max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        real = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, ids in enumerate(prompts):  # left padding: every prompt ends at the last column
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            real[i, width - len(ids):] = True
+        input_ids, real = input_ids.to(device), real.to(device)
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [k, width]
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        allowed = (real[:, None, None, :] & causal) | torch.eye(width, dtype=torch.bool, device=device)  # a pad query sees itself
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(allowed), use_cache=True,
+                            logits_to_keep=1, **{self.cache_argument: cache}).logits[:, -1]
+        columns = (column - width + torch.arange(width, device=device)) % self.length  # [width]
+        for ring, new in zip(self.cache.layers, cache.layers):  # [batch, kv_heads, columns, head_dim] <- [k, kv_heads, width, head_dim]
+            ring.keys.transpose(1, 2)[rows[:, None], columns[None, :]] = new.keys.transpose(1, 2)
+            ring.values.transpose(1, 2)[rows[:, None], columns[None, :]] = new.values.transpose(1, 2)
+        self.valid[rows] = False
+        self.valid[rows[:, None], columns[None, :]] = real
+        return logits
+
+    def _pick(self, logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, sampler: "SeededSampling | None") -> torch.Tensor:
+        """logits [rows, vocab] of reply tokens `steps` ([rows]) -> the tokens [rows]: greedy, or `sampler`'s draws."""
+        return (sampler.perturb(logits, steps, seeds) if sampler is not None else logits).argmax(dim=-1)
+
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_ids: list[int], pad_token_id: int,
-                 sampler: "SeededSampling | None" = None) -> torch.Tensor:
-        """input_ids, attention_mask [batch, prompt_width] (left padding) -> new tokens [batch, N] int64
-        (N <= max_new_tokens; after a row's EOS it holds pad_token_id). Greedy, or `sampler`'s draws."""
-        batch, width = input_ids.shape
-        if (batch, width) != (self.valid.shape[0], self.width):
-            raise ValueError(f"a batch of {batch} x {width}; this decoder was made for {self.valid.shape[0]} x {self.width}")
+    def stream(self, requests, eos_ids: list[int], pad_token_id: int, sampler: "SeededSampling | None" = None):
+        """Decode replies, rows refilled as they free up.
+
+        Args:
+            requests: iterable of (key, prompt token ids, seed), consumed as rows free up. Prompts
+                must be at most the decoder's width; the seed is used by `sampler`.
+            sampler: draws each row's tokens with that row's seed (its `seeds` are unused); None = greedy.
+        Yields:
+            (key, new token ids) in the order replies end: the ids end with an EOS id when the reply
+            ended by one, else there are max_new_tokens of them.
+        """
+        batch, device, max_new = self.valid.shape[0], self.valid.device, self.max_new_tokens
+        pending = iter(requests)
+        keys: list = [None] * batch  # the request each row holds
+        live = torch.zeros(batch, dtype=torch.bool, device=device)  # the row's reply has not ended
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)  # tokens generated in the row's reply
+        positions = torch.zeros(batch, dtype=torch.long, device=device)  # of the row's next input token
+        seeds = torch.zeros(batch, dtype=torch.long, device=device)
+        out = torch.full((batch, max_new), pad_token_id, dtype=torch.long, device=device)
+        eos = torch.tensor(eos_ids, device=device)
+        tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        logits, column, step, busy = None, self.width, 0, torch.zeros((), dtype=torch.long, device=device)
+        began, new_tokens, replies = time.time(), 0, 0
         # The decoder's forwards attend with `self.attention`; the model gets its own back afterwards
         # (transformers' generate, the retry path, makes its masks by that implementation's name).
         config = self.model.config
-        restore = config._attn_implementation
-        config._attn_implementation = self.attention
+        restore, config._attn_implementation = config._attn_implementation, self.attention
         try:
-            return self._generate(input_ids, attention_mask, eos_ids, pad_token_id, sampler)
+            while True:
+                first = None
+                if step % self.CHECK_EVERY == 0:
+                    held = [r for r in range(batch) if keys[r] is not None]
+                    ended = [held[i] for i, alive in enumerate(live[held].tolist()) if not alive] if held else []
+                    if ended:
+                        ended_t = torch.tensor(ended, device=device)
+                        for r, row, n in zip(ended, out[ended_t].tolist(), lengths[ended_t].tolist()):
+                            yield keys[r], row[:n]
+                            keys[r] = None
+                            new_tokens, replies = new_tokens + n, replies + 1
+                    free = [r for r in range(batch) if keys[r] is None]
+                    starting = [request for _, request in zip(free, pending)]
+                    if starting:
+                        rows = torch.tensor(free[: len(starting)], device=device)
+                        for r, (key, _, _) in zip(free, starting):
+                            keys[r] = key
+                        prompt_logits = self._prefill(rows, [ids for _, ids, _ in starting], column, pad_token_id)
+                        seeds[rows] = torch.tensor([seed for _, _, seed in starting], device=device)
+                        lengths[rows], live[rows] = 0, True
+                        positions[rows] = torch.tensor([len(ids) for _, ids, _ in starting], device=device)
+                        first = rows, self._pick(prompt_logits, seeds[rows], lengths[rows], sampler)
+                    if all(key is None for key in keys):
+                        break
+                if logits is not None:
+                    tokens = self._pick(logits, seeds, lengths, sampler)
+                if first is not None:
+                    tokens[first[0]] = first[1]
+                # Record each live row's token at its reply position, without a host sync.
+                at = lengths.clamp(max=max_new - 1)[:, None]
+                out.scatter_(1, at, torch.where(live[:, None], tokens[:, None], out.gather(1, at)))
+                lengths += live
+                busy += live.sum()
+                live &= ~torch.isin(tokens, eos) & (lengths < max_new)
+                logits = self._decode_step(tokens[:, None], positions[:, None], torch.full((1,), column, dtype=torch.long, device=device))
+                positions += 1
+                column, step = (column + 1) % self.length, step + 1
         finally:
             config._attn_implementation = restore
+        seconds = time.time() - began
+        self.stats = {"replies": replies, "new_tokens": new_tokens, "seconds": seconds, "steps": step, "busy_row_steps": busy.item()}
+        logger.info("%d replies, %d new tokens in %.1f s (%.0f tokens/s); %d decode steps of %d rows, %.0f%% of the rows busy",
+                    replies, new_tokens, seconds, new_tokens / max(seconds, 1e-9), step, batch,
+                    100 * busy.item() / max(step * batch, 1))
 
-    def _generate(self, input_ids, attention_mask, eos_ids, pad_token_id, sampler) -> torch.Tensor:
-        """`generate`, with the model on the decoder's attention."""
-        batch, width = input_ids.shape
-        device = input_ids.device
-        self.valid.zero_()
-        self.valid[:, :width] = attention_mask.bool()
-        self.valid[:, width:] = True  # generated columns; the causal part of the mask hides the future ones
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [batch, width]
-        logits = self._forward(input_ids, positions, torch.zeros(1, dtype=torch.long, device=device))  # prefill, eager
-        next_position = attention_mask.long().sum(-1, keepdim=True)  # [batch, 1]
-        eos = torch.tensor(eos_ids, device=device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        out = torch.full((batch, self.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        for step in range(self.max_new_tokens):
-            tokens = (sampler.perturb(logits, step) if sampler is not None else logits).argmax(dim=-1)  # [batch]
-            out[:, step] = tokens.masked_fill(finished, pad_token_id)
-            finished |= torch.isin(tokens, eos)
-            if step + 1 == self.max_new_tokens or (step % self.CHECK_EVERY == self.CHECK_EVERY - 1 and bool(finished.all())):
-                return out[:, : step + 1]
-            logits = self._decode_step(tokens[:, None], next_position + step,
-                                       torch.full((1,), width + step, dtype=torch.long, device=device))
-        return out
+
+def reply_from_tokens(tokenizer, tokens: list[int], eos_ids: list[int]) -> tuple[str, int, bool]:
+    """New token ids -> (text, num_new_tokens, finished): the reply up to its first EOS id, and whether
+    there was one (False: it hit max_new_tokens)."""
+    end = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+    kept = tokens if end is None else tokens[:end]
+    return tokenizer.decode(kept, skip_special_tokens=True), len(kept), end is not None
+
+
+def prompt_text(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> str:
+    """The prompt as the target reads it: the chat template with the assistant turn opened."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
 
 
 @torch.no_grad()
-def generate_replies(model, tokenizer, prompts, seeds, args, chat_template_kwargs, eos_ids, decoder: StaticBatchDecoder | None = None):
-    """Generate one reply per prompt in a single batched call (left padding).
+def generate_replies(model, tokenizer, prompts, seeds, args, chat_template_kwargs, eos_ids):
+    """Generate one reply per prompt in a single batched call of transformers' `generate` (a growing
+    cache, left padding): the CPU path, and the retry path of the GPU one.
 
     Args:
         prompts: message lists; seeds: their reply seeds (`reply_seed`), used when sampling.
-        decoder: a `StaticBatchDecoder` (static KV cache; prompts padded to its width, the batch must
-            have its rows); default transformers' `generate` with a growing cache.
     Returns:
-        (text, num_new_tokens, finished) per prompt; `finished` is True when the reply ended with an
-        end-of-turn/EOS token rather than at max_new_tokens.
+        (text, num_new_tokens, finished) per prompt (`reply_from_tokens`).
     """
-    texts = [
-        tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **chat_template_kwargs) for p in prompts
-    ]
+    texts = [prompt_text(tokenizer, p, chat_template_kwargs) for p in prompts]
     # The template already wrote BOS/special tokens; don't let the tokenizer add more.
-    padding = {"padding": "max_length", "max_length": decoder.width} if decoder is not None else {"padding": True}
-    batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False, **padding).to(model.device)
+    batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False, padding=True).to(model.device)
     width = batch["input_ids"].shape[1]
     sampler = SeededSampling(torch.tensor(seeds, dtype=torch.int64), width, args.temperature, args.top_p) if args.temperature > 0 else None
-    if decoder is not None:
-        new_tokens = decoder.generate(batch["input_ids"], batch["attention_mask"], eos_ids, tokenizer.pad_token_id, sampler).tolist()
-    else:
-        config = GenerationConfig(
-            max_new_tokens=args.max_new_tokens,
-            do_sample=False,  # sampling, when asked for, is SeededSampling's argmax
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            eos_token_id=eos_ids,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        processors = LogitsProcessorList([sampler] if sampler is not None else [])
-        output = model.generate(**batch, generation_config=config, logits_processor=processors)  # [batch, width + new]
-        new_tokens = output[:, width:].tolist()  # left padding: all prompts end at the same column
-    replies = []
-    for tokens in new_tokens:
-        end = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
-        kept = tokens if end is None else tokens[:end]
-        replies.append((tokenizer.decode(kept, skip_special_tokens=True), len(kept), end is not None))
-    return replies
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=False,  # sampling, when asked for, is SeededSampling's argmax
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    processors = LogitsProcessorList([sampler] if sampler is not None else [])
+    output = model.generate(**batch, generation_config=config, logits_processor=processors)  # [batch, width + new]
+    return [reply_from_tokens(tokenizer, tokens, eos_ids) for tokens in output[:, width:].tolist()]  # all prompts end at one column
 
 
 # Measured on an H200 with SmolLM2-135M (BENCHMARKS.md, "regeneration speed: ... the eager CUDA-graph
@@ -434,48 +516,68 @@ def compile_decode_step(setting: str, cuda_graphs: bool, num_batches: int) -> bo
 
 def regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwargs, static: bool):
     """Yield ((prompt id, sample), (text, num_new_tokens, finished) or an exception) for every reply in
-    `todo`, generated by `model` on this machine in batches of --batch_size."""
+    `todo`, generated by `model` on this machine: by a `StaticBatchDecoder` of --batch_size rows
+    (`static`), or by transformers' `generate` in batches of --batch_size. Replies that fail are
+    retried one by one with `generate`; those that fail again are yielded as the exception."""
     eos_ids = {tokenizer.eos_token_id}
     config_eos = model.generation_config.eos_token_id
     eos_ids |= set(config_eos if isinstance(config_eos, list) else [config_eos])
     eos_ids = sorted(i for i in eos_ids if i is not None)
-    decoder, compile_step, cuda_graphs = None, False, False
-    if static:
-        # One shape for every batch, so the cache and the CUDA graph are made once: the longest prompt
-        # of the run, and full batches.
-        texts = [tokenizer.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
-                 for i in sorted({i for i, _ in todo})]
-        prompt_width = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
-        cuda_graphs = model.device.type == "cuda"
-        num_batches = -(-len(todo) // args.batch_size)
-        compile_step = compile_decode_step(args.compile_decode, cuda_graphs, num_batches)
-        decoder = StaticBatchDecoder(model, args.batch_size, prompt_width, args.max_new_tokens, cuda_graphs, compile_step)
-        why = (f" (--compile_decode auto: {num_batches} batches to decode; compiling pays from about {COMPILE_DECODE_MIN_BATCHES})"
-               if args.compile_decode == "auto" and cuda_graphs else "")
-        logger.info("static KV cache: batches of %d, prompts left-padded to %d tokens; decode step %s%s%s", args.batch_size,
-                    prompt_width, "compiled" if compile_step else "eager", ", replayed as a CUDA graph" if cuda_graphs else "", why)
-    for start in range(0, len(todo), args.batch_size):
-        group = todo[start : start + args.batch_size]
-        filled = group + [group[-1]] * (args.batch_size - len(group)) if static else group
+
+    def one_by_one(keys):
+        for i, k in keys:
+            try:
+                reply = generate_replies(model, tokenizer, [prompts[i]], [reply_seed(args.seed, i, k)], args, chat_template_kwargs, eos_ids)[0]
+            except Exception as single_error:
+                reply = single_error
+            yield (i, k), reply
+
+    if not static:
+        for start in range(0, len(todo), args.batch_size):
+            group = todo[start : start + args.batch_size]
+            try:
+                replies = generate_replies(model, tokenizer, [prompts[i] for i, _ in group],
+                                           [reply_seed(args.seed, i, k) for i, k in group], args, chat_template_kwargs, eos_ids)
+                yield from zip(group, replies)
+            except Exception as error:  # e.g. out of memory on one long prompt: retry one by one
+                logger.warning("batch starting at prompt %d failed (%s: %s); retrying its replies one by one",
+                               group[0][0], type(error).__name__, error)
+                yield from one_by_one(group)
+        return
+
+    # One shape for the run, so the cache and the CUDA graph are made once: --batch_size rows, and
+    # columns for the longest prompt plus --max_new_tokens.
+    ids = {i: tokenizer(prompt_text(tokenizer, prompts[i], chat_template_kwargs), add_special_tokens=False)["input_ids"]
+           for i in sorted({i for i, _ in todo})}
+    prompt_width = max(len(prompt) for prompt in ids.values())
+    cuda_graphs = model.device.type == "cuda"
+    num_batches = -(-len(todo) // args.batch_size)
+    compile_step = compile_decode_step(args.compile_decode, cuda_graphs, num_batches)
+    decoder = StaticBatchDecoder(model, args.batch_size, prompt_width, args.max_new_tokens, cuda_graphs, compile_step)
+    why = (f" (--compile_decode auto: {num_batches} batches' worth of replies; compiling pays from about {COMPILE_DECODE_MIN_BATCHES})"
+           if args.compile_decode == "auto" and cuda_graphs else "")
+    logger.info("static KV cache: %d rows, each refilled with the next prompt when its reply ends; %d columns (prompts <= %d "
+                "tokens + %d new); decode step %s%s%s", args.batch_size, decoder.length, prompt_width, args.max_new_tokens,
+                "compiled" if compile_step else "eager", ", replayed as a CUDA graph" if cuda_graphs else "", why)
+    sampler = SeededSampling(torch.zeros(0, dtype=torch.int64), 0, args.temperature, args.top_p) if args.temperature > 0 else None
+    requests = iter([((i, k), ids[i], reply_seed(args.seed, i, k)) for i, k in todo])
+    while True:  # once per failure: the replies in flight are retried one by one, the rest go on streaming
+        taken, written = [], set()
+
+        def take():
+            for request in requests:
+                taken.append(request[0])
+                yield request
+
         try:
-            began = time.time()
-            replies = generate_replies(model, tokenizer, [prompts[i] for i, _ in filled],
-                                       [reply_seed(args.seed, i, k) for i, k in filled], args, chat_template_kwargs,
-                                       eos_ids, decoder)
-            tokens = sum(n for _, n, _ in replies[: len(group)])
-            setup = start == 0 and decoder is not None and (compile_step or cuda_graphs)
-            logger.info("batch of %d replies: %d new tokens in %.1f s (%.0f tokens/s%s)", len(group), tokens, time.time() - began,
-                        tokens / max(time.time() - began, 1e-9), ", the decode step's compile and capture included" if setup else "")
-            yield from zip(group, replies)
-        except Exception as error:  # e.g. out of memory on one long prompt: retry one by one
-            logger.warning("batch starting at prompt %d failed (%s: %s); retrying its replies one by one", group[0][0], type(error).__name__, error)
-            for i, k in group:
-                try:
-                    reply = generate_replies(model, tokenizer, [prompts[i]], [reply_seed(args.seed, i, k)], args,
-                                             chat_template_kwargs, eos_ids)[0]
-                except Exception as single_error:
-                    reply = single_error
-                yield (i, k), reply
+            for key, tokens in decoder.stream(take(), eos_ids, tokenizer.pad_token_id, sampler):
+                written.add(key)
+                yield key, reply_from_tokens(tokenizer, tokens, eos_ids)
+            return
+        except Exception as error:  # e.g. out of memory
+            in_flight = [key for key in taken if key not in written]
+            logger.warning("decoding failed (%s: %s); retrying the %d replies in flight one by one", type(error).__name__, error, len(in_flight))
+            yield from one_by_one(in_flight)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -300,6 +300,69 @@ def test_static_decoder_writes_what_generate_writes(tmp_path, tiny_target, promp
     assert [r["num_new_tokens"] for r in read_output(static)] == [r["num_new_tokens"] for r in read_output(dynamic)]
 
 
+@pytest.fixture(scope="module")
+def tiny_model_and_prompts(tiny_target):
+    """The tiny target in float32 and 10 chat prompts of varied lengths as token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    model = Qwen3ForCausalLM.from_pretrained(tiny_target, dtype=torch.float32, attn_implementation="sdpa").eval()
+    messages = [[{"role": "user", "content": f"Question {i}: " + "why " * (i % 3) + "is the sky blue?"}] for i in range(NUM_PROMPTS)]
+    ids = [tokenizer(regenerate_data.prompt_text(tokenizer, m, {}), add_special_tokens=False)["input_ids"] for m in messages]
+    return model, tokenizer, ids
+
+
+@pytest.mark.parametrize("batch_size,check_every", [(2, 1), (3, 8)])
+def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monkeypatch, batch_size, check_every):
+    """Rows that take the next prompt when their reply ends, in a ring of cache columns that wraps
+    around: each reply equals transformers' generate alone on its prompt, and the rows stay busy.
+    Replies of different lengths: the end-of-turn ids are the tokens that replies 1 and 6 write
+    third, so replies end wherever they write one."""
+    model, tokenizer, ids = tiny_model_and_prompts
+    max_new = 16
+    alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=max_new,
+                            do_sample=False, eos_token_id=[], pad_token_id=0)[0, len(p):].tolist() for p in ids]
+    eos = sorted({alone[1][2], alone[6][2]})
+    expected = [reply[: next((i + 1 for i, t in enumerate(reply) if t in eos), max_new)] for reply in alone]
+    lengths = [len(reply) for reply in expected]
+    assert 1 < len(set(lengths)), lengths  # the test needs replies of different lengths
+    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "CHECK_EVERY", check_every)
+    decoder = regenerate_data.StaticBatchDecoder(model, batch_size, max(map(len, ids)), max_new, cuda_graphs=False)
+    out = dict(decoder.stream(((i, p, 0) for i, p in enumerate(ids)), eos, pad_token_id=0))
+    assert out == dict(enumerate(expected))
+    stats = decoder.stats
+    assert stats["replies"] == NUM_PROMPTS and stats["new_tokens"] == stats["busy_row_steps"] == sum(lengths)
+    assert stats["steps"] > decoder.length  # the ring of columns wrapped around
+    fixed_batches = sum(max(lengths[s : s + batch_size]) for s in range(0, NUM_PROMPTS, batch_size))
+    if check_every == 1:  # a freed row starts the next prompt at once: fewer steps than batches that wait for their longest reply
+        assert stats["steps"] < fixed_batches, (stats, lengths)
+
+
+def test_failed_decoding_retries_the_replies_in_flight(tmp_path, tiny_target, prompts_file, monkeypatch, caplog):
+    """The static decoder fails while starting its second group of prompts: those in flight are
+    retried one by one with generate, the others go on in a new stream; every reply written once,
+    the same as an uninterrupted run."""
+    reference = tmp_path / "reference.jsonl"
+    regenerate(tiny_target, prompts_file, reference, "--kv_cache", "static", "--batch_size", "4")
+    real, calls = regenerate_data.StaticBatchDecoder._prefill, []
+
+    def failing_once(self, rows, *args):
+        calls.append(len(rows))
+        if len(calls) == 2:
+            raise RuntimeError("simulated out of memory")
+        return real(self, rows, *args)
+
+    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "_prefill", failing_once)
+    output = tmp_path / "out.jsonl"
+    with caplog.at_level(logging.WARNING, logger="regenerate_data"):
+        summary = regenerate(tiny_target, prompts_file, output, "--kv_cache", "static", "--batch_size", "4")
+    assert summary["written"] == NUM_PROMPTS and summary["failed"] == 0
+    records = read_output(output)
+    assert sorted(r["id"] for r in records) == list(range(NUM_PROMPTS))
+    assert replies(records) == replies(read_output(reference))
+    assert "RuntimeError: simulated out of memory" in caplog.text and "in flight one by one" in caplog.text
+
+
 # ----------------------------------------------------------------------------------------------
 # The compiled decode step (the GPU default; forced on here, where it runs without CUDA graphs)
 
