@@ -36,9 +36,13 @@ source tools/gpu/setup.sh
 D=$RECIPE/data
 mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-if [[ -f $D/sampled4.jsonl ]]; then
+# One sampled reply per question: $D/sampled1.jsonl (regenerate_data.py --num_samples_per_prompt 1
+# --temperature 0.8 --top_p 0.95), or else sample 0 of each question in $D/sampled4.jsonl.
+S1=$D/sampled1.jsonl
+if [[ ! -f $S1 && -f $D/sampled4.jsonl ]]; then
+  S1=$OUT/sampled1.jsonl
   python3 -c "import json, sys; [print(line, end='') for line in open(sys.argv[1]) if json.loads(line).get('sample') == 0]" \
-    "$D/sampled4.jsonl" > "$OUT/sampled1.jsonl"
+    "$D/sampled4.jsonl" > "$S1"
 fi
 declare -A flags=(
   [base]=""
@@ -48,14 +52,15 @@ declare -A flags=(
   [lr1.2e-3]="--learning_rate 1.2e-3"
   [block8]="--block_size 8"
   [late_layers]="--target_layer_ids 4 10 16 22 28"
-  [sampled1]="--train_data $OUT/sampled1.jsonl"
+  [sampled1]="--train_data $S1"
   [greedy+4]="--train_data $D/greedy.jsonl $D/sampled4.jsonl"
   [data_labels]="--train_data $D/greedy.jsonl $D/sampled4.jsonl --label_source data"
 )
 order=(base epochs6 layers8 layers3 lr1.2e-3 block8 late_layers sampled1 greedy+4 data_labels)
 for name in ${RUNS:-${order[@]}}; do
-  if [[ $name == sampled1 || $name == greedy+4 || $name == data_labels ]] && [[ ! -f $D/sampled4.jsonl ]]; then
-    echo "$name: skipped, no $D/sampled4.jsonl" | tee -a "$OUT/skipped.txt"
+  case $name in sampled1) need=$S1 ;; greedy+4 | data_labels) need=$D/sampled4.jsonl ;; *) need=$D/greedy.jsonl ;; esac
+  if [[ ! -f $need ]]; then
+    echo "$name: skipped, no $need" | tee -a "$OUT/skipped.txt"
     continue
   fi
   # shellcheck disable=SC2086  # the flags are words
