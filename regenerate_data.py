@@ -361,7 +361,8 @@ class StaticBatchDecoder:
         for i, ids in enumerate(prompts):  # left padding: every prompt ends at the last column
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             real[i, width - len(ids):] = True
-        input_ids, real = input_ids.to(device), real.to(device)
+        if device.type == "cuda":  # pinned, so that the copy does not wait for the steps queued before it
+            input_ids, real = input_ids.pin_memory().to(device, non_blocking=True), real.pin_memory().to(device, non_blocking=True)
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [k, width]
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         allowed = (real[:, None, None, :] & causal) | torch.eye(width, dtype=torch.bool, device=device)  # a pad query sees itself
@@ -380,9 +381,22 @@ class StaticBatchDecoder:
         """logits [rows, vocab] of reply tokens `steps` ([rows]) -> the tokens [rows]: greedy, or `sampler`'s draws."""
         return (sampler.perturb(logits, steps, seeds) if sampler is not None else logits).argmax(dim=-1)
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """A list of ints as an int64 tensor on the decoder's device, copied without a host sync
+        (a plain copy to the GPU waits for every queued step)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.valid.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.valid.device, non_blocking=True)
+
     @torch.no_grad()
     def stream(self, requests, eos_ids: list[int], pad_token_id: int, sampler: "SeededSampling | None" = None):
         """Decode replies, rows refilled as they free up.
+
+        The host never waits for the GPU to run dry: each check reads a copy of the rows' state taken
+        at the check before (copied to pinned memory in stream order), so the steps queued since then
+        keep the GPU busy while the host hands out the replies that had ended and queues the next
+        prompts' prefill. A reply is collected at the second check after it ends.
 
         Args:
             requests: iterable of (key, prompt token ids, seed), consumed as rows free up. Prompts
@@ -400,8 +414,14 @@ class StaticBatchDecoder:
         positions = torch.zeros(batch, dtype=torch.long, device=device)  # of the row's next input token
         seeds = torch.zeros(batch, dtype=torch.long, device=device)
         out = torch.full((batch, max_new), pad_token_id, dtype=torch.long, device=device)
-        eos = torch.tensor(eos_ids, device=device)
+        eos = self._to_device(list(eos_ids))
         tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        # The rows' state as of the last check, on the host (pinned: copied without a sync).
+        pinned = device.type == "cuda"
+        seen_live, seen_lengths, seen_out = (torch.zeros(batch, dtype=torch.bool, pin_memory=pinned),
+                                             torch.zeros(batch, dtype=torch.long, pin_memory=pinned),
+                                             torch.zeros(batch, max_new, dtype=torch.long, pin_memory=pinned))
+        seen = None  # after the first check: the event that the copies are done (True on the CPU)
         logits, column, step, busy = None, self.width, 0, torch.zeros((), dtype=torch.long, device=device)
         began, new_tokens, replies = time.time(), 0, 0
         # The decoder's forwards attend with `self.attention`; the model gets its own back afterwards
@@ -412,27 +432,34 @@ class StaticBatchDecoder:
             while True:
                 first = None
                 if step % self.CHECK_EVERY == 0:
-                    held = [r for r in range(batch) if keys[r] is not None]
-                    ended = [held[i] for i, alive in enumerate(live[held].tolist()) if not alive] if held else []
-                    if ended:
-                        ended_t = torch.tensor(ended, device=device)
-                        for r, row, n in zip(ended, out[ended_t].tolist(), lengths[ended_t].tolist()):
-                            yield keys[r], row[:n]
-                            keys[r] = None
-                            new_tokens, replies = new_tokens + n, replies + 1
+                    if seen is not None:
+                        if pinned:
+                            seen.synchronize()  # the copies queued a check ago: the steps queued since still run
+                        alive, done_lengths = seen_live.tolist(), seen_lengths.tolist()
+                        for r in range(batch):
+                            if keys[r] is not None and not alive[r]:
+                                yield keys[r], seen_out[r, : done_lengths[r]].tolist()
+                                keys[r] = None
+                                new_tokens, replies = new_tokens + done_lengths[r], replies + 1
                     free = [r for r in range(batch) if keys[r] is None]
                     starting = [request for _, request in zip(free, pending)]
                     if starting:
-                        rows = torch.tensor(free[: len(starting)], device=device)
+                        rows = self._to_device(free[: len(starting)])
                         for r, (key, _, _) in zip(free, starting):
                             keys[r] = key
                         prompt_logits = self._prefill(rows, [ids for _, ids, _ in starting], column, pad_token_id)
-                        seeds[rows] = torch.tensor([seed for _, _, seed in starting], device=device)
+                        seeds[rows] = self._to_device([seed for _, _, seed in starting])
+                        positions[rows] = self._to_device([len(ids) for _, ids, _ in starting])
                         lengths[rows], live[rows] = 0, True
-                        positions[rows] = torch.tensor([len(ids) for _, ids, _ in starting], device=device)
                         first = rows, self._pick(prompt_logits, seeds[rows], lengths[rows], sampler)
                     if all(key is None for key in keys):
                         break
+                    seen_live.copy_(live, non_blocking=pinned)
+                    seen_lengths.copy_(lengths, non_blocking=pinned)
+                    seen_out.copy_(out, non_blocking=pinned)
+                    seen = torch.cuda.Event() if pinned else True
+                    if pinned:
+                        seen.record()
                 if logits is not None:
                     tokens = self._pick(logits, seeds, lengths, sampler)
                 if first is not None:

@@ -156,6 +156,8 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
         "tools/gpu/shaped_targets.py": [str(tmp_path / "shaped"), str(gsm8k)],
         "tools/gpu/ablation_table.py": [str(tmp_path)],
         "tools/gpu/bench_table.py": [str(tmp_path)],
+        "tools/gpu/decode_step_profile.py": [str(tiny_qwen3_target), str(tmp_path / "decode"), "--rows", "2", "--width", "8",
+                                             "--max_new_tokens", "8", "--valid", "10", "--repeats", "1", "--device", "cpu"],
         "tools/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
         "tools/anchor_flops.py": [str(gsm8k), str(bad_record), "--target_model", str(files), "--num_anchors", "64", "--max_seq_length", "96",
                                   "--batch_size", "4", "--anchor_slots_multiple", "8", "--skip_bad_samples"],
@@ -170,6 +172,9 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     assert out["tools/gpu/ablation_table.py"].startswith("| run | held-out tau |")
     assert "| sliding_w64 | 2.50 | 8 | 2.25 | 10 | 31 |" in out["tools/gpu/ablation_table.py"]
     assert any((tmp_path / "tp").glob("*.safetensors"))
+    decode = json.loads((tmp_path / "decode" / "results.json").read_text())
+    assert set(decode) == {"eager_step_2_rows_ms", "pick_greedy_2_rows_ms", "pick_sampled_2_rows_ms"} and min(decode.values()) > 0
+    assert "aten::" in (tmp_path / "decode" / "profile_step.txt").read_text()
     flops = json.loads(out["tools/anchor_flops.py"].splitlines()[-1])  # short answers: most of 64 slots are padding
     per_sample = flops["flop_per_sample"]
     assert flops["samples"] == 16 and 0 < flops["valid_slot_share"] < 0.25
