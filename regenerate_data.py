@@ -276,7 +276,7 @@ class StaticBatchDecoder:
             attention without a 4D mask, sliding-window or linear-attention layers); use --kv_cache dynamic.
     """
 
-    CHECK_EVERY = 8  # steps between host checks for ended replies (each check is a sync)
+    CHECK_EVERY = 8  # steps between host checks for ended replies (each waits for the copies made at the check before)
 
     def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool,
                  compile_step: bool = False):
