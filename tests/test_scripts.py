@@ -179,3 +179,13 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     per_sample = flops["flop_per_sample"]
     assert flops["samples"] == 16 and 0 < flops["valid_slot_share"] < 0.25
     assert per_sample["drafter_useful"] < per_sample["drafter_executed_anchor_slots_multiple_8"] < 0.75 * per_sample["drafter_executed"]
+
+
+def test_the_gpu_shell_scripts_parse():
+    """The GPU machine is the only place the tools/gpu/*.sh scripts run whole; here bash at least
+    parses each one, so that a syntax slip fails in CI rather than in a device call."""
+    scripts = sorted((REPO / "tools" / "gpu").glob("*.sh"))
+    assert len(scripts) >= 10
+    for script in scripts:  # some parse errors (inside [[ ]]) leave bash -n's exit code 0: stderr tells
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0 and not result.stderr, f"{script.name}: {result.stderr}"
