@@ -308,7 +308,7 @@ class StaticBatchDecoder:
         self.step = torch.compile(self._forward, dynamic=False) if compile_step else self._forward
         self.step_tried = not compile_step  # whether the compiled step's first call (compile, capture) has run
         self.graphed = CUDAGraphCall(self.step) if cuda_graphs else None
-        self.stats: dict = {}  # of the last `stream` that ended: replies, new_tokens, seconds, steps, busy_row_steps
+        self.stats: dict = {}  # of the last `stream` that ended: replies, new_tokens (end-of-turn tokens included), seconds, steps, busy_row_steps
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """A bool attention mask as the target's attention wants it: bool, or additive for eager attention."""
@@ -477,7 +477,8 @@ class StaticBatchDecoder:
             config._attn_implementation = restore
         seconds = time.time() - began
         self.stats = {"replies": replies, "new_tokens": new_tokens, "seconds": seconds, "steps": step, "busy_row_steps": busy.item()}
-        logger.info("%d replies, %d new tokens in %.1f s (%.0f tokens/s); %d decode steps of %d rows, %.0f%% of the rows busy",
+        logger.info("%d replies, %d tokens decoded (end-of-turn tokens included) in %.1f s (%.0f tokens/s); %d decode steps of "
+                    "%d rows, %.0f%% of the rows busy",
                     replies, new_tokens, seconds, new_tokens / max(seconds, 1e-9), step, batch,
                     100 * busy.item() / max(step * batch, 1))
 
@@ -659,8 +660,11 @@ def parse_args(argv: list[str] | None) -> tuple[RegenerateArgs, dict]:
         raise ValueError(f"--chat_template_kwargs must be a JSON dict, got {args.chat_template_kwargs!r}: {error}") from error
     if not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"--chat_template_kwargs must be a JSON dict, got {args.chat_template_kwargs!r}")
-    if args.batch_size < 1 or args.max_new_tokens < 1 or args.num_samples_per_prompt < 1 or args.server_concurrency < 1:
-        raise ValueError("--batch_size, --max_new_tokens, --num_samples_per_prompt and --server_concurrency must be >= 1")
+    for flag in ("batch_size", "max_new_tokens", "num_samples_per_prompt", "server_concurrency"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.num_samples_per_prompt > 1 and args.temperature <= 0:
         raise ValueError(f"--num_samples_per_prompt {args.num_samples_per_prompt} with --temperature 0 would write the same greedy reply "
                          f"{args.num_samples_per_prompt} times: pass --temperature > 0 (e.g. 0.8)")
@@ -698,7 +702,8 @@ def main(argv: list[str] | None = None) -> dict:
     samples = args.num_samples_per_prompt
     done = {(i, k) for i, k in read_done(args.output, all_prompts) if i < len(prompts) and k < samples}  # smaller runs are fine
     todo = [(i, k) for i in range(len(prompts)) for k in range(samples) if (i, k) not in done]
-    print(f"{len(prompts)} prompts x {samples} replies, {len(done)} already in {args.output}, {len(todo)} to generate"
+    print(f"{len(prompts)} prompts x {samples} {'reply' if samples == 1 else 'replies'}, {len(done)} already in {args.output}, "
+          f"{len(todo)} to generate"
           + (f" by {args.server_url}" if args.server_url else ""))
     summary = {"prompts": len(prompts), "samples_per_prompt": samples, "already_done": len(done), "written": 0,
                "unfinished": 0, "empty": 0, "failed": 0}

@@ -427,6 +427,18 @@ def test_compile_decode_setting_is_checked(prompts_file):
         regenerate_data.parse_args(common + ["--compile_decode", "on", "--kv_cache", "dynamic"])
 
 
+@pytest.mark.parametrize("flag,value,message", [
+    ("--batch_size", "0", "--batch_size must be >= 1, got 0"),
+    ("--max_new_tokens", "-2", "--max_new_tokens must be >= 1, got -2"),
+    ("--num_samples_per_prompt", "0", "--num_samples_per_prompt must be >= 1, got 0"),
+    ("--temperature", "-1", "--temperature must be >= 0 (0 = greedy), got -1.0"),
+])
+def test_bad_numbers_name_their_flag(prompts_file, flag, value, message):
+    with pytest.raises(ValueError) as error:
+        regenerate_data.parse_args(["--target_model", "t", "--prompts", prompts_file, "--output", "o.jsonl", flag, value])
+    assert str(error.value) == message
+
+
 def test_auto_compiles_the_decode_step_only_where_the_compile_pays_for_itself():
     decide = regenerate_data.compile_decode_step
     assert regenerate_data.COMPILE_DECODE_MIN_BATCHES == 36  # ~26 s more first batch / ~0.7 s saved per later batch, of 512 or 1024 rows
