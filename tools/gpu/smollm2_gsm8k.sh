@@ -28,9 +28,9 @@ questions=$DATA_DIR/gsm8k/train.jsonl
 head -n -500 "$questions" > "$D/train_questions.jsonl"    # 6,973 questions to answer and train on
 tail -n 500 "$questions" > "$D/heldout_questions.jsonl"   # held out: never regenerated or trained on
 
-# 1. SmolLM2 answers every training question: once greedily, four times sampled. Batches of 1024:
-# fewer, larger batches spread a decode step's fixed cost (the kernels of a 135M target are small,
-# BENCHMARKS.md) over more replies, and nearly every batch runs all 320 steps for its longest reply.
+# 1. SmolLM2 answers every training question: once greedily, four times sampled. 1024 rows decode
+# together (each takes the next question when its reply ends): more rows spread a decode step's
+# fixed cost (the kernels of a 135M target are small, BENCHMARKS.md) over more replies.
 timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
   --output "$D/greedy.jsonl" --temperature 0 --max_new_tokens 320 --batch_size 1024
 timed regenerate_sampled python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
