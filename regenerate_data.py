@@ -361,8 +361,7 @@ class StaticBatchDecoder:
         for i, ids in enumerate(prompts):  # left padding: every prompt ends at the last column
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             real[i, width - len(ids):] = True
-        if device.type == "cuda":  # pinned, so that the copy does not wait for the steps queued before it
-            input_ids, real = input_ids.pin_memory().to(device, non_blocking=True), real.pin_memory().to(device, non_blocking=True)
+        input_ids, real = self._to_device(input_ids), self._to_device(real)
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [k, width]
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         allowed = (real[:, None, None, :] & causal) | torch.eye(width, dtype=torch.bool, device=device)  # a pad query sees itself
@@ -381,10 +380,9 @@ class StaticBatchDecoder:
         """logits [rows, vocab] of reply tokens `steps` ([rows]) -> the tokens [rows]: greedy, or `sampler`'s draws."""
         return (sampler.perturb(logits, steps, seeds) if sampler is not None else logits).argmax(dim=-1)
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """A list of ints as an int64 tensor on the decoder's device, copied without a host sync
-        (a plain copy to the GPU waits for every queued step)."""
-        host = torch.tensor(values, dtype=torch.long)
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the decoder's device, copied without a host sync (through pinned memory:
+        a plain copy to the GPU waits for every queued step)."""
         if self.valid.device.type != "cuda":
             return host
         return host.pin_memory().to(self.valid.device, non_blocking=True)
@@ -414,7 +412,7 @@ class StaticBatchDecoder:
         positions = torch.zeros(batch, dtype=torch.long, device=device)  # of the row's next input token
         seeds = torch.zeros(batch, dtype=torch.long, device=device)
         out = torch.full((batch, max_new), pad_token_id, dtype=torch.long, device=device)
-        eos = self._to_device(list(eos_ids))
+        eos = self._to_device(torch.tensor(eos_ids))
         tokens = torch.zeros(batch, dtype=torch.long, device=device)
         # The rows' state as of the last check, on the host (pinned: copied without a sync).
         pinned = device.type == "cuda"
@@ -444,12 +442,12 @@ class StaticBatchDecoder:
                     free = [r for r in range(batch) if keys[r] is None]
                     starting = [request for _, request in zip(free, pending)]
                     if starting:
-                        rows = self._to_device(free[: len(starting)])
+                        rows = self._to_device(torch.tensor(free[: len(starting)]))
                         for r, (key, _, _) in zip(free, starting):
                             keys[r] = key
                         prompt_logits = self._prefill(rows, [ids for _, ids, _ in starting], column, pad_token_id)
-                        seeds[rows] = self._to_device([seed for _, _, seed in starting])
-                        positions[rows] = self._to_device([len(ids) for _, ids, _ in starting])
+                        seeds[rows] = self._to_device(torch.tensor([seed for _, _, seed in starting]))
+                        positions[rows] = self._to_device(torch.tensor([len(ids) for _, ids, _ in starting]))
                         lengths[rows], live[rows] = 0, True
                         first = rows, self._pick(prompt_logits, seeds[rows], lengths[rows], sampler)
                     if all(key is None for key in keys):
