@@ -111,23 +111,21 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)  # logical shift: torch shifts int64 arithmetically
 
 
-def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform noise in (0, 1) that is a pure function of (row seed, step, token id).
+def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """A uniform number in (0, 1) that is a pure function of (row seed, step).
 
-    A counter-based generator (SplitMix64's finaliser over the three counters), so a reply's noise
-    never depends on the other rows of its batch or on what ran before it.
+    A counter-based generator (SplitMix64's finaliser over the two counters), so a reply's draws never
+    depend on the other rows of its batch or on what ran before it.
 
     Args:
         seeds: [batch] int64, one seed per row (`reply_seed`).
         step: index of the token being generated (0 = the first reply token): an int, or [batch]
             int64, one per row.
-        vocab: number of token ids.
     Returns:
-        [batch, vocab] float32, strictly between 0 and 1 (24 random bits each).
+        [batch] float32, strictly between 0 and 1 (24 random bits each).
     """
-    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    step = torch.as_tensor(step, dtype=torch.int64, device=seeds.device).reshape(-1, 1) + 1  # [1 or batch, 1]
-    x = seeds[:, None] * _GOLDEN + step * _MIX2 + tokens[None, :] * _MIX1  # int64 arithmetic wraps around
+    step = torch.as_tensor(step, dtype=torch.int64, device=seeds.device) + 1
+    x = seeds * _GOLDEN + step * _MIX2  # int64 arithmetic wraps around
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     x = x ^ _shift_right(x, 31)
@@ -135,12 +133,14 @@ def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor, vocab: int) -
 
 
 class SeededSampling(LogitsProcessor):
-    """Sampling from softmax(logits / T), cut to the top-p nucleus, with per-row seeds (Gumbel-max).
+    """Sampling from softmax(logits / T), cut to the top-p nucleus, with per-row seeds (inverse CDF).
 
-    argmax(logits / T + g) with g = -log(-log(u)), u uniform, is an exact draw from
-    softmax(logits / T); tokens outside the nucleus get -inf. Used with greedy `generate`
-    (do_sample=False), whose argmax then samples; u comes from `counter_uniform`, so every row is
-    reproducible on its own.
+    A row's tokens are ranked by logit (equal logits: the lower token id first); the nucleus is the
+    shortest prefix of that ranking whose probability reaches top_p; the draw is the first token of
+    the prefix whose cumulative probability exceeds u times the nucleus mass. One uniform u per row and
+    step, from `counter_uniform`(row seed, step), so every row is reproducible on its own, whatever
+    else shares its batch. As a logits processor (transformers' `generate` with do_sample=False) it
+    returns 0 at the drawn token and -inf elsewhere, so generate's argmax takes the draw.
 
     Args:
         seeds: [batch] int64 row seeds.
@@ -154,20 +154,24 @@ class SeededSampling(LogitsProcessor):
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        return self.perturb(scores, input_ids.shape[1] - self.prompt_width)
+        tokens = self.draw(scores, input_ids.shape[1] - self.prompt_width)
+        return torch.full_like(scores, float("-inf"), dtype=torch.float32).scatter_(1, tokens[:, None], 0.0)
 
-    def perturb(self, scores: torch.Tensor, step: int | torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
-        """scores [batch, vocab] of reply token `step` (an int, or [batch] int64) -> [batch, vocab] float32
-        whose argmax is the draw; `seeds` ([batch] int64) replaces the rows' seeds given at construction."""
-        logits = scores.float() / self.temperature  # [batch, vocab]
+    def draw(self, scores: torch.Tensor, step: int | torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+        """scores [batch, vocab] (any float dtype) of reply token `step` (an int, or [batch] int64) ->
+        the drawn token ids [batch] int64; `seeds` ([batch] int64) replaces the seeds given at construction."""
+        seeds = (self.seeds if seeds is None else seeds).to(scores.device)
+        # Ranked in the logits' own dtype (bf16 from a bf16 target): the same order as in float32, a cheaper sort.
+        ranked, order = scores.sort(dim=-1, descending=True, stable=True)  # [batch, vocab]
+        probs = (ranked.float() / self.temperature).softmax(dim=-1)
+        cdf = probs.cumsum(dim=-1)
         if self.top_p < 1.0:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            drop = mass_before >= self.top_p  # the most likely token always stays (its mass before is 0)
-            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        uniform = counter_uniform((self.seeds if seeds is None else seeds).to(logits.device), step, logits.shape[-1])
-        return logits - torch.log(-torch.log(uniform))
+            nucleus = ((cdf - probs) < self.top_p).sum(dim=-1, keepdim=True)  # [batch, 1] >= 1: the first token's mass before is 0
+        else:
+            nucleus = torch.full_like(order[:, :1], order.shape[-1])
+        target = counter_uniform(seeds, step)[:, None] * cdf.gather(1, nucleus - 1)  # [batch, 1], inside the nucleus mass
+        index = torch.minimum(torch.searchsorted(cdf, target, right=True), nucleus - 1)  # rounding can reach past the nucleus
+        return order.gather(1, index)[:, 0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,7 +312,9 @@ class StaticBatchDecoder:
         self.step = torch.compile(self._forward, dynamic=False) if compile_step else self._forward
         self.step_tried = not compile_step  # whether the compiled step's first call (compile, capture) has run
         self.graphed = CUDAGraphCall(self.step) if cuda_graphs else None
-        self.stats: dict = {}  # of the last `stream` that ended: replies, new_tokens (end-of-turn tokens included), seconds, steps, busy_row_steps
+        # Of the last `stream` that ended: replies, new_tokens (end-of-turn tokens included), seconds, steps,
+        # busy_row_steps, check_seconds (host time at checks) and wait_seconds (of it, waiting for the GPU).
+        self.stats: dict = {}
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """A bool attention mask as the target's attention wants it: bool, or additive for eager attention."""
@@ -378,7 +384,7 @@ class StaticBatchDecoder:
 
     def _pick(self, logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, sampler: "SeededSampling | None") -> torch.Tensor:
         """logits [rows, vocab] of reply tokens `steps` ([rows]) -> the tokens [rows]: greedy, or `sampler`'s draws."""
-        return (sampler.perturb(logits, steps, seeds) if sampler is not None else logits).argmax(dim=-1)
+        return sampler.draw(logits, steps, seeds) if sampler is not None else logits.argmax(dim=-1)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the decoder's device, copied without a host sync (through pinned memory:
@@ -422,6 +428,7 @@ class StaticBatchDecoder:
         seen = None  # after the first check: the event that the copies are done (True on the CPU)
         logits, column, step, busy = None, self.width, 0, torch.zeros((), dtype=torch.long, device=device)
         began, new_tokens, replies = time.time(), 0, 0
+        checking = waiting = 0.0  # host seconds at checks, and of them waiting for the GPU: the GPU is the bottleneck when waiting dominates
         # The decoder's forwards attend with `self.attention`; the model gets its own back afterwards
         # (transformers' generate, the retry path, makes its masks by that implementation's name).
         config = self.model.config
@@ -430,9 +437,11 @@ class StaticBatchDecoder:
             while True:
                 first = None
                 if step % self.CHECK_EVERY == 0:
+                    check_began = time.perf_counter()
                     if seen is not None:
                         if pinned:
                             seen.synchronize()  # the copies queued a check ago: the steps queued since still run
+                        waiting += time.perf_counter() - check_began
                         alive, done_lengths = seen_live.tolist(), seen_lengths.tolist()
                         for r in range(batch):
                             if keys[r] is not None and not alive[r]:
@@ -451,6 +460,7 @@ class StaticBatchDecoder:
                         lengths[rows], live[rows] = 0, True
                         first = rows, self._pick(prompt_logits, seeds[rows], lengths[rows], sampler)
                     if all(key is None for key in keys):
+                        checking += time.perf_counter() - check_began
                         break
                     seen_live.copy_(live, non_blocking=pinned)
                     seen_lengths.copy_(lengths, non_blocking=pinned)
@@ -458,6 +468,7 @@ class StaticBatchDecoder:
                     seen = torch.cuda.Event() if pinned else True
                     if pinned:
                         seen.record()
+                    checking += time.perf_counter() - check_began
                 if logits is not None:
                     tokens = self._pick(logits, seeds, lengths, sampler)
                 if first is not None:
@@ -474,11 +485,12 @@ class StaticBatchDecoder:
         finally:
             config._attn_implementation = restore
         seconds = time.time() - began
-        self.stats = {"replies": replies, "new_tokens": new_tokens, "seconds": seconds, "steps": step, "busy_row_steps": busy.item()}
+        self.stats = {"replies": replies, "new_tokens": new_tokens, "seconds": seconds, "steps": step, "busy_row_steps": busy.item(),
+                      "check_seconds": checking, "wait_seconds": waiting}
         logger.info("%d replies, %d tokens decoded (end-of-turn tokens included) in %.1f s (%.0f tokens/s); %d decode steps of "
-                    "%d rows, %.0f%% of the rows busy",
+                    "%d rows, %.0f%% of the rows busy; the host spent %.1f s at checks, %.1f s of it waiting for the GPU",
                     replies, new_tokens, seconds, new_tokens / max(seconds, 1e-9), step, batch,
-                    100 * busy.item() / max(step * batch, 1))
+                    100 * busy.item() / max(step * batch, 1), checking, waiting)
 
 
 def reply_from_tokens(tokenizer, tokens: list[int], eos_ids: list[int]) -> tuple[str, int, bool]:

@@ -143,9 +143,9 @@ def test_output_from_other_prompts_is_refused(tmp_path, tiny_target, prompts_fil
         regenerate(tiny_target, prompts_file, output, "--chat_template_kwargs", "enable_thinking=false")
 
 
-def test_seeded_sampling_draws_from_the_nucleus(monkeypatch):
-    """argmax(logits / T + Gumbel noise) over the top-p nucleus is a draw from the renormalised
-    softmax: 6,000 rows with their own seeds land within a small total-variation distance of it."""
+def test_seeded_sampling_draws_from_the_nucleus():
+    """Inverse-CDF draws over the top-p nucleus follow the renormalised softmax: 6,000 rows with their
+    own seeds land within a small total-variation distance of it."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
     temperature, top_p = 0.8, 0.9
     probs = (logits / temperature).softmax(-1)
@@ -155,15 +155,51 @@ def test_seeded_sampling_draws_from_the_nucleus(monkeypatch):
     rows = 6000
     seeds = torch.tensor([regenerate_data.reply_seed(3, i, 0) for i in range(rows)])
     sampler = regenerate_data.SeededSampling(seeds, prompt_width=4, temperature=temperature, top_p=top_p)
-    draws = sampler(torch.zeros(rows, 9, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
+    scores = sampler(torch.zeros(rows, 9, dtype=torch.long), logits.expand(rows, -1))
+    draws = scores.argmax(-1)
+    assert torch.equal(scores.isfinite().sum(-1), torch.ones(rows, dtype=torch.long)), "one finite score: the draw"
     observed = torch.bincount(draws, minlength=6).float() / rows
     assert observed[~keep].sum() == 0, "a token outside the nucleus was drawn"
     assert 0.5 * (observed - expected).abs().sum() < 0.02, (observed, expected)
-    # The noise is a function of (seed, step, token) only: the same rows in another batch, same draws.
+    # A row's draw depends on its seed and step only: the same rows in another batch, same draws.
     again = regenerate_data.SeededSampling(seeds[:100], 4, temperature, top_p)(torch.zeros(100, 9, dtype=torch.long), logits.expand(100, -1))
     assert torch.equal(again.argmax(-1), draws[:100])
     next_step = sampler(torch.zeros(rows, 10, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
-    assert not torch.equal(next_step, draws), "each step must draw new noise"
+    assert not torch.equal(next_step, draws), "each step must draw anew"
+
+
+def test_seeded_sampling_equals_a_hand_built_inverse_cdf():
+    """The draw, token by token, against a plain-Python inverse CDF: tokens ranked by logit with equal
+    logits in id order, the shortest prefix reaching top_p, the first token whose cumulative
+    probability exceeds u times the prefix's mass; the same in bfloat16 and with per-row steps."""
+    torch.manual_seed(0)
+    rows, vocab, temperature, top_p = 400, 12, 0.7, 0.8
+    logits = torch.randint(-4, 5, (rows, vocab)).float() / 2  # many equal logits: the tie order matters
+    seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 13
+    steps = torch.arange(rows, dtype=torch.int64) % 5
+    sampler = regenerate_data.SeededSampling(seeds, 0, temperature, top_p)
+    uniform = regenerate_data.counter_uniform(seeds, steps).tolist()
+    expected = []
+    for row, u in zip(logits.tolist(), uniform):
+        ranked = sorted(range(vocab), key=lambda t: (-row[t], t))
+        probs = torch.tensor([row[t] for t in ranked]).div(temperature).softmax(-1).tolist()
+        nucleus, mass = [], 0.0
+        for token, p in zip(ranked, probs):
+            if mass >= top_p:
+                break
+            nucleus.append((token, p))
+            mass += p
+        total, chosen = 0.0, nucleus[-1][0]
+        for token, p in nucleus:
+            total += p
+            if total > u * mass:
+                chosen = token
+                break
+        expected.append(chosen)
+    drawn = sampler.draw(logits, steps)
+    assert drawn.tolist() == expected
+    assert torch.equal(sampler.draw(logits.bfloat16(), steps), drawn)  # these logits are exact in bf16
+    assert len(set(drawn.tolist())) > 3
 
 
 def test_several_samples_per_prompt_independent_of_batching(tmp_path, tiny_target, prompts_file):
@@ -333,6 +369,7 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
     stats = decoder.stats
     assert stats["replies"] == NUM_PROMPTS and stats["new_tokens"] == stats["busy_row_steps"] == sum(lengths)
     assert stats["steps"] > decoder.length  # the ring of columns wrapped around
+    assert 0 <= stats["wait_seconds"] <= stats["check_seconds"] <= stats["seconds"]
     fixed_batches = sum(max(lengths[s : s + batch_size]) for s in range(0, NUM_PROMPTS, batch_size))
     if check_every == 1:  # a freed row starts the next prompt at once: fewer steps than batches that wait for their longest reply
         assert stats["steps"] < fixed_batches, (stats, lengths)
