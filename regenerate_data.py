@@ -43,6 +43,7 @@ growing cache; the compile costs ~25 s once (BENCHMARKS.md). Replies are written
 prompt order.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -281,6 +282,7 @@ class StaticBatchDecoder:
     """
 
     CHECK_EVERY = 8  # steps between host checks for ended replies (each waits for the copies made at the check before)
+    PREFILL_ROWS_MULTIPLE, PREFILL_WIDTH_MULTIPLE = 16, 32  # the prefill's shape buckets
 
     def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool,
                  compile_step: bool = False):
@@ -354,32 +356,43 @@ class StaticBatchDecoder:
         """Start prompts in `rows`: their keys and values go to those rows' columns just before `column`
         (the column the next decode step writes), the rest of each row's columns become invalid.
 
+        The forward runs at a bucketed shape (rows and columns rounded up, `PREFILL_ROWS_MULTIPLE` and
+        `PREFILL_WIDTH_MULTIPLE`; padding rows repeat the first prompt and are dropped), so that a
+        run meets a few shapes, not one per check: a new shape costs the host new kernel plans. On CUDA
+        its attention is the memory-efficient kernel (cuDNN's builds a graph for every new shape).
+
         Args:
             rows: [k] int64 row indices; prompts: k lists of token ids (each <= the decoder's width).
         Returns:
             logits [k, vocab] of each prompt's last token.
         """
+        from torch.nn.attention import SDPBackend, sdpa_kernel
         from transformers import DynamicCache
 
-        device, width = self.valid.device, max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-        real = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for i, ids in enumerate(prompts):  # left padding: every prompt ends at the last column
+        device, k = self.valid.device, len(prompts)
+        width = min(-(-max(len(p) for p in prompts) // self.PREFILL_WIDTH_MULTIPLE) * self.PREFILL_WIDTH_MULTIPLE, self.width)
+        padded = -(-k // self.PREFILL_ROWS_MULTIPLE) * self.PREFILL_ROWS_MULTIPLE
+        input_ids = torch.full((padded, width), pad_token_id, dtype=torch.long)
+        real = torch.zeros(padded, width, dtype=torch.bool)
+        for i in range(padded):  # left padding: every prompt ends at the last column
+            ids = prompts[i] if i < k else prompts[0]
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             real[i, width - len(ids):] = True
         input_ids, real = self._to_device(input_ids), self._to_device(real)
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [k, width]
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [padded, width]
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         allowed = (real[:, None, None, :] & causal) | torch.eye(width, dtype=torch.bool, device=device)  # a pad query sees itself
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(allowed), use_cache=True,
-                            logits_to_keep=1, **{self.cache_argument: cache}).logits[:, -1]
+        attention = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if device.type == "cuda" else contextlib.nullcontext()
+        with attention:
+            logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(allowed), use_cache=True,
+                                logits_to_keep=1, **{self.cache_argument: cache}).logits[:k, -1]
         columns = (column - width + torch.arange(width, device=device)) % self.length  # [width]
         for ring, new in zip(self.cache.layers, cache.layers):  # [batch, kv_heads, columns, head_dim] <- [k, kv_heads, width, head_dim]
-            ring.keys.transpose(1, 2)[rows[:, None], columns[None, :]] = new.keys.transpose(1, 2)
-            ring.values.transpose(1, 2)[rows[:, None], columns[None, :]] = new.values.transpose(1, 2)
+            ring.keys.transpose(1, 2)[rows[:, None], columns[None, :]] = new.keys[:k].transpose(1, 2)
+            ring.values.transpose(1, 2)[rows[:, None], columns[None, :]] = new.values[:k].transpose(1, 2)
         self.valid[rows] = False
-        self.valid[rows[:, None], columns[None, :]] = real
+        self.valid[rows[:, None], columns[None, :]] = real[:k]
         return logits
 
     def _pick(self, logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, sampler: "SeededSampling | None") -> torch.Tensor:

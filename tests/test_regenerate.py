@@ -363,9 +363,20 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
     lengths = [len(reply) for reply in expected]
     assert 1 < len(set(lengths)), lengths  # the test needs replies of different lengths
     monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "CHECK_EVERY", check_every)
+    # Small shape buckets, so that prefills pad rows (past the batch, too) and columns here.
+    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "PREFILL_ROWS_MULTIPLE", 2)
+    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "PREFILL_WIDTH_MULTIPLE", 4)
     decoder = regenerate_data.StaticBatchDecoder(model, batch_size, max(map(len, ids)), max_new, cuda_graphs=False)
-    out = dict(decoder.stream(((i, p, 0) for i, p in enumerate(ids)), eos, pad_token_id=0))
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        out = dict(decoder.stream(((i, p, 0) for i, p in enumerate(ids)), eos, pad_token_id=0))
+    finally:
+        hook.remove()
     assert out == dict(enumerate(expected))
+    prefills = {shape for shape in shapes if shape[1] > 1}
+    assert prefills and all(rows % 2 == 0 and (width % 4 == 0 or width == decoder.width) for rows, width in prefills), prefills
+    assert any(rows > batch_size for rows, _ in prefills) or batch_size % 2 == 0, prefills
     stats = decoder.stats
     assert stats["replies"] == NUM_PROMPTS and stats["new_tokens"] == stats["busy_row_steps"] == sum(lengths)
     assert stats["steps"] > decoder.length  # the ring of columns wrapped around
