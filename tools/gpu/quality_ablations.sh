@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One lever at a time against a short base run of the SmolLM2 GSM8K recipe on one GPU. Base: the
-# greedy replies only, 654 steps (3 epochs at batch 32), configs/smollm2-gsm8k-gpu.yaml otherwise.
+# greedy replies only, 654 steps (3 epochs at batch 32, 256 anchors: the base every pass in BENCHMARKS.md
+# was measured against), configs/smollm2-gsm8k-gpu.yaml otherwise.
 # The trainings run RUNS_AT_ONCE at a time, default 2 (one batch-32 training already fills an H200:
 # six side by side ran at ~240 samples/s together, one alone at 234; two let one's start-up and
 # evaluation overlap the other's training, and results come in as runs finish); each evaluates
@@ -66,7 +67,7 @@ for name in ${RUNS:-${order[@]}}; do
   # shellcheck disable=SC2086  # the flags are words
   accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py --config configs/smollm2-gsm8k-gpu.yaml \
     --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 64 \
-    --max_steps 654 --eval_steps 0 --save_steps 0 --output_dir "$OUT/$name" --overwrite_output_dir ${flags[$name]} \
+    --per_device_batch_size 32 --num_anchors 256 --max_steps 654 --eval_steps 0 --save_steps 0 --output_dir "$OUT/$name" --overwrite_output_dir ${flags[$name]} \
     > "$OUT/$name.log" 2>&1 &
   while (($(jobs -rp | wc -l) >= ${RUNS_AT_ONCE:-2})); do sleep 2; done
 done
