@@ -359,7 +359,8 @@ class StaticBatchDecoder:
         The forward runs at a bucketed shape (rows and columns rounded up, `PREFILL_ROWS_MULTIPLE` and
         `PREFILL_WIDTH_MULTIPLE`; padding rows repeat the first prompt and are dropped), so that a
         run meets a few shapes, not one per check: a new shape costs the host new kernel plans. On CUDA
-        its attention is the memory-efficient kernel (cuDNN's builds a graph for every new shape).
+        its attention is the memory-efficient kernel: cuDNN's cost the host ~2 ms per call at shapes
+        that changed every check (BENCHMARKS.md, "where the decoder's time goes").
 
         Args:
             rows: [k] int64 row indices; prompts: k lists of token ids (each <= the decoder's width).

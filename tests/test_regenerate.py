@@ -376,7 +376,8 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
     assert out == dict(enumerate(expected))
     prefills = {shape for shape in shapes if shape[1] > 1}
     assert prefills and all(rows % 2 == 0 and (width % 4 == 0 or width == decoder.width) for rows, width in prefills), prefills
-    assert any(rows > batch_size for rows, _ in prefills) or batch_size % 2 == 0, prefills
+    if batch_size == 3:  # the first prefill's 3 prompts run as 4 rows, one more than the batch
+        assert any(rows > batch_size for rows, _ in prefills), prefills
     stats = decoder.stats
     assert stats["replies"] == NUM_PROMPTS and stats["new_tokens"] == stats["busy_row_steps"] == sum(lengths)
     assert stats["steps"] > decoder.length  # the ring of columns wrapped around

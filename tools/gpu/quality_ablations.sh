@@ -67,7 +67,8 @@ for name in ${RUNS:-${order[@]}}; do
   # shellcheck disable=SC2086  # the flags are words
   accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py --config configs/smollm2-gsm8k-gpu.yaml \
     --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 64 \
-    --per_device_batch_size 32 --num_anchors 256 --max_steps 654 --eval_steps 0 --save_steps 0 --output_dir "$OUT/$name" --overwrite_output_dir ${flags[$name]} \
+    --per_device_batch_size 32 --num_anchors 256 --max_steps 654 --eval_steps 0 --save_steps 0 \
+    --output_dir "$OUT/$name" --overwrite_output_dir ${flags[$name]} \
     > "$OUT/$name.log" 2>&1 &
   while (($(jobs -rp | wc -l) >= ${RUNS_AT_ONCE:-2})); do sleep 2; done
 done
