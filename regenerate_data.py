@@ -687,8 +687,10 @@ def parse_args(argv: list[str] | None) -> tuple[RegenerateArgs, dict]:
     for flag in ("batch_size", "max_new_tokens", "num_samples_per_prompt", "server_concurrency"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num_prompts must be >= 1 (leave it out for every prompt), got {args.num_prompts}")
+    if not 0 <= args.temperature < float("inf"):  # also refuses nan
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.num_samples_per_prompt > 1 and args.temperature <= 0:
         raise ValueError(f"--num_samples_per_prompt {args.num_samples_per_prompt} with --temperature 0 would write the same greedy reply "
                          f"{args.num_samples_per_prompt} times: pass --temperature > 0 (e.g. 0.8)")

@@ -480,7 +480,11 @@ def test_compile_decode_setting_is_checked(prompts_file):
     ("--batch_size", "0", "--batch_size must be >= 1, got 0"),
     ("--max_new_tokens", "-2", "--max_new_tokens must be >= 1, got -2"),
     ("--num_samples_per_prompt", "0", "--num_samples_per_prompt must be >= 1, got 0"),
-    ("--temperature", "-1", "--temperature must be >= 0 (0 = greedy), got -1.0"),
+    ("--temperature", "-1", "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    ("--temperature", "nan", "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    ("--temperature", "inf", "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    ("--num_prompts", "0", "--num_prompts must be >= 1 (leave it out for every prompt), got 0"),
+    ("--num_prompts", "-1", "--num_prompts must be >= 1 (leave it out for every prompt), got -1"),
 ])
 def test_bad_numbers_name_their_flag(prompts_file, flag, value, message):
     with pytest.raises(ValueError) as error:
