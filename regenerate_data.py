@@ -179,10 +179,20 @@ class SeededSampling(LogitsProcessor):
 # Resume
 
 
-def read_done(output_path: str, prompts: list[list[dict]]) -> set[tuple[int, int]]:
+def reply_settings(args: "RegenerateArgs") -> dict:
+    """The settings a reply depends on besides its prompt and the target, as each record stores them:
+    a rerun with other ones would mix two kinds of replies in one file."""
+    settings = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    if args.temperature > 0:
+        settings.update(top_p=args.top_p, seed=args.seed)
+    return settings
+
+
+def read_done(output_path: str, prompts: list[list[dict]], settings: dict | None = None) -> set[tuple[int, int]]:
     """(prompt id, sample) pairs already written to `output_path`. Drops a half-written last line (a
     crash while writing) by truncating the file to its last complete line. Raises ValueError when
-    the file was written for other prompts or is corrupt before its last line."""
+    the file was written for other prompts, with other `settings` (`reply_settings`; records that
+    store none are not checked) or is corrupt before its last line."""
     if not os.path.exists(output_path):
         return set()
     with open(output_path, "rb") as f:
@@ -209,6 +219,13 @@ def read_done(output_path: str, prompts: list[list[dict]]) -> set[tuple[int, int
                 f"{output_path}:{line_number}: prompt id {prompt_id} does not match prompt {prompt_id} of the prompt file; "
                 "the output was made from other prompts. Use a new --output or the original --prompts."
             )
+        written_with = record.get("settings")
+        if settings is not None and written_with is not None and written_with != settings:
+            names = list(settings) + [name for name in written_with if name not in settings]
+            differ = ", ".join(f"--{name} {written_with.get(name, 'unset')} there, {settings.get(name, 'unset')} now"
+                               for name in names if written_with.get(name) != settings.get(name))
+            raise ValueError(f"{output_path}:{line_number}: written with other settings ({differ}). "
+                             "Use a new --output, or the settings it was written with.")
         done.add((prompt_id, sample))
     return done
 
@@ -726,7 +743,7 @@ def main(argv: list[str] | None = None) -> dict:
     all_prompts = load_prompts(args.prompts, tokenizer)  # the output is checked against the whole file
     prompts = all_prompts[: args.num_prompts] if args.num_prompts is not None else all_prompts
     samples = args.num_samples_per_prompt
-    done = {(i, k) for i, k in read_done(args.output, all_prompts) if i < len(prompts) and k < samples}  # smaller runs are fine
+    done = {(i, k) for i, k in read_done(args.output, all_prompts, reply_settings(args)) if i < len(prompts) and k < samples}  # smaller runs are fine
     todo = [(i, k) for i in range(len(prompts)) for k in range(samples) if (i, k) not in done]
     print(f"{len(prompts)} prompts x {samples} {'reply' if samples == 1 else 'replies'}, {len(done)} already in {args.output}, "
           f"{len(todo)} to generate"
@@ -754,7 +771,7 @@ def main(argv: list[str] | None = None) -> dict:
         replies = regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwargs, static)
     else:
         replies = regenerate_from_server(args, prompts, todo, chat_template_kwargs)
-    start_time, num_new_tokens = time.time(), 0
+    start_time, num_new_tokens, settings = time.time(), 0, reply_settings(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "a", encoding="utf-8") as out, tqdm(total=len(todo), desc="Generating", unit="reply") as bar:
         for (i, k), reply in replies:
@@ -771,7 +788,7 @@ def main(argv: list[str] | None = None) -> dict:
             summary["unfinished"] += not finished
             record = {"id": i, "sample": k, "prompt_hash": prompt_hash(prompts[i]),
                       "messages": prompts[i] + [{"role": "assistant", "content": text}],
-                      "num_new_tokens": n_new, "finished": finished}
+                      "num_new_tokens": n_new, "finished": finished, "settings": settings}
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()  # a crash loses at most the replies in flight
             summary["written"] += 1

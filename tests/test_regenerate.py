@@ -132,6 +132,17 @@ def test_failed_batches_are_retried_per_prompt(tmp_path, tiny_target, prompts_fi
     assert summary["written"] == 1 and sorted(r["id"] for r in read_output(output)) == list(range(NUM_PROMPTS))
 
 
+def test_output_from_other_settings_is_refused(tmp_path, tiny_target, prompts_file):
+    """A rerun into a file written at another temperature (or seed, top_p, max_new_tokens) stops with
+    the line and the differing settings instead of skipping those replies as done."""
+    output = tmp_path / "out.jsonl"
+    regenerate(tiny_target, prompts_file, output, "--num_prompts", "2")
+    assert read_output(output)[0]["settings"] == {"temperature": 0.0, "max_new_tokens": 6}
+    with pytest.raises(ValueError, match=r"out.jsonl:1: written with other settings \(--temperature 0.0 there, 0.8 now"):
+        regenerate(tiny_target, prompts_file, output, "--num_prompts", "2", "--temperature", "0.8")
+    assert regenerate(tiny_target, prompts_file, output, "--num_prompts", "3")["written"] == 1  # the same settings resume
+
+
 def test_output_from_other_prompts_is_refused(tmp_path, tiny_target, prompts_file):
     output = tmp_path / "out.jsonl"
     regenerate(tiny_target, prompts_file, output, "--num_prompts", "2")
