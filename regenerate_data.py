@@ -22,16 +22,17 @@ target), so the drafter learns the target's own distribution, not the data set's
         --output data/demo_conversations.jsonl --temperature 0 --max_new_tokens 256 --batch_size 16
 
 Output: one JSON object per line, `{"id", "sample", "prompt_hash", "messages", "num_new_tokens",
-"finished"}`; `messages` = the prompt messages + {"role": "assistant", "content": <reply>},
+"finished", "settings"}`; `messages` = the prompt messages + {"role": "assistant", "content": <reply>},
 ready for `train_dflash.py --train_data`. `sample` numbers the replies of one prompt (0..K-1).
-`finished` is false when the reply hit --max_new_tokens before the end-of-turn token.
+`finished` is false when the reply hit --max_new_tokens before the end-of-turn token. `settings`
+holds what the reply was sampled with (`reply_settings`); a rerun with others into the file stops.
 
 Resumable: rerun the same command and replies already in the output are skipped (a half-written
 last line from a crash is dropped and redone); failed replies are counted and retried on the next
 run. Deterministic for a seed: reply k of prompt i samples with its own seed (derived from --seed,
-i and k) and its own noise at every step, so it does not depend on which other replies share its
-batch, on --batch_size, or on where a run was resumed (up to GPU numerics; a server decides that
-itself from the `seed` it is sent).
+i and k) and its own random number at every step, so it does not depend on which other replies
+share its batch, on --batch_size, or on where a run was resumed (up to GPU numerics; a server
+decides that itself from the `seed` it is sent).
 
 Speed on a GPU (`--kv_cache static`, the default there): --batch_size rows decode together from one
 static KV cache, and each row takes the next prompt as soon as its reply ends, so rows stay busy until
@@ -279,11 +280,11 @@ class StaticBatchDecoder:
 
     The cache's columns are a ring. A step writes every row's new key and value at one shared column
     (the graph has one shape), which then advances by one, modulo the cache length `prompt_width +
-    max_new_tokens`. A prompt that enters a row when the step is at column c is prefilled on its own
-    (eager, its own shape) and written to the columns just before c, so its reply has max_new_tokens
-    columns to grow through before the ring comes back to its prompt. The attention mask is a per-row
-    table of the columns that hold that row's tokens (`valid`); positions are per row, so RoPE does not
-    see where in the ring a token lies.
+    max_new_tokens`. A prompt that enters a row when the step is at column c is prefilled with the
+    other prompts starting at that check (eager, `_prefill`) and written to the columns just before
+    c, so its reply has max_new_tokens columns to grow through before the ring comes back to its
+    prompt. The attention mask is a per-row table of the columns that hold that row's tokens
+    (`valid`); positions are per row, so RoPE does not see where in the ring a token lies.
 
     With `compile_step` the decode step is `torch.compile(_forward)` (static shapes; the default
     mode, since the graph is captured here), so the captured graph replays inductor's fused kernels
@@ -743,7 +744,8 @@ def main(argv: list[str] | None = None) -> dict:
     all_prompts = load_prompts(args.prompts, tokenizer)  # the output is checked against the whole file
     prompts = all_prompts[: args.num_prompts] if args.num_prompts is not None else all_prompts
     samples = args.num_samples_per_prompt
-    done = {(i, k) for i, k in read_done(args.output, all_prompts, reply_settings(args)) if i < len(prompts) and k < samples}  # smaller runs are fine
+    settings = reply_settings(args)
+    done = {(i, k) for i, k in read_done(args.output, all_prompts, settings) if i < len(prompts) and k < samples}  # smaller runs are fine
     todo = [(i, k) for i in range(len(prompts)) for k in range(samples) if (i, k) not in done]
     print(f"{len(prompts)} prompts x {samples} {'reply' if samples == 1 else 'replies'}, {len(done)} already in {args.output}, "
           f"{len(todo)} to generate"
@@ -771,7 +773,7 @@ def main(argv: list[str] | None = None) -> dict:
         replies = regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwargs, static)
     else:
         replies = regenerate_from_server(args, prompts, todo, chat_template_kwargs)
-    start_time, num_new_tokens, settings = time.time(), 0, reply_settings(args)
+    start_time, num_new_tokens = time.time(), 0
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "a", encoding="utf-8") as out, tqdm(total=len(todo), desc="Generating", unit="reply") as bar:
         for (i, k), reply in replies:
