@@ -57,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -185,6 +186,7 @@ class TrainSettings:
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
     compile_target: str = field(default="auto", metadata={"help": "torch.compile the truncated target's decoder layers (feature supply; each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Not where the target is kept whole: with --eval_data on the rank that evaluates, or with --label_source target_argmax"})
     target_cuda_graphs: bool = field(default=False, metadata={"help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
+    cache_target_outputs: bool = field(default=False, metadata={"help": "Keep each sample's context features (and, with --label_source target_argmax, its labels) on the device after the target's first forward over it, so that later epochs skip the target. Colocated ranks only (--target_ranks 0). Costs tokens x target layer ids x hidden x 2 bytes in bf16 (SmolLM2 on 35k GSM8K replies: 60 GB); pays for small targets trained several epochs"})
     compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
     compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
     compile_threads: int | None = field(default=None, metadata={"help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
@@ -255,6 +257,9 @@ class TrainSettings:
         self.target_ranks = str(self.target_ranks).strip().lower()  # YAML may give an int
         if self.target_ranks != "auto" and not self.target_ranks.isdigit():
             raise ValueError(f"--target_ranks must be a number of ranks (0 = colocated) or 'auto', got {self.target_ranks!r}")
+        if self.cache_target_outputs and self.target_ranks != "0":
+            raise ValueError(f"--cache_target_outputs keeps the target's outputs on the rank that trains on them: it needs "
+                             f"colocated ranks (--target_ranks 0), got --target_ranks {self.target_ranks}")
         if self.target_tp_size < 1:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
@@ -1417,6 +1422,89 @@ def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: Trai
     logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
 
 
+class TargetOutputCache:
+    """Every training sample's target outputs, kept on the device after the target's first forward
+    over the sample: later epochs read them back instead of running the target again.
+
+    One flat buffer holds the samples end to end: features [total tokens, n*hidden] in the target
+    dtype and, for --label_source target_argmax, label ids [total tokens] int64; sample i occupies
+    rows offsets[i] .. offsets[i] + num_tokens[i]. Only real tokens are kept: a batch read back has
+    zero features and the input ids as labels on its padding, which no anchor block attends to and
+    the loss mask leaves out, so the loss and its gradients are those of the target's own forward.
+
+    Raises ValueError when the buffer would leave less than a quarter of the device's memory (or of
+    the host's available memory, on CPU) for training.
+    """
+
+    def __init__(self, num_tokens: list[int], feature_dim: int, dtype: torch.dtype, device: torch.device, with_labels: bool):
+        self.num_tokens = np.asarray(num_tokens, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.num_tokens)[:-1]])
+        self.filled = np.zeros(len(num_tokens), dtype=bool)
+        self.device = device
+        self.serving = False  # set at the first micro-batch read back (logged once)
+        total = int(self.num_tokens.sum())
+        need = total * (feature_dim * dtype.itemsize + (8 if with_labels else 0))
+        if device.type == "cuda":
+            free, capacity = torch.cuda.mem_get_info(device)
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            capacity = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need > free - capacity // 4:
+            raise ValueError(
+                f"--cache_target_outputs needs {need / 2**30:.1f} GiB on {device} for {total:,} tokens x {feature_dim} "
+                f"features, and {free / 2**30:.1f} GiB of {capacity / 2**30:.1f} are free (a quarter is kept for training): "
+                f"leave it off, or train on fewer or shorter samples (--max_samples, --max_seq_length)"
+            )
+        self.features = torch.empty(total, feature_dim, dtype=dtype, device=device)
+        self.labels = torch.empty(total, dtype=torch.long, device=device) if with_labels else None
+        logger.info("Target outputs cached on %s after their first forward: %.1f GiB for %d samples, %d tokens",
+                    device, need / 2**30, len(num_tokens), total)
+
+    def holds(self, indices: list[int]) -> bool:
+        """Whether every sample of `indices` is cached."""
+        return bool(self.filled[indices].all())
+
+    def _rows(self, indices: list[int], seq_len: int, batch_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat positions in a [batch * S] batch, rows of the buffer) of the samples' real tokens, both
+        int64 on the device; sample n of `indices` is the batch's row batch_rows[n] (default n)."""
+        lengths = self.num_tokens[indices]
+        batch_rows = np.arange(len(indices)) if batch_rows is None else np.asarray(batch_rows)
+        within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        batch_pos = np.repeat(batch_rows * seq_len, lengths) + within
+        buffer_rows = np.repeat(self.offsets[indices], lengths) + within
+        if self.device.type != "cuda":
+            return torch.from_numpy(batch_pos), torch.from_numpy(buffer_rows)
+        # Through pinned memory: a plain host-to-device copy would wait for the steps queued on the GPU.
+        return (torch.from_numpy(batch_pos).pin_memory().to(self.device, non_blocking=True),
+                torch.from_numpy(buffer_rows).pin_memory().to(self.device, non_blocking=True))
+
+    def store(self, indices: list[int], features: torch.Tensor, label_ids: torch.Tensor) -> None:
+        """Keep the samples not cached yet of a batch the target just made, sample n of `indices` in
+        row n: features [batch, S, n*hidden], label_ids [batch, S] (ignored without labels)."""
+        new_rows = [n for n, i in enumerate(indices) if not self.filled[i]]
+        if not new_rows:
+            return
+        samples = [indices[n] for n in new_rows]
+        batch_pos, buffer_rows = self._rows(samples, features.shape[1], new_rows)
+        self.features.index_copy_(0, buffer_rows, features.reshape(-1, features.shape[-1]).index_select(0, batch_pos))
+        if self.labels is not None:
+            self.labels.index_copy_(0, buffer_rows, label_ids.reshape(-1).index_select(0, batch_pos))
+        self.filled[samples] = True
+
+    def load(self, indices: list[int], input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached (context_features [batch, S, n*hidden], label_ids [batch, S] int64) of a batch
+        whose first len(indices) rows are those samples (filler rows after them get zeros); label_ids
+        is input_ids without cached labels and on padding."""
+        rows, seq_len = input_ids.shape
+        batch_pos, buffer_rows = self._rows(indices, seq_len)
+        features = torch.zeros(rows * seq_len, self.features.shape[1], dtype=self.features.dtype, device=self.device)
+        features.index_copy_(0, batch_pos, self.features.index_select(0, buffer_rows))
+        label_ids = input_ids
+        if self.labels is not None:
+            label_ids = input_ids.reshape(-1).clone().index_copy_(0, batch_pos, self.labels.index_select(0, buffer_rows))
+        return features.view(rows, seq_len, -1), label_ids.view(rows, seq_len)
+
+
 class FeatureSupply:
     """Where a drafter rank's micro-batches and context features come from: the target ranks over
     the network (split; `FeatureReceiver`), or this rank's own target forward (colocated), with the
@@ -1434,6 +1522,10 @@ class FeatureSupply:
                 dtype=compute.dtype,
             )
         self.target_time = Stopwatch(device)  # colocated: this rank's target forwards
+        self.cache = None
+        if settings.cache_target_outputs:
+            self.cache = TargetOutputCache(list(data.dataset["num_tokens"]), len(draft_config.target_layer_ids) * draft_config.hidden_size,
+                                           compute.dtype, device, with_labels=extractor.predict_next)
         # Colocated: the next micro-batches are collated in a worker thread while this one trains.
         plan = schedule.plan(data, settings, resume, layout.dp_world)
         self.steps = plan if self.receiver is not None else prefetch(plan, self._collate_own, depth=settings.prefetch_batches)
@@ -1470,7 +1562,15 @@ class FeatureSupply:
         if not trains:
             loss_mask = torch.zeros_like(loss_mask)  # filler step: no anchor, zero loss, same collectives
         with self.target_time.time():
-            context_features, label_ids = target_features(self.extractor, input_ids, batch["attention_mask"].to(device, non_blocking=True))
+            if self.cache is not None and self.cache.holds(indices):
+                if not self.cache.serving:
+                    logger.info("Every sample of this micro-batch is cached: the target's outputs now come from the cache")
+                    self.cache.serving = True
+                context_features, label_ids = self.cache.load(indices, input_ids)
+            else:
+                context_features, label_ids = target_features(self.extractor, input_ids, batch["attention_mask"].to(device, non_blocking=True))
+                if self.cache is not None:
+                    self.cache.store(indices, context_features, label_ids)
         return input_ids, loss_mask, label_ids, context_features, sum(self.data.lengths[i] for i in indices)
 
     def wait_s(self) -> float:

@@ -596,3 +596,69 @@ def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
         data_loss, _ = loss_fn(drafter, None, input_ids, loss_mask, input_ids, (0, 0, 0, 0))
     assert valid.sum() > 0 and torch.equal(loss, expected)
     assert abs(data_loss.item() - loss.item()) > 1e-3
+
+
+def test_target_output_cache_reads_back_what_the_target_made_and_zeros_elsewhere():
+    """Hand-built reference: samples of 3, 5 and 2 tokens, stored from batches of other widths and
+    row orders (one sample already cached), read back in a third order with a filler row."""
+    from train_dflash import TargetOutputCache
+
+    num_tokens = [3, 5, 2]
+    cache = TargetOutputCache(num_tokens, feature_dim=4, dtype=torch.float32, device=torch.device("cpu"), with_labels=True)
+    truth = [torch.randn(n, 4) for n in num_tokens]  # the target's features of each sample's real tokens
+    labels = [torch.randint(100, 200, (n,)) for n in num_tokens]
+
+    def target_batch(indices, seq_len):  # what the target returns: real tokens first, garbage on padding
+        features, label_ids = torch.full((len(indices), seq_len, 4), 7.0), torch.full((len(indices), seq_len), 9)
+        for row, i in enumerate(indices):
+            features[row, : num_tokens[i]], label_ids[row, : num_tokens[i]] = truth[i], labels[i]
+        return features, label_ids
+
+    cache.store([1], *target_batch([1], 8))
+    assert not cache.holds([0, 1]) and cache.holds([1])
+    cache.store([0, 1, 2], *target_batch([0, 1, 2], 6))  # sample 1 is kept from the first store
+    assert cache.holds([2, 0, 1])
+    input_ids = torch.arange(4 * 7).view(4, 7)  # rows: samples 2, 0, 1, then a filler
+    features, label_ids = cache.load([2, 0, 1], input_ids)
+    want_features, want_labels = torch.zeros(4, 7, 4), input_ids.clone()
+    for row, i in enumerate([2, 0, 1]):
+        want_features[row, : num_tokens[i]], want_labels[row, : num_tokens[i]] = truth[i], labels[i]
+    assert torch.equal(features, want_features) and torch.equal(label_ids, want_labels)
+    # A cache larger than the machine can hold is refused before anything is allocated.
+    with pytest.raises(ValueError, match=r"--cache_target_outputs needs .* GiB .*\(--max_samples"):
+        TargetOutputCache([2**40], feature_dim=4, dtype=torch.float32, device=torch.device("cpu"), with_labels=False)
+
+
+def test_cached_target_outputs_train_the_same_drafter(tiny_qwen3_target, train_env, tmp_path):
+    """Three epochs with labels from the target's argmax, once with the target run on every batch and
+    once with epochs 2 and 3 read from the cache: the same losses and the same weights."""
+    data = REPO / "data" / "demo_conversations.jsonl"
+    common = dict(max_samples=8, per_device_batch_size=4, num_train_epochs=3, max_steps=-1, logging_steps=1,
+                  target_layer_ids="1 3", label_source="target_argmax")
+    runs = {cached: tmp_path / f"cached{cached}" for cached in (False, True)}
+    procs = [subprocess.Popen([sys.executable, "train_dflash.py",
+                               *tiny_args(tiny_qwen3_target, data, out, **common, **({"cache_target_outputs": "true"} if cached else {}))],
+                              cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for cached, out in runs.items()]
+    stderr = {}
+    for cached, proc in zip(runs, procs):
+        _, stderr[cached] = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[cached][-4000:]
+    assert "the target's outputs now come from the cache" in stderr[True]
+    assert "Target outputs cached" not in stderr[False] and "Target outputs cached" in stderr[True]
+    logs = {cached: read_log(out) for cached, out in runs.items()}
+    assert [row["step"] for row in logs[True]] == [row["step"] for row in logs[False]] == [1, 2, 3, 4, 5, 6]
+    for plain, cached in zip(logs[False], logs[True]):
+        assert cached["loss"] == pytest.approx(plain["loss"], rel=1e-6) and cached["acc_first"] == pytest.approx(plain["acc_first"], abs=1e-6)
+    plain, cached = (load_file(out / "final" / "model.safetensors") for out in runs.values())
+    for name in plain:
+        torch.testing.assert_close(cached[name], plain[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_parses(config):
+    from train_dflash import parse_settings
+
+    demo = str(REPO / "data" / "demo_conversations.jsonl")  # the configs' own data files are made by their recipes
+    settings, path = parse_settings(["--config", str(REPO / "configs" / config), "--train_data", demo, "--eval_data", demo])
+    assert path and settings.target_model and settings.train_data == [demo]
