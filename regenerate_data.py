@@ -794,7 +794,7 @@ def main(argv: list[str] | None = None) -> dict:
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()  # a crash loses at most the replies in flight
             summary["written"] += 1
-            bar.set_postfix(tok_s=f"{num_new_tokens / max(time.time() - start_time, 1e-9):.0f}")
+            bar.set_postfix(tok_s=f"{num_new_tokens / max(time.time() - start_time, 1e-9):.0f}", refresh=False)  # drawn at tqdm's own pace, not per reply
 
     summary["seconds"] = round(time.time() - start_time, 1)
     summary["new_tokens"] = num_new_tokens

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lever at a time against a short base run of the SmolLM2 GSM8K recipe on one GPU. Base: the
-# greedy replies only, 654 steps (3 epochs at batch 32, 256 anchors, 5 drafter layers, target outputs not
-# cached: the base every pass in BENCHMARKS.md was measured against), configs/smollm2-gsm8k-gpu.yaml otherwise.
+# greedy replies only, 654 steps (3 epochs at batch 32, 256 anchors: the base every pass in BENCHMARKS.md
+# was measured against), configs/smollm2-gsm8k-gpu.yaml otherwise.
 # The trainings run RUNS_AT_ONCE at a time, default 2 (one batch-32 training already fills an H200:
 # six side by side ran at ~240 samples/s together, one alone at 234; two let one's start-up and
 # evaluation overlap the other's training, and results come in as runs finish); each evaluates
@@ -48,8 +48,8 @@ fi
 declare -A flags=(
   [base]=""
   [epochs6]="--max_steps 1308"
-  [layers8]="--num_draft_layers 8 --target_layer_ids 1 5 8 12 16 20 23 27"  # one target layer per drafter layer, as measured
-  [layers3]="--num_draft_layers 3 --target_layer_ids 1 14 27"
+  [layers8]="--num_draft_layers 8"
+  [layers3]="--num_draft_layers 3"
   [lr1.2e-3]="--learning_rate 1.2e-3"
   [block8]="--block_size 8"
   [late_layers]="--target_layer_ids 4 10 16 22 28"
@@ -67,7 +67,7 @@ for name in ${RUNS:-${order[@]}}; do
   # shellcheck disable=SC2086  # the flags are words
   accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py --config configs/smollm2-gsm8k-gpu.yaml \
     --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 64 \
-    --per_device_batch_size 32 --num_anchors 256 --num_draft_layers 5 --cache_target_outputs false --max_steps 654 --eval_steps 0 --save_steps 0 \
+    --per_device_batch_size 32 --num_anchors 256 --max_steps 654 --eval_steps 0 --save_steps 0 \
     --output_dir "$OUT/$name" --overwrite_output_dir ${flags[$name]} \
     > "$OUT/$name.log" 2>&1 &
   while (($(jobs -rp | wc -l) >= ${RUNS_AT_ONCE:-2})); do sleep 2; done
