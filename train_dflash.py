@@ -186,7 +186,7 @@ class TrainSettings:
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
     compile_target: str = field(default="auto", metadata={"help": "torch.compile the truncated target's decoder layers (feature supply; each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Not where the target is kept whole: with --eval_data on the rank that evaluates, or with --label_source target_argmax"})
     target_cuda_graphs: bool = field(default=False, metadata={"help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
-    cache_target_outputs: bool = field(default=False, metadata={"help": "Keep each sample's context features (and, with --label_source target_argmax, its labels) on the device after the target's first forward over it, so that later epochs skip the target. Colocated ranks only (--target_ranks 0). Costs tokens x target layer ids x hidden x 2 bytes in bf16 (SmolLM2, 5 target layers, 35k GSM8K replies: ~58 GB). Pays only where the target's forward keeps the GPU busy: on an H200 a 135M target's step is bound by the drafter's kernel launches, and the cache made it 1.05x faster at 5 drafter layers, 1.01x at 8 (BENCHMARKS.md)"})
+    cache_target_outputs: bool = field(default=False, metadata={"help": "Keep each sample's context features (and, with --label_source target_argmax, its labels) on the device after the target's first forward over it, so that later epochs skip the target. Colocated ranks only (--target_ranks 0). Costs tokens x target layer ids x hidden x 2 bytes in bf16, 4 in float32 (SmolLM2, 5 target layers, 35k GSM8K replies: ~58 GB), in GPU memory, or host memory on CPU. Pays only where the target's forward keeps the GPU busy: on an H200 a 135M target's step is bound by the drafter's kernel launches, and the cache made it 1.05x faster at 5 drafter layers, 1.01x at 8 (BENCHMARKS.md)"})
     compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
     compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
     compile_threads: int | None = field(default=None, metadata={"help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
@@ -259,7 +259,8 @@ class TrainSettings:
             raise ValueError(f"--target_ranks must be a number of ranks (0 = colocated) or 'auto', got {self.target_ranks!r}")
         if self.cache_target_outputs and self.target_ranks != "0":
             raise ValueError(f"--cache_target_outputs keeps the target's outputs on the rank that trains on them: it needs "
-                             f"colocated ranks (--target_ranks 0), got --target_ranks {self.target_ranks}")
+                             f"colocated ranks (--target_ranks 0), got --target_ranks {self.target_ranks}; "
+                             f"use --target_ranks 0, or leave --cache_target_outputs off")
         if self.target_tp_size < 1:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
@@ -1457,8 +1458,8 @@ class TargetOutputCache:
             )
         self.features = torch.empty(total, feature_dim, dtype=dtype, device=device)
         self.labels = torch.empty(total, dtype=torch.long, device=device) if with_labels else None
-        logger.info("Target outputs cached on %s after their first forward: %.1f GiB for %d samples, %d tokens",
-                    device, need / 2**30, len(num_tokens), total)
+        logger.info("Target outputs: %.1f MiB reserved on %s for %d samples, %d tokens; each sample is cached at its first "
+                    "forward", need / 2**20, device, len(num_tokens), total)
 
     def holds(self, indices: list[int]) -> bool:
         """Whether every sample of `indices` is cached."""
