@@ -39,6 +39,23 @@ def tiny_target(tmp_path_factory, qwen3_tokenizer) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def peaked_target(tmp_path_factory, tiny_target, qwen3_tokenizer) -> str:
+    """The tiny target with its LM head scaled so that logits spread with a standard deviation of ~5,
+    as a trained model's do. A random head's logits are nearly flat: the top-p nucleus then holds
+    ~140k tokens ~7e-6 apart in probability, and the last-bit differences between batch layouts
+    (which transformers does not promise to avoid) move a draw across a boundary every few dozen
+    draws. With peaked logits a draw depends on the sampler alone, which is what the tests check."""
+    model = Qwen3ForCausalLM.from_pretrained(tiny_target)
+    with torch.no_grad():
+        ids = qwen3_tokenizer("Question 0: why is the sky blue?", return_tensors="pt").input_ids
+        model.lm_head.weight.mul_(5.0 / model(ids).logits[0, -1].std())
+    path = tmp_path_factory.mktemp("peaked_qwen3")
+    model.save_pretrained(path)
+    qwen3_tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture()
 def prompts_file(tmp_path) -> str:
     path = tmp_path / "prompts.jsonl"
@@ -213,9 +230,10 @@ def test_seeded_sampling_equals_a_hand_built_inverse_cdf():
     assert len(set(drawn.tolist())) > 3
 
 
-def test_several_samples_per_prompt_independent_of_batching(tmp_path, tiny_target, prompts_file):
+def test_several_samples_per_prompt_independent_of_batching(tmp_path, peaked_target, prompts_file):
     """K sampled replies per prompt: each written once, resumable without duplicates, the same text
     whatever the batch size, the static-cache path or the point of resumption."""
+    tiny_target = peaked_target
     sampling = ("--temperature", "1.0", "--top_p", "0.95", "--num_samples_per_prompt", "3")
     full = tmp_path / "full.jsonl"
     summary = regenerate(tiny_target, prompts_file, full, *sampling, "--num_prompts", "5")
