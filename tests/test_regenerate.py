@@ -233,10 +233,9 @@ def test_seeded_sampling_equals_a_hand_built_inverse_cdf():
 def test_several_samples_per_prompt_independent_of_batching(tmp_path, peaked_target, prompts_file):
     """K sampled replies per prompt: each written once, resumable without duplicates, the same text
     whatever the batch size, the static-cache path or the point of resumption."""
-    tiny_target = peaked_target
     sampling = ("--temperature", "1.0", "--top_p", "0.95", "--num_samples_per_prompt", "3")
     full = tmp_path / "full.jsonl"
-    summary = regenerate(tiny_target, prompts_file, full, *sampling, "--num_prompts", "5")
+    summary = regenerate(peaked_target, prompts_file, full, *sampling, "--num_prompts", "5")
     assert summary["written"] == 15 and summary["samples_per_prompt"] == 3
     records = read_output(full)
     assert sorted((r["id"], r["sample"]) for r in records) == [(i, k) for i in range(5) for k in range(3)]
@@ -244,14 +243,14 @@ def test_several_samples_per_prompt_independent_of_batching(tmp_path, peaked_tar
     assert all(len({texts[(i, k)] for k in range(3)}) > 1 for i in range(5)), "the samples of a prompt should differ"
 
     other = tmp_path / "batched.jsonl"
-    regenerate(tiny_target, prompts_file, other, *sampling, "--num_prompts", "2", "--batch_size", "5")
-    summary = regenerate(tiny_target, prompts_file, other, *sampling, "--num_prompts", "5", "--batch_size", "4",
+    regenerate(peaked_target, prompts_file, other, *sampling, "--num_prompts", "2", "--batch_size", "5")
+    summary = regenerate(peaked_target, prompts_file, other, *sampling, "--num_prompts", "5", "--batch_size", "4",
                          "--kv_cache", "static")
     assert summary["already_done"] == 6 and summary["written"] == 9
     records = read_output(other)
     assert len(records) == 15 and {(r["id"], r["sample"]): r["messages"][-1]["content"] for r in records} == texts
     with pytest.raises(ValueError, match="same greedy reply"):
-        regenerate(tiny_target, prompts_file, other, "--num_samples_per_prompt", "2")
+        regenerate(peaked_target, prompts_file, other, "--num_samples_per_prompt", "2")
 
 
 # ----------------------------------------------------------------------------------------------
