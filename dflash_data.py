@@ -26,6 +26,7 @@ import collections
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -406,7 +407,7 @@ def _report_truncation(columns: dict[str, list], max_seq_length: int, max_droppe
     all_loss = sum(row["full_loss_tokens"] for row in stats)
     lost = all_loss - sum(row["num_loss_tokens"] for row in stats if not row["dropped"])
     lengths = sorted(row["full_tokens"] for row in stats)
-    keeps_95 = lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))]
+    keeps_95 = lengths[math.ceil(0.95 * len(lengths)) - 1]  # the shortest length that keeps 95% whole
     parts = []
     if dropped:
         parts.append(
@@ -418,7 +419,10 @@ def _report_truncation(columns: dict[str, list], max_seq_length: int, max_droppe
         parts.append(f"cut the assistant reply of {len(cut)} {'more' if dropped else f'of {total} samples'}")
     summary = (f"max_seq_length={max_seq_length}: {', and '.join(parts)}; {lost / max(all_loss, 1):.1%} of all assistant "
                "tokens are not trained.")
-    hint = f"--max_seq_length {keeps_95} would keep 95% of the samples whole"
+    if keeps_95 > max_seq_length:
+        hint = f"--max_seq_length {keeps_95} would keep 95% of the samples whole"
+    else:  # 95% already whole: name the length that keeps all of them
+        hint = f"--max_seq_length {lengths[-1]} would keep every sample whole"
     if len(dropped) > max_dropped_fraction * total:
         raise ValueError(
             f"{summary} That is more than --max_dropped_fraction {max_dropped_fraction}: the length setting is likely "

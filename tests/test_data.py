@@ -261,6 +261,24 @@ def test_samples_with_nothing_left_after_truncation_are_dropped_and_counted(tmp_
     assert "Raise --max_seq_length" in warnings[0]
 
 
+def test_truncation_hint_names_a_length_above_the_setting(caplog):
+    """The hint names a longer --max_seq_length: the 95th percentile's when it is above the setting,
+    else the longest sample's (20 samples, one of them cut: 95% are whole already)."""
+    from dflash_data import _report_truncation
+
+    def columns(full_tokens):
+        cut = [n > 100 for n in full_tokens]
+        return {"dropped": [False] * len(full_tokens), "full_tokens": full_tokens, "full_loss_tokens": [50] * len(full_tokens),
+                "num_loss_tokens": [40 if c else 50 for c in cut]}
+
+    with caplog.at_level(logging.WARNING, logger="dflash_data"):
+        _report_truncation(columns([80] * 19 + [130]), max_seq_length=100, max_dropped_fraction=0.5)
+        _report_truncation(columns([80] * 10 + [120] * 10), max_seq_length=100, max_dropped_fraction=0.5)
+    first, second = [r.getMessage() for r in caplog.records]
+    assert first.endswith("(--max_seq_length 130 would keep every sample whole)."), first
+    assert second.endswith("(--max_seq_length 120 would keep 95% of the samples whole)."), second
+
+
 def test_too_many_samples_dropped_is_an_error(tmp_path, qwen3_tokenizer):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, _long_prompt(100), _long_prompt(120)])
     with pytest.raises(ValueError, match=r"dropped 2 of 3 samples \(66.7%\).*more than --max_dropped_fraction 0.5.*"
