@@ -883,24 +883,31 @@ class TargetFeatureExtractor:
         self._graphed = CUDAGraphCall(lambda input_ids, attention_mask: self._features(input_ids, attention_mask, explicit_mask=True))
 
     def compile_layers(self) -> None:
-        """torch.compile the forward of each decoder layer that runs (dynamic=False, no grad).
+        """torch.compile the forward of each decoder layer that runs (dynamic=False, no grad), for the
+        feature forward of `__call__` only.
 
         Fuses the norms, RoPE, SwiGLU and residual adds around the matmuls (measured at Qwen3-8B
         shapes on an H200 in BENCHMARKS.md). Layers of one architecture share one graph per shape;
         the first call at each new shape (per layer) compiles under the compile lock, like the
         drafter's (`dflash_compile.compile_once_locked`). The capture hooks stay eager around it.
-        Only for a truncated target: an untruncated one also verifies drafts with a growing KV
-        cache, whose every new length would compile a graph.
-
-        Raises:
-            ValueError: if this extractor did not truncate the target.
+        A target kept whole also verifies drafts with a growing KV cache (evaluation), whose every
+        new length would compile a graph: outside the feature forward its layers run eagerly.
         """
-        if not self.truncated:
-            raise ValueError("compile_layers needs TargetFeatureExtractor(..., truncate=True): a target kept whole "
-                             "for generation would compile a graph per KV-cache length")
         for index, layer in enumerate(self.layers):
-            if not getattr(layer.forward, "dflash_compiled", False):
-                layer.forward = _locked_compiled_forward(torch.compile(layer.forward, dynamic=False), index)
+            # A layer compiled for an earlier extractor of this target keeps its graphs, now switched by this one.
+            eager = getattr(layer.forward, "eager_forward", layer.forward)
+            compiled = getattr(layer.forward, "compiled_forward", None) or _locked_compiled_forward(torch.compile(eager, dynamic=False), index)
+            layer.forward = self._features_only(eager, compiled)
+
+    def _features_only(self, eager, compiled):
+        """A layer forward that runs `compiled` inside this extractor's feature forward (while it
+        captures) and `eager` anywhere else."""
+
+        def forward(*args, **kwargs):
+            return (eager if self._captured is None else compiled)(*args, **kwargs)
+
+        forward.eager_forward, forward.compiled_forward = eager, compiled
+        return forward
 
     def remove_hooks(self) -> None:
         """Detach the capture hooks from the target's layers."""
@@ -933,7 +940,6 @@ def _locked_compiled_forward(compiled, index: int):
         with running_compiled():
             return compiled(*args, **kwargs)
 
-    forward.dflash_compiled = True
     return forward
 
 

@@ -180,12 +180,12 @@ class TrainSettings:
     # objective
     num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
     anchor_slots_multiple: int = field(default=0, metadata={"help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
-    label_source: str = field(default="data", metadata={"help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix: the token temperature-0 verification accepts at a block's first position, and at later ones while the reply's tokens in the block are the greedy ones). target_argmax runs the whole target (every layer and its LM head, not compiled) on the target ranks; not with --target_tp_size > 1"})
+    label_source: str = field(default="data", metadata={"help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix: the token temperature-0 verification accepts at a block's first position, and at later ones while the reply's tokens in the block are the greedy ones). target_argmax runs the whole target (every layer and its LM head) on the target ranks; not with --target_tp_size > 1"})
     loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
-    compile_target: str = field(default="auto", metadata={"help": "torch.compile the truncated target's decoder layers (feature supply; each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Not where the target is kept whole: with --eval_data on the rank that evaluates, or with --label_source target_argmax"})
+    compile_target: str = field(default="auto", metadata={"help": "torch.compile the target's decoder layers for the feature forward (each new shape compiles once, under the compile lock; a target kept whole for evaluation decodes eagerly): on | off | auto (on with flex, i.e. on CUDA)"})
     target_cuda_graphs: bool = field(default=False, metadata={"help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
     cache_target_outputs: bool = field(default=False, metadata={"help": "Keep each sample's context features (and, with --label_source target_argmax, its labels) on the device after the target's first forward over it, so that later epochs skip the target. Colocated ranks only (--target_ranks 0). Costs tokens x target layer ids x hidden x 2 bytes in bf16, 4 in float32 (SmolLM2, 5 target layers, 35k GSM8K replies: ~58 GB), in GPU memory, or host memory on CPU. Pays only where the target's forward is a large share of the step: on an H200 with a 135M target the drafter's own work sets the pace, and the cache made it 1.05x faster at 5 drafter layers, 1.01x at 8 (BENCHMARKS.md)"})
     compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
@@ -1237,12 +1237,9 @@ def build_drafter(settings: TrainSettings, draft_config: DFlashConfig, parts: Ta
 
 
 def speed_up_target(extractor: TargetFeatureExtractor | None, settings: TrainSettings, compute: Compute) -> None:
-    """Compiled target layers (a truncated target only) and CUDA graphs of its feature forward, as configured."""
-    if extractor is not None and compute.compile_target and extractor.truncated:
+    """Compiled target layers (in the feature forward) and CUDA graphs of that forward, as configured."""
+    if extractor is not None and compute.compile_target:
         extractor.compile_layers()
-    elif settings.compile_target == "on" and extractor is not None:
-        logger.warning("--compile_target on: not applied, the target is kept whole on this rank (for --eval_data or "
-                       "--label_source target_argmax)")
     if settings.target_cuda_graphs and compute.on_cuda and extractor is not None:
         extractor.use_cuda_graphs()
 

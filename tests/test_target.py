@@ -222,8 +222,6 @@ def test_compiled_target_layers_equal_eager_and_compile_once_per_shape(tiny_qwen
     padded = torch.ones_like(ids)
     padded[1, -5:] = 0
     eager = [extractor(ids, padded), extractor(ids, torch.ones_like(ids))]
-    with pytest.raises(ValueError, match="truncate=True"):
-        TargetFeatureExtractor(load_target(str(tiny_qwen3_target), device="cpu")[0], [0], truncate=False).compile_layers()
 
     before = dc.flex_compile_stats()["compiles"]
     extractor.compile_layers()
@@ -236,6 +234,41 @@ def test_compiled_target_layers_equal_eager_and_compile_once_per_shape(tiny_qwen
     assert dc.flex_compile_stats()["compiles"] - before == 6 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     for a, b in zip(compiled + [again], eager + [eager[0]]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_target_compiles_its_feature_forward_only(tiny_qwen3_target, monkeypatch, tmp_path):
+    """A target kept whole (argmax labels, evaluation) runs its compiled layers in the feature forward
+    and its eager ones when it generates: growing KV-cache lengths compile nothing. A second
+    extractor on the same target (split mode truncates after timing) reuses the graphs."""
+    import dflash_compile as dc
+    from dflash_compile import COMPILE_LOCK_DIR_ENV
+    from dflash_target import TargetFeatureExtractor, load_target
+
+    monkeypatch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path))
+    target, _ = load_target(str(tiny_qwen3_target), device="cpu")
+    extractor = TargetFeatureExtractor(target, [0, 2], truncate=False, predict_next=True)
+    ids = torch.randint(0, 1000, (3, 20), generator=torch.Generator().manual_seed(0))  # a shape no other test compiles
+    mask = torch.ones_like(ids)
+    eager_features, eager_next = extractor(ids, mask)
+    eager_logits = target(ids).logits
+
+    before = dc.flex_compile_stats()["compiles"]
+    extractor.compile_layers()
+    features, next_ids = extractor(ids, mask)
+    compiles = dc.flex_compile_stats()["compiles"] - before
+    assert compiles == target.config.num_hidden_layers  # every layer runs for the argmax labels
+    torch.testing.assert_close(features, eager_features, rtol=1e-5, atol=1e-5)
+    assert torch.equal(next_ids, eager_next)
+    generated = target.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False)
+    torch.testing.assert_close(target(ids).logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert generated.shape[1] == ids.shape[1] + 4
+    assert dc.flex_compile_stats()["compiles"] - before == compiles  # generation ran eagerly
+
+    extractor.remove_hooks()
+    truncated = TargetFeatureExtractor(target, [0, 2], truncate=True)
+    truncated.compile_layers()
+    torch.testing.assert_close(truncated(ids, mask), eager_features, rtol=1e-5, atol=1e-5)
+    assert dc.flex_compile_stats()["compiles"] - before == compiles
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
