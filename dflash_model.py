@@ -366,14 +366,20 @@ def block_labels(
         labels: [batch, N, B-1] int64 (arbitrary where invalid).
         label_valid: [batch, N, B-1] bool.
     """
-    batch, seq_len = input_ids.shape
-    offsets = torch.arange(1, block_size, device=anchors.device)
-    positions = anchors[:, :, None] + offsets  # [batch, N, B-1]
-    in_range = positions < seq_len
-    flat = positions.clamp(max=seq_len - 1).flatten(1)  # [batch, N*(B-1)]
-    labels = input_ids.gather(1, flat).view_as(positions)
-    trainable = loss_mask.bool().gather(1, flat).view_as(positions)
-    return labels, in_range & trainable & anchor_valid[:, :, None]
+    seq_len = input_ids.shape[1]
+    positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [batch, N, B-1]
+    labels = input_ids.gather(1, positions.clamp(max=seq_len - 1).flatten(1)).view_as(positions)
+    return labels, block_label_valid(loss_mask, anchors, anchor_valid, block_size)
+
+
+def block_label_valid(loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`block_labels`' label_valid [batch, N, B-1] bool from the loss mask [batch, S] and the anchors
+    alone, on their device: the trainer computes it on the host, where the loss mask is before it
+    moves to the GPU, and finds the valid rows there without waiting for the GPU."""
+    seq_len = loss_mask.shape[1]
+    positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [batch, N, B-1]
+    trainable = loss_mask.bool().gather(1, positions.clamp(max=seq_len - 1).flatten(1)).view_as(positions)
+    return (positions < seq_len) & trainable & anchor_valid[:, :, None]
 
 
 def position_rule(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
@@ -991,6 +997,7 @@ def dflash_loss(
     compiled: bool = False,
     output_multiplier: float = 1.0,
     final_logit_softcapping: float | None = None,
+    valid_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-weighted cross-entropy through the target's LM head, in chunks (arXiv 2602.06036).
 
@@ -1017,6 +1024,8 @@ def dflash_loss(
         output_multiplier, final_logit_softcapping: the drafter config's logit scaling and cap
             (`scale_and_cap_logits`), applied to the head's logits before the CE, as the engines
             apply them before sampling.
+        valid_index: [T, 3] int64 on hidden's device, `label_valid.nonzero()` found ahead (the trainer
+            finds it on the host); None: found here, which waits for the device once.
     Returns:
         loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
         accepted: [B-1] float32; at block position k = 1..B-1, the share of blocks with a label at k
@@ -1024,9 +1033,9 @@ def dflash_loss(
             0 is the first position's accuracy; `estimate_acceptance_length` turns it into tau.
     """
     positions = label_valid.shape[-1]
-    # One nonzero (one wait for the device) gives the valid rows; gathering by these indices costs no
-    # further wait, where each boolean-mask index would wait once more, and again in its backward.
-    b_index, n_index, k_index = label_valid.nonzero().unbind(1)  # each [T] int64
+    # One nonzero (one wait for the device, unless found ahead) gives the valid rows; gathering by these
+    # indices costs no further wait, where each boolean-mask index would wait once more, and again in its backward.
+    b_index, n_index, k_index = (label_valid.nonzero() if valid_index is None else valid_index).unbind(1)  # each [T] int64
     rows = hidden[b_index, n_index, k_index]  # [T, hidden]
     targets = labels[b_index, n_index, k_index]  # [T]
     row_weights = weights.to(rows.device)[k_index]  # [T]

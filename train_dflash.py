@@ -109,6 +109,7 @@ from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
     anchor_slots,
+    block_label_valid,
     block_labels,
     create_anchor_block_mask,
     default_loss_gamma,
@@ -1056,21 +1057,26 @@ class MicroBatchLoss:
     def __call__(self, model, context_features, input_ids, loss_mask, label_ids, anchor_key: tuple):
         """(loss, accepted [B-1]: `dflash_loss`'s share of blocks right through each position) of one
         micro-batch. model: the DeepSpeed engine or the bare drafter; context_features [batch, S,
-        n*hidden], input_ids, loss_mask and label_ids [batch, S] (`target_features`). Anchors are
-        drawn afresh for every anchor_key = (seed, epoch, micro-step, drafter rank): re-sampled every
-        epoch, reproducible on resume."""
-        settings, config = self.settings, self.draft_config
+        n*hidden], input_ids and label_ids [batch, S] (`target_features`), loss_mask [batch, S] on the
+        host or the device. Anchors are drawn afresh for every anchor_key = (seed, epoch, micro-step,
+        drafter rank): re-sampled every epoch, reproducible on resume."""
+        settings, config, device = self.settings, self.draft_config, input_ids.device
         generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
         num_anchors = settings.num_anchors
         if settings.anchor_slots_multiple:
             num_anchors = anchor_slots(loss_mask, num_anchors, settings.anchor_slots_multiple)
             self.slots_used.append(num_anchors)
+        # Anchors and the valid label rows are found where the loss mask is: colocated on a GPU that is
+        # the host, so the step never waits for the GPU to learn how many rows its loss has.
         anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
+        valid_index = block_label_valid(loss_mask, anchors, anchor_valid, settings.block_size).nonzero()  # [T, 3]
+        loss_mask, anchors, anchor_valid, valid_index = (to_device(t, device) for t in (loss_mask, anchors, anchor_valid, valid_index))
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend)
         labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, settings.block_size)
         return dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
                            chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
-                           output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping)
+                           output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
+                           valid_index=valid_index)
 
     def take_mean_anchor_slots(self) -> float | None:
         """Mean anchor slots per micro-batch of this rank since the last call (which it resets); None
@@ -1244,6 +1250,14 @@ def speed_up_target(extractor: TargetFeatureExtractor | None, settings: TrainSet
         extractor.use_cuda_graphs()
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; from the host through pinned memory without blocking (a copy from pageable
+    memory would wait for everything queued on the GPU)."""
+    if tensor.device == device:
+        return tensor
+    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+
+
 def to_compute_dtype(drafter: DFlashDraftModel, device: torch.device, dtype: torch.dtype) -> None:
     """Parameters in the compute dtype; the RoPE table stays fp32, as DeepSpeed leaves buffers."""
     for child in drafter.children():
@@ -1269,7 +1283,7 @@ def time_rank_split(settings: TrainSettings, cluster: Cluster, roles: RankRoles,
 
     def run_drafter(batch, output):
         features, label_ids = output
-        loss, _ = loss_fn(drafter, features, batch["input_ids"].to(device), batch["loss_mask"].to(device), label_ids,
+        loss, _ = loss_fn(drafter, features, batch["input_ids"].to(device), batch["loss_mask"], label_ids,
                           (settings.seed, -1, rank))
         loss.backward()
         drafter.zero_grad(set_to_none=True)
@@ -1550,14 +1564,14 @@ class FeatureSupply:
 
     def next(self, collated: list, indices: list[int], trains: bool):
         """(input_ids [batch, S], loss_mask [batch, S], label_ids [batch, S], context_features [batch, S,
-        n*hidden], tokens) of this rank's next micro-batch, on the device. A filler step (trains
-        False) has no loss mask."""
+        n*hidden], tokens) of this rank's next micro-batch, on the device, except a colocated rank's
+        loss mask (on the host). A filler step (trains False) has no loss mask."""
         if self.receiver is not None:
             item = self.receiver.get()
             return item["input_ids"], item["loss_mask"], item["label_ids"], item["context_features"], item["num_tokens"]
         batch, device = collated[0], self.device
         input_ids = batch["input_ids"].to(device, non_blocking=True)
-        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+        loss_mask = batch["loss_mask"]  # stays on the host: the loss finds its rows there (MicroBatchLoss)
         if not trains:
             loss_mask = torch.zeros_like(loss_mask)  # filler step: no anchor, zero loss, same collectives
         with self.target_time.time():

@@ -17,6 +17,7 @@ from dflash_model import (
     DFlashDraftModel,
     anchor_slots,
     block_input_ids,
+    block_label_valid,
     block_labels,
     block_position_ids,
     create_anchor_block_mask,
@@ -193,6 +194,25 @@ def test_weighted_loss_equals_hand_computed_value():
     # argmax: [2,0] -> logits [2,0,2] picks 0 (first max) = label 0; [0,1] -> [0,1,1] picks 1 = label 1;
     # [1,1] -> [1,1,2] picks 2 = label 2. The invalid position never counts.
     assert acc.tolist() == [1.0, 1.0]
+    # The valid rows found ahead (the trainer finds them on the host) give the same loss.
+    ahead, acc_ahead = dflash_loss(hidden, head, labels, valid, weights, chunk_size=2, valid_index=valid.nonzero())
+    assert torch.equal(ahead, loss) and torch.equal(acc_ahead, acc)
+
+
+def test_label_validity_from_the_loss_mask_alone_equals_block_labels():
+    """block_label_valid, which the trainer runs on the host, is block_labels' label_valid: anchor
+    slots padded, labels past the end, and positions outside the loss mask excluded."""
+    loss_mask = torch.zeros(2, 10, dtype=torch.bool)
+    loss_mask[0, 3:9] = True  # the last position is padding
+    loss_mask[1, 6:] = True
+    anchors, anchor_valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+    input_ids = torch.arange(20).view(2, 10)
+    labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, 4)
+    assert torch.equal(block_label_valid(loss_mask, anchors, anchor_valid, 4), label_valid)
+    # Row 1: eligible anchors 6, 7, 8 (then 3 padded slots); anchor 8 has one label in range (9).
+    assert anchors[1].tolist() == [6, 7, 8, 0, 0, 0]
+    assert label_valid[1].tolist() == [[True, True, True], [True, True, False], [True, False, False]] + [[False] * 3] * 3
+    assert labels[1, 0].tolist() == [17, 18, 19]
 
 
 def random_loss_inputs():
