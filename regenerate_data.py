@@ -282,7 +282,7 @@ class StaticBatchDecoder:
     The cache's columns are a ring. A step writes every row's new key and value at one shared column
     (the graph has one shape), which then advances by one, modulo the cache length `prompt_width +
     max_new_tokens`. A prompt that enters a row when the step is at column c is prefilled with the
-    other prompts starting at that check (eager, `_prefill`) and written to the columns just before
+    other prompts starting at that check (`_prefill`, a CUDA graph per shape) and written to the columns just before
     c, so its reply has max_new_tokens columns to grow through before the ring comes back to its
     prompt. The attention mask is a per-row table of the columns that hold that row's tokens
     (`valid`); positions are per row, so RoPE does not see where in the ring a token lies.
@@ -301,7 +301,7 @@ class StaticBatchDecoder:
     """
 
     CHECK_EVERY = 8  # steps between host checks for ended replies (each waits for the copies made at the check before)
-    PREFILL_ROWS_MULTIPLE, PREFILL_WIDTH_MULTIPLE = 16, 32  # the prefill's shape buckets
+    PREFILL_ROW_BUCKETS, PREFILL_WIDTH_MULTIPLE = (16, 32, 64), 64  # the prefill's shapes (more rows go in chunks of the largest)
 
     def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool,
                  compile_step: bool = False):
@@ -333,6 +333,7 @@ class StaticBatchDecoder:
         self.step = torch.compile(self._forward, dynamic=False) if compile_step else self._forward
         self.step_tried = not compile_step  # whether the compiled step's first call (compile, capture) has run
         self.graphed = CUDAGraphCall(self.step) if cuda_graphs else None
+        self.prefill_graphed = CUDAGraphCall(self._prefill_forward) if cuda_graphs else None
         # Of the last `stream` that ended: replies, new_tokens (end-of-turn tokens included), seconds, steps,
         # busy_row_steps, check_seconds (host time at checks) and wait_seconds (of it, waiting for the GPU).
         self.stats: dict = {}
@@ -375,44 +376,71 @@ class StaticBatchDecoder:
         """Start prompts in `rows`: their keys and values go to those rows' columns just before `column`
         (the column the next decode step writes), the rest of each row's columns become invalid.
 
-        The forward runs at a bucketed shape (rows and columns rounded up, `PREFILL_ROWS_MULTIPLE` and
-        `PREFILL_WIDTH_MULTIPLE`; padding rows repeat the first prompt and are dropped), so that a
-        run meets a few shapes, not one per check: a new shape costs the host new kernel plans. On CUDA
-        its attention is the memory-efficient kernel: cuDNN's cost the host ~2 ms per call at shapes
-        that changed every check (BENCHMARKS.md, "where the decoder's time goes").
+        The prompts go through `_prefill_forward` in chunks at a few fixed shapes (rows: the smallest
+        of `PREFILL_ROW_BUCKETS` that holds the chunk, columns: a multiple of `PREFILL_WIDTH_MULTIPLE`;
+        padding rows repeat the chunk's first prompt in its row, writing what it writes), replayed
+        from one CUDA graph per shape on CUDA: an eager forward of every layer would cost the host
+        more than the decode steps queued behind it cost the GPU.
 
         Args:
             rows: [k] int64 row indices; prompts: k lists of token ids (each <= the decoder's width).
         Returns:
             logits [k, vocab] of each prompt's last token.
         """
+        largest, logits = self.PREFILL_ROW_BUCKETS[-1], []
+        column_tensor = self._to_device(torch.tensor([column]))
+        for start in range(0, len(prompts), largest):
+            chunk = prompts[start : start + largest]
+            size = next(b for b in self.PREFILL_ROW_BUCKETS if b >= len(chunk))
+            width = min(-(-max(len(p) for p in chunk) // self.PREFILL_WIDTH_MULTIPLE) * self.PREFILL_WIDTH_MULTIPLE, self.width)
+            input_ids = torch.full((size, width), pad_token_id, dtype=torch.long)
+            real = torch.zeros(size, width, dtype=torch.bool)
+            for i in range(size):  # left padding: every prompt ends at the last column
+                ids = chunk[i] if i < len(chunk) else chunk[0]
+                input_ids[i, width - len(ids):] = torch.tensor(ids)
+                real[i, width - len(ids):] = True
+            chunk_rows = rows[start : start + len(chunk)]
+            chunk_rows = torch.cat([chunk_rows, chunk_rows[:1].expand(size - len(chunk))])
+            out = self._prefill_call(self._to_device(input_ids), self._to_device(real), chunk_rows, column_tensor)
+            logits.append(out[: len(chunk)].clone())  # the graph's output buffer is overwritten by the next replay
+        return torch.cat(logits)
+
+    def _prefill_call(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """`_prefill_forward`, replayed from its CUDA graph for this shape when there are graphs; if
+        capturing one raises, the run goes on with the eager prefill after one warning."""
+        if self.prefill_graphed is None:
+            return self._prefill_forward(*inputs)
+        try:
+            return self.prefill_graphed(*inputs)
+        except Exception as error:
+            logger.warning("capturing the prefill as a CUDA graph failed (%s: %s); prefilling eagerly instead", type(error).__name__, error)
+            torch.cuda.synchronize()
+            self.prefill_graphed = None
+            return self._prefill_forward(*inputs)
+
+    def _prefill_forward(self, input_ids: torch.Tensor, real: torch.Tensor, rows: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        """The prefill of `_prefill`, on the device, with no host sync: input_ids, real (bool: not
+        padding) [P, W], rows [P] int64, column [1] int64 -> logits [P, vocab] of the last column.
+        Its attention on CUDA is the memory-efficient kernel (cuDNN's planned anew per shape, costing
+        the host ~2 ms per call; BENCHMARKS.md, "where the decoder's time goes")."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from transformers import DynamicCache
 
-        device, k = self.valid.device, len(prompts)
-        width = min(-(-max(len(p) for p in prompts) // self.PREFILL_WIDTH_MULTIPLE) * self.PREFILL_WIDTH_MULTIPLE, self.width)
-        padded = -(-k // self.PREFILL_ROWS_MULTIPLE) * self.PREFILL_ROWS_MULTIPLE
-        input_ids = torch.full((padded, width), pad_token_id, dtype=torch.long)
-        real = torch.zeros(padded, width, dtype=torch.bool)
-        for i in range(padded):  # left padding: every prompt ends at the last column
-            ids = prompts[i] if i < k else prompts[0]
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            real[i, width - len(ids):] = True
-        input_ids, real = self._to_device(input_ids), self._to_device(real)
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [padded, width]
+        device, width = input_ids.device, input_ids.shape[1]
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [P, W]
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         allowed = (real[:, None, None, :] & causal) | torch.eye(width, dtype=torch.bool, device=device)  # a pad query sees itself
         cache = DynamicCache(config=self.model.config)
         attention = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if device.type == "cuda" else contextlib.nullcontext()
         with attention:
             logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(allowed), use_cache=True,
-                                logits_to_keep=1, **{self.cache_argument: cache}).logits[:k, -1]
-        columns = (column - width + torch.arange(width, device=device)) % self.length  # [width]
-        for ring, new in zip(self.cache.layers, cache.layers):  # [batch, kv_heads, columns, head_dim] <- [k, kv_heads, width, head_dim]
-            ring.keys.transpose(1, 2)[rows[:, None], columns[None, :]] = new.keys[:k].transpose(1, 2)
-            ring.values.transpose(1, 2)[rows[:, None], columns[None, :]] = new.values[:k].transpose(1, 2)
+                                logits_to_keep=1, **{self.cache_argument: cache}).logits[:, -1]
+        columns = (column - width + torch.arange(width, device=device)) % self.length  # [W]
+        for ring, new in zip(self.cache.layers, cache.layers):  # [batch, kv_heads, columns, head_dim] <- [P, kv_heads, W, head_dim]
+            ring.keys.transpose(1, 2)[rows[:, None], columns[None, :]] = new.keys.transpose(1, 2)
+            ring.values.transpose(1, 2)[rows[:, None], columns[None, :]] = new.values.transpose(1, 2)
         self.valid[rows] = False
-        self.valid[rows[:, None], columns[None, :]] = real[:k]
+        self.valid[rows[:, None], columns[None, :]] = real
         return logits
 
     def _pick(self, logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, sampler: "SeededSampling | None") -> torch.Tensor:

@@ -392,7 +392,9 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
     assert 1 < len(set(lengths)), lengths  # the test needs replies of different lengths
     monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "CHECK_EVERY", check_every)
     # Small shape buckets, so that prefills pad rows (past the batch, too) and columns here.
-    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "PREFILL_ROWS_MULTIPLE", 2)
+    # Batch 3 starts 3 prompts as two chunks of 2 rows; batch 2 pads 1 prompt to 2 rows.
+    buckets = (2,) if batch_size == 3 else (2, 4)
+    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "PREFILL_ROW_BUCKETS", buckets)
     monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "PREFILL_WIDTH_MULTIPLE", 4)
     decoder = regenerate_data.StaticBatchDecoder(model, batch_size, max(map(len, ids)), max_new, cuda_graphs=False)
     shapes = []
@@ -403,9 +405,9 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
         hook.remove()
     assert out == dict(enumerate(expected))
     prefills = {shape for shape in shapes if shape[1] > 1}
-    assert prefills and all(rows % 2 == 0 and (width % 4 == 0 or width == decoder.width) for rows, width in prefills), prefills
-    if batch_size == 3:  # the first prefill's 3 prompts run as 4 rows, one more than the batch
-        assert any(rows > batch_size for rows, _ in prefills), prefills
+    assert prefills and all(rows in buckets and (width % 4 == 0 or width == decoder.width) for rows, width in prefills), prefills
+    if batch_size == 3:  # the first check's 3 prompts: two prefill forwards of 2 rows, the second padded
+        assert shapes[0][0] == shapes[1][0] == 2 and shapes[1][1] > 1, shapes[:3]
     stats = decoder.stats
     assert stats["replies"] == NUM_PROMPTS and stats["new_tokens"] == stats["busy_row_steps"] == sum(lengths)
     assert stats["steps"] > decoder.length  # the ring of columns wrapped around
