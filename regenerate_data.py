@@ -334,6 +334,7 @@ class StaticBatchDecoder:
         self.step_tried = not compile_step  # whether the compiled step's first call (compile, capture) has run
         self.graphed = CUDAGraphCall(self.step) if cuda_graphs else None
         self.prefill_graphed = CUDAGraphCall(self._prefill_forward) if cuda_graphs else None
+        self.prefill_caches: dict[tuple, object] = {}  # a StaticCache per prefill shape (`_prefill_forward`)
         # Of the last `stream` that ended: replies, new_tokens (end-of-turn tokens included), seconds, steps,
         # busy_row_steps, check_seconds (host time at checks) and wait_seconds (of it, waiting for the GPU).
         self.stats: dict = {}
@@ -424,13 +425,19 @@ class StaticBatchDecoder:
         Its attention on CUDA is the memory-efficient kernel (cuDNN's planned anew per shape, costing
         the host ~2 ms per call; BENCHMARKS.md, "where the decoder's time goes")."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        from transformers import DynamicCache
+        from transformers import StaticCache
 
         device, width = input_ids.device, input_ids.shape[1]
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [P, W]
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         allowed = (real[:, None, None, :] & causal) | torch.eye(width, dtype=torch.bool, device=device)  # a pad query sees itself
-        cache = DynamicCache(config=self.model.config)
+        # One static cache per shape, kept: transformers allocates a cache's tensors on its first write
+        # (copying host data to the GPU), which must happen in the eager warm-up, never in the capture.
+        cache = self.prefill_caches.get(tuple(input_ids.shape))
+        if cache is None:
+            cache = self.prefill_caches[tuple(input_ids.shape)] = StaticCache(config=self.model.config, max_cache_len=width)
+        for layer in cache.layers:  # written from column 0 on
+            layer.cumulative_length.zero_()
         attention = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if device.type == "cuda" else contextlib.nullcontext()
         with attention:
             logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(allowed), use_cache=True,

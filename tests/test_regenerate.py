@@ -417,6 +417,31 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
         assert stats["steps"] < fixed_batches, (stats, lengths)
 
 
+def test_a_repeated_prefill_shape_creates_no_tensor_from_host_data(tiny_model_and_prompts, monkeypatch):
+    """The prefill at a shape it has run before is capturable as a CUDA graph: it builds no tensor from
+    host data (a copy to the GPU from unpinned memory is not allowed inside a capture; transformers'
+    growing cache made one on every call) and writes what the first call wrote."""
+    model, _, ids = tiny_model_and_prompts
+    decoder = regenerate_data.StaticBatchDecoder(model, 4, max(map(len, ids)), 8, cuda_graphs=False)
+    width = max(len(p) for p in ids[:2])
+    input_ids = torch.zeros(2, width, dtype=torch.long)
+    real = torch.zeros(2, width, dtype=torch.bool)
+    for i, p in enumerate(ids[:2]):
+        input_ids[i, width - len(p):], real[i, width - len(p):] = torch.tensor(p), True
+    rows, column = torch.tensor([1, 3]), torch.tensor([5])
+    call = lambda: decoder._prefill_forward(input_ids, real, rows, column)
+    first, ring = call(), decoder.cache.layers[0].keys.clone()
+
+    def no_host_data(*args, **kwargs):
+        raise AssertionError("a tensor from host data inside the prefill")
+
+    monkeypatch.setattr(torch, "tensor", no_host_data)
+    again = call()
+    monkeypatch.undo()
+    torch.testing.assert_close(again, first)
+    assert torch.equal(decoder.cache.layers[0].keys, ring) and ring[[1, 3]].abs().sum() > 0
+
+
 def test_failed_decoding_retries_the_replies_in_flight(tmp_path, tiny_target, prompts_file, monkeypatch, caplog):
     """The static decoder fails while starting its second group of prompts: those in flight are
     retried one by one with generate, the others go on in a new stream; every reply written once,
