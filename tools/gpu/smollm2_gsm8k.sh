@@ -4,6 +4,7 @@
 #
 #   bash tools/gpu/smollm2_gsm8k.sh [OUT_DIR]        # default outputs/smollm2-gsm8k-gpu
 #   TRAIN_ARGS="--learning_rate 1e-3" bash tools/gpu/smollm2_gsm8k.sh   # extra train_dflash.py settings
+#   SAMPLES=8 TRAIN_ARGS="--num_train_epochs 3" bash tools/gpu/smollm2_gsm8k.sh OUT   # more replies, fewer epochs
 #
 # GSM8K: $DATA_DIR/gsm8k/train.jsonl (../shared/data here; elsewhere the public GSM8K train split,
 # 7,473 questions in its published order, as {"question", "answer"} JSON lines). The last 500 lines are
@@ -28,18 +29,20 @@ questions=$DATA_DIR/gsm8k/train.jsonl
 head -n -500 "$questions" > "$D/train_questions.jsonl"    # 6,973 questions to answer and train on
 tail -n 500 "$questions" > "$D/heldout_questions.jsonl"   # held out: never regenerated or trained on
 
-# 1. SmolLM2 answers every training question: once greedily, four times sampled. 1024 rows decode
+SAMPLES=${SAMPLES:-4}  # sampled replies per question (sample k has the same seed whatever SAMPLES is)
+
+# 1. SmolLM2 answers every training question: once greedily, $SAMPLES times sampled. 1024 rows decode
 # together (each takes the next question when its reply ends): more rows spread a decode step's
 # fixed cost (the kernels of a 135M target are small, BENCHMARKS.md) over more replies.
 timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
   --output "$D/greedy.jsonl" --temperature 0 --max_new_tokens 320 --batch_size 1024
 timed regenerate_sampled python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
-  --output "$D/sampled4.jsonl" --num_samples_per_prompt 4 --temperature 0.8 --top_p 0.95 --max_new_tokens 320 --batch_size 1024
+  --output "$D/sampled$SAMPLES.jsonl" --num_samples_per_prompt "$SAMPLES" --temperature 0.8 --top_p 0.95 --max_new_tokens 320 --batch_size 1024
 
 # 2. Train (continues from the latest checkpoint when rerun).
 if [[ ! -f $OUT/train/final/model.safetensors ]]; then
   timed train accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py --config configs/smollm2-gsm8k-gpu.yaml \
-    --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" "$D/sampled4.jsonl" --eval_data "$D/heldout_questions.jsonl" \
+    --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" "$D/sampled$SAMPLES.jsonl" --eval_data "$D/heldout_questions.jsonl" \
     --output_dir "$OUT/train" --resume_from_checkpoint latest ${TRAIN_ARGS:-}
 fi
 
