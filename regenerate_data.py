@@ -336,7 +336,8 @@ class StaticBatchDecoder:
         self.prefill_graphed = CUDAGraphCall(self._prefill_forward) if cuda_graphs else None
         self.prefill_caches: dict[tuple, object] = {}  # a StaticCache per prefill shape (`_prefill_forward`)
         # Of the last `stream` that ended: replies, new_tokens (end-of-turn tokens included), seconds, steps,
-        # busy_row_steps, check_seconds (host time at checks) and wait_seconds (of it, waiting for the GPU).
+        # busy_row_steps, check_seconds (host time at checks) and, of it, wait_seconds (waiting for the GPU),
+        # prefill_seconds (starting new prompts) and handout_seconds (the caller's work on each reply).
         self.stats: dict = {}
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -496,7 +497,9 @@ class StaticBatchDecoder:
         seen = None  # after the first check: the event that the copies are done (True on the CPU)
         logits, column, step, busy = None, self.width, 0, torch.zeros((), dtype=torch.long, device=device)
         began, new_tokens, replies = time.time(), 0, 0
-        checking = waiting = 0.0  # host seconds at checks, and of them waiting for the GPU: the GPU is the bottleneck when waiting dominates
+        # Host seconds at checks and, of them, waiting for the GPU (the GPU is the bottleneck when waiting
+        # dominates), prefilling, and handing out replies (the caller's work on each yielded reply).
+        checking = waiting = prefilling = handing_out = 0.0
         # The decoder's forwards attend with `self.attention`; the model gets its own back afterwards
         # (transformers' generate, the retry path, makes its masks by that implementation's name).
         config = self.model.config
@@ -513,12 +516,15 @@ class StaticBatchDecoder:
                         alive, done_lengths = seen_live.tolist(), seen_lengths.tolist()
                         for r in range(batch):
                             if keys[r] is not None and not alive[r]:
+                                handed = time.perf_counter()
                                 yield keys[r], seen_out[r, : done_lengths[r]].tolist()
+                                handing_out += time.perf_counter() - handed
                                 keys[r] = None
                                 new_tokens, replies = new_tokens + done_lengths[r], replies + 1
                     free = [r for r in range(batch) if keys[r] is None]
                     starting = [request for _, request in zip(free, pending)]
                     if starting:
+                        prefill_began = time.perf_counter()
                         rows = self._to_device(torch.tensor(free[: len(starting)]))
                         for r, (key, _, _) in zip(free, starting):
                             keys[r] = key
@@ -527,6 +533,7 @@ class StaticBatchDecoder:
                         positions[rows] = self._to_device(torch.tensor([len(ids) for _, ids, _ in starting]))
                         lengths[rows], live[rows] = 0, True
                         first = rows, self._pick(prompt_logits, seeds[rows], lengths[rows], sampler)
+                        prefilling += time.perf_counter() - prefill_began
                     if all(key is None for key in keys):
                         checking += time.perf_counter() - check_began
                         break
@@ -554,11 +561,12 @@ class StaticBatchDecoder:
             config._attn_implementation = restore
         seconds = time.time() - began
         self.stats = {"replies": replies, "new_tokens": new_tokens, "seconds": seconds, "steps": step, "busy_row_steps": busy.item(),
-                      "check_seconds": checking, "wait_seconds": waiting}
+                      "check_seconds": checking, "wait_seconds": waiting, "prefill_seconds": prefilling, "handout_seconds": handing_out}
         logger.info("%d replies, %d tokens decoded (end-of-turn tokens included) in %.1f s (%.0f tokens/s); %d decode steps of "
-                    "%d rows, %.0f%% of the rows busy; the host spent %.1f s at checks, %.1f s of it waiting for the GPU",
+                    "%d rows, %.0f%% of the rows busy; the host spent %.1f s at checks: %.1f s waiting for the GPU, %.1f s "
+                    "prefilling new prompts, %.1f s handing out replies",
                     replies, new_tokens, seconds, new_tokens / max(seconds, 1e-9), step, batch,
-                    100 * busy.item() / max(step * batch, 1), checking, waiting)
+                    100 * busy.item() / max(step * batch, 1), checking, waiting, prefilling, handing_out)
 
 
 def reply_from_tokens(tokenizer, tokens: list[int], eos_ids: list[int]) -> tuple[str, int, bool]:

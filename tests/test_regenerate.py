@@ -411,7 +411,8 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
     stats = decoder.stats
     assert stats["replies"] == NUM_PROMPTS and stats["new_tokens"] == stats["busy_row_steps"] == sum(lengths)
     assert stats["steps"] > decoder.length  # the ring of columns wrapped around
-    assert 0 <= stats["wait_seconds"] <= stats["check_seconds"] <= stats["seconds"]
+    parts = stats["wait_seconds"] + stats["prefill_seconds"] + stats["handout_seconds"]
+    assert stats["prefill_seconds"] > 0 and 0 <= parts <= stats["check_seconds"] <= stats["seconds"], stats
     fixed_batches = sum(max(lengths[s : s + batch_size]) for s in range(0, NUM_PROMPTS, batch_size))
     if check_every == 1:  # a freed row starts the next prompt at once: fewer steps than batches that wait for their longest reply
         assert stats["steps"] < fixed_batches, (stats, lengths)
