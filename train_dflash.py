@@ -207,7 +207,7 @@ class TrainSettings:
     learning_rate: float = field(default=6e-4, metadata={"help": "Peak AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_ratio: float = field(default=0.04, metadata={"help": "Fraction of steps of linear warmup before the cosine decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU"})
     deepspeed_config: str = field(default="ds_configs/zero2.json", metadata={"help": "DeepSpeed config; 'auto' fields are filled from these settings"})
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad sequence lengths to a multiple of this (default 128 with flex, so few shapes compile; 8 with sdpa)"})
     seed: int = field(default=0, metadata={"help": "Seed for data order, anchors and init"})
@@ -418,6 +418,10 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
         # With one drafter rank there is no communication to overlap, and ZeRO's overlap path
         # synchronizes the whole device twice per optimizer step.
         config["zero_optimization"] = {**zero, "overlap_comm": False}
+    if settings.max_grad_norm == 0 and zero.get("stage") in (1, 2):
+        # Nothing to clip: without this DeepSpeed still takes the gradient norm parameter by parameter
+        # and waits for the GPU to check it, every step.
+        config["zero_optimization"] = {**config["zero_optimization"], "compute_grad_norm": False}
     if split:
         # The tag check all-reduces over the whole world, target ranks included (dflash_split.py,
         # "Checkpoints in split mode"); our tag is a constant anyway.

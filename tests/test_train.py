@@ -102,7 +102,8 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     out = tmp_path / "ddp"
     args = tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=4, logging_steps=2, max_samples=32,
                      target_layer_ids="1 3", per_device_batch_size=2, save_steps=4,
-                     eval_data=gsm8k_path, eval_steps=2, eval_num_prompts=2, eval_max_new_tokens=12)
+                     eval_data=gsm8k_path, eval_steps=2, eval_num_prompts=2, eval_max_new_tokens=12,
+                     max_grad_norm=0)  # no clipping: DeepSpeed's ZeRO-2 step without the gradient norm
     result = run(args, train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2 ranks" in result.stderr
@@ -504,6 +505,8 @@ def test_a_diverged_loss_stops_the_run_naming_the_window_the_settings_and_the_ch
 
 
 def test_the_shipped_deepspeed_config_asks_for_no_per_step_device_syncs():
+    from dataclasses import replace
+
     from train_dflash import TrainSettings, resolve_deepspeed_config
 
     settings = TrainSettings(target_model="x", train_data=["x"], output_dir="unused")
@@ -512,6 +515,10 @@ def test_the_shipped_deepspeed_config_asks_for_no_per_step_device_syncs():
     assert one["zero_optimization"]["overlap_comm"] is False  # one drafter rank: nothing to overlap
     several = resolve_deepspeed_config(settings, drafter_ranks=4, bf16=True, split=False)
     assert several["zero_optimization"]["overlap_comm"] is True and several["train_batch_size"] == 4 * settings.per_device_batch_size
+    # Clipping needs the gradient norm (DeepSpeed checks it on the host); without clipping it is not taken.
+    assert "compute_grad_norm" not in one["zero_optimization"] and one["gradient_clipping"] == 1.0
+    unclipped = resolve_deepspeed_config(replace(settings, max_grad_norm=0.0), drafter_ranks=1, bf16=True, split=False)
+    assert unclipped["zero_optimization"]["compute_grad_norm"] is False and unclipped["gradient_clipping"] == 0.0
 
 
 def test_anchor_slots_multiple_groups_batches_by_assistant_length(qwen3_tokenizer):
