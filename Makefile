@@ -29,4 +29,4 @@ demo: setup
 	$(PYTHON) -m accelerate.commands.launch train_dflash.py
 
 test: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 --dist loadscope
