@@ -775,12 +775,14 @@ class Liveness:
         self._post_failure(f"rank {self.rank} stopped: {reason}")  # before exiting, so the others learn why
         os._exit(1)  # the main thread may be blocked in a collective that will never return
 
-    def report_failure(self, reason: str) -> None:
+    def report_failure(self, reason: str) -> bool:
+        """Post this rank's failure; True (after logging the earlier one) if another rank failed first."""
         self.stopping.set()  # this rank's own watchdog must not read the message and exit before the traceback
         own = f"rank {self.rank} failed: {reason}"
         first = self._post_failure(own)
         if first != own:
             log.error("stopping rank %d after an earlier failure: %s", self.rank, first)
+        return first != own
 
     def finish(self) -> None:
         """Clean end, watched: wait until every rank got here, then stop. Rank 0 leaves last, so a
@@ -814,12 +816,13 @@ def start_liveness(rank: int, world: int, dead_after_s: float) -> Liveness | Non
     return _ACTIVE
 
 
-def report_failure(error: BaseException) -> bool:
-    """Tell the other ranks this one is failing, so they stop within seconds. True if anyone listens."""
+def report_failure(error: BaseException) -> tuple[bool, bool]:
+    """Tell the other ranks this one is failing, so they stop within seconds. Returns (whether anyone
+    listens, whether another rank failed first: this failure then follows from that one, e.g. a
+    collective whose peer exited, and the log already names the cause)."""
     if _ACTIVE is None:
-        return False
-    _ACTIVE.report_failure(f"{type(error).__name__}: {error}"[:2000])
-    return True
+        return False, False
+    return True, _ACTIVE.report_failure(f"{type(error).__name__}: {error}"[:2000])
 
 
 # ----------------------------------------------------------------------------------------------

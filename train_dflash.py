@@ -1882,8 +1882,10 @@ if __name__ == "__main__":
     except BaseException as error:
         # With other ranks around, tell them first: they stop within seconds instead of waiting for
         # this rank's heartbeat to lapse.
-        others_told = report_failure(error)
-        if isinstance(error, ValueError) and not os.environ.get("DFLASH_TRACEBACK"):
+        others_told, after_another = report_failure(error)
+        if after_another and not os.environ.get("DFLASH_TRACEBACK"):
+            code = 1  # the "stopping rank ... after an earlier failure" line names the cause; this rank's traceback would bury it
+        elif isinstance(error, ValueError) and not os.environ.get("DFLASH_TRACEBACK"):
             # Bad settings or data: one clear message, no traceback. A ValueError from inside a
             # library may be a bug instead, so for that one say how to see where it came from.
             hint = "" if raised_here(error) else "\n(unexpected: set DFLASH_TRACEBACK=1 to see the traceback)"

@@ -151,7 +151,16 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
     }
     procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in commands.items()}
+    # The bad data line under a two-process launch: rank 0 names it; rank 1, whose barrier then fails,
+    # says it stops after rank 0's failure, without a traceback of its own.
+    two = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu.yaml",
+                            "train_dflash.py", *tiny_args(target, data, tmp_path / "out4", max_steps=1)],
+                           cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     results = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
+    stderr = two.communicate(timeout=300)[1]
+    assert two.returncode != 0 and "error: " in stderr and "chats.jsonl:2: invalid JSON at column 16" in stderr, stderr[-3000:]
+    assert "stopping rank 1 after an earlier failure: rank 0 failed: DataFormatError" in stderr, stderr[-3000:]
+    assert 'train_dflash.py", line' not in stderr and "Connection closed by peer" not in stderr, stderr[-3000:]
     for name, proc in procs.items():
         stderr = results[name][1]
         assert proc.returncode == 2, (name, stderr[-3000:])
