@@ -134,6 +134,9 @@ from dflash_target import (
 from eval_dflash import evaluate_acceptance
 
 logger = logging.getLogger("train_dflash")
+# DeepSpeed's ZeRO step gathers parameters through an all-gather that newer torch deprecates: one
+# FutureWarning per rank that a user cannot act on.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning)
 REPO_DIR = Path(__file__).resolve().parent
 DEMO_CONFIG = REPO_DIR / "configs" / "demo.yaml"
 COLLECTIVE_TIMEOUT_MIN = 60  # process-group timeout (NCCL's default is 10 minutes)

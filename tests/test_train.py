@@ -106,7 +106,7 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
                      max_grad_norm=0)  # no clipping: DeepSpeed's ZeRO-2 step without the gradient norm
     result = run(args, train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "2 ranks" in result.stderr
+    assert "2 ranks" in result.stderr and "all_gather_into_tensor" not in result.stderr  # no library deprecation noise
     log = read_log(out)
     train_rows = [row for row in log if "loss" in row]
     assert [row["step"] for row in train_rows] == [2, 4] and all(row["loss"] > 0 for row in train_rows)
