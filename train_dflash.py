@@ -1260,8 +1260,8 @@ def speed_up_target(extractor: TargetFeatureExtractor | None, settings: TrainSet
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device`; from the host through pinned memory without blocking (a copy from pageable
     memory would wait for everything queued on the GPU)."""
-    if tensor.device == device:
-        return tensor
+    if tensor.device.type != "cpu" or device.type != "cuda":
+        return tensor.to(device)  # no copy where it already is (CPU ranks may say cpu:0)
     return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
 
 
@@ -1492,11 +1492,7 @@ class TargetOutputCache:
         within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         batch_pos = np.repeat(batch_rows * seq_len, lengths) + within
         buffer_rows = np.repeat(self.offsets[indices], lengths) + within
-        if self.device.type != "cuda":
-            return torch.from_numpy(batch_pos), torch.from_numpy(buffer_rows)
-        # Through pinned memory: a plain host-to-device copy would wait for the steps queued on the GPU.
-        return (torch.from_numpy(batch_pos).pin_memory().to(self.device, non_blocking=True),
-                torch.from_numpy(buffer_rows).pin_memory().to(self.device, non_blocking=True))
+        return to_device(torch.from_numpy(batch_pos), self.device), to_device(torch.from_numpy(buffer_rows), self.device)
 
     def store(self, indices: list[int], features: torch.Tensor, label_ids: torch.Tensor) -> None:
         """Keep the samples not cached yet of a batch the target just made, sample n of `indices` in
