@@ -447,7 +447,7 @@ class StaticBatchDecoder:
         for ring, new in zip(self.cache.layers, cache.layers):  # [batch, kv_heads, columns, head_dim] <- [P, kv_heads, W, head_dim]
             ring.keys.transpose(1, 2)[rows[:, None], columns[None, :]] = new.keys.transpose(1, 2)
             ring.values.transpose(1, 2)[rows[:, None], columns[None, :]] = new.values.transpose(1, 2)
-        self.valid[rows] = False
+        self.valid.index_fill_(0, rows, False)  # not `valid[rows] = False`: that copies a host scalar, which a capture refuses
         self.valid[rows[:, None], columns[None, :]] = real
         return logits
 

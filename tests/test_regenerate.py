@@ -443,6 +443,30 @@ def test_a_repeated_prefill_shape_creates_no_tensor_from_host_data(tiny_model_an
     assert torch.equal(decoder.cache.layers[0].keys, ring) and ring[[1, 3]].abs().sum() > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_the_prefill_replays_from_a_cuda_graph_as_the_eager_prefill(tiny_model_and_prompts):
+    """On a GPU the prefill is captured as a CUDA graph (no warning, the graph kept) and writes the
+    same logits, ring keys and valid columns as the eager prefill. A host scalar written into a
+    device tensor (`valid[rows] = False`) is a host-to-GPU copy the capture refuses."""
+    import copy
+
+    model, _, ids = tiny_model_and_prompts
+    model = copy.deepcopy(model).cuda()
+    rows = torch.tensor([0, 2, 3], device="cuda")
+    results = []
+    for graphs in (True, False):
+        decoder = regenerate_data.StaticBatchDecoder(model, 4, max(map(len, ids)), 8, cuda_graphs=graphs)
+        for _ in range(2):  # the first call captures, the second replays
+            logits = decoder._prefill(rows, ids[:3], 5, 0)
+        if graphs:
+            assert decoder.prefill_graphed is not None and len(decoder.prefill_graphed.graphs) == 1
+        results.append((logits, decoder.cache.layers[0].keys.clone(), decoder.valid.clone()))
+    (graph_logits, graph_keys, graph_valid), (eager_logits, eager_keys, eager_valid) = results
+    torch.testing.assert_close(graph_logits, eager_logits)
+    torch.testing.assert_close(graph_keys, eager_keys)
+    assert torch.equal(graph_valid, eager_valid) and graph_valid[rows].any()
+
+
 def test_failed_decoding_retries_the_replies_in_flight(tmp_path, tiny_target, prompts_file, monkeypatch, caplog):
     """The static decoder fails while starting its second group of prompts: those in flight are
     retried one by one with generate, the others go on in a new stream; every reply written once,
