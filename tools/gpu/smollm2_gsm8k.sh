@@ -4,7 +4,7 @@
 #
 #   bash tools/gpu/smollm2_gsm8k.sh [OUT_DIR]        # default outputs/smollm2-gsm8k-gpu
 #   TRAIN_ARGS="--learning_rate 1e-3" bash tools/gpu/smollm2_gsm8k.sh   # extra train_dflash.py settings
-#   SAMPLES=4 TRAIN_ARGS="--num_train_epochs 6" bash tools/gpu/smollm2_gsm8k.sh OUT   # fewer replies, more epochs
+#   SAMPLES=8 TRAIN_ARGS="--num_train_epochs 3" bash tools/gpu/smollm2_gsm8k.sh OUT   # more replies, fewer epochs
 #
 # GSM8K: $DATA_DIR/gsm8k/train.jsonl (../shared/data here; elsewhere the public GSM8K train split,
 # 7,473 questions in its published order, as {"question", "answer"} JSON lines). The last 500 lines are
@@ -29,7 +29,7 @@ questions=$DATA_DIR/gsm8k/train.jsonl
 head -n -500 "$questions" > "$D/train_questions.jsonl"    # 6,973 questions to answer and train on
 tail -n 500 "$questions" > "$D/heldout_questions.jsonl"   # held out: never regenerated or trained on
 
-SAMPLES=${SAMPLES:-7}  # sampled replies per question (sample k has the same seed whatever SAMPLES is)
+SAMPLES=${SAMPLES:-4}  # sampled replies per question (sample k has the same seed whatever SAMPLES is)
 
 # 1. SmolLM2 answers every training question: once greedily, $SAMPLES times sampled. 1024 rows decode
 # together (each takes the next question when its reply ends): more rows spread a decode step's
