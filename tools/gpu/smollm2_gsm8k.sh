@@ -4,7 +4,7 @@
 #
 #   bash tools/gpu/smollm2_gsm8k.sh [OUT_DIR]        # default outputs/smollm2-gsm8k-gpu
 #   TRAIN_ARGS="--learning_rate 1e-3" bash tools/gpu/smollm2_gsm8k.sh   # extra train_dflash.py settings
-#   SAMPLES=8 TRAIN_ARGS="--num_train_epochs 3" bash tools/gpu/smollm2_gsm8k.sh OUT   # more replies, fewer epochs
+#   SAMPLES=7 TRAIN_ARGS="--num_train_epochs 3 --eval_steps 872" bash tools/gpu/smollm2_gsm8k.sh OUT   # more replies, fewer epochs
 #
 # GSM8K: $DATA_DIR/gsm8k/train.jsonl (../shared/data here; elsewhere the public GSM8K train split,
 # 7,473 questions in its published order, as {"question", "answer"} JSON lines). The last 500 lines are
