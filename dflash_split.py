@@ -25,10 +25,12 @@ ranks", "More than one node"). train_dflash.py uses the pieces below in the orde
 - `measure_rates` / `choose_target_ranks`: the `--target_ranks auto` calibration.
 """
 
+import functools
 import inspect
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -813,7 +815,26 @@ def start_liveness(rank: int, world: int, dead_after_s: float) -> Liveness | Non
     prefix = f"dflash-liveness/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     _ACTIVE = Liveness(dist.PrefixStore(prefix, client), rank, world, dead_after_s, f"{host}:{port}")
     _ACTIVE.thread.start()
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        signal.signal(signal.SIGTERM, functools.partial(_stop_on_sigterm, os.getpid()))
     return _ACTIVE
+
+
+class StoppedByLauncher(Exception):
+    """This rank received SIGTERM: torchrun's agent stops every rank once one has exited with an
+    error, or when its own run is interrupted."""
+
+
+def _stop_on_sigterm(owner_pid: int, signum: int, frame) -> None:
+    """SIGTERM handler of a rank with liveness: raise `StoppedByLauncher` in the main thread, so that
+    the rank goes through `report_failure` and logs which rank failed first. Without it the agent's
+    SIGTERM can kill a rank before it has noticed the failure, silently. Processes forked from the
+    rank (data-loading workers) inherit the handler and end as SIGTERM ends them by default."""
+    if os.getpid() != owner_pid:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise StoppedByLauncher(f"stopped by the launcher ({signal.Signals(signum).name}): another rank exited, or the launch was interrupted")
 
 
 def report_failure(error: BaseException) -> tuple[bool, bool]:

@@ -48,6 +48,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import stat
 import sys
 import time
@@ -86,6 +87,7 @@ from dflash_split import (
     FeatureReceiver,
     FeatureSender,
     Stopwatch,
+    StoppedByLauncher,
     broadcast_drafter_weights,
     broadcast_scalars,
     check_deepspeed_save_barriers,
@@ -1879,11 +1881,15 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except BaseException as error:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # on its way out already: the launcher's SIGTERM must not cut the report short
         # With other ranks around, tell them first: they stop within seconds instead of waiting for
         # this rank's heartbeat to lapse.
         others_told, after_another = report_failure(error)
         if after_another and not os.environ.get("DFLASH_TRACEBACK"):
             code = 1  # the "stopping rank ... after an earlier failure" line names the cause; this rank's traceback would bury it
+        elif isinstance(error, StoppedByLauncher) and not os.environ.get("DFLASH_TRACEBACK"):
+            print(f"error: {error}", file=sys.stderr)  # no rank posted a failure: it died without one, or the user stopped the launch
+            code = 1
         elif isinstance(error, ValueError) and not os.environ.get("DFLASH_TRACEBACK"):
             # Bad settings or data: one clear message, no traceback. A ValueError from inside a
             # library may be a bug instead, so for that one say how to see where it came from.

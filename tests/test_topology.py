@@ -12,9 +12,12 @@
 """
 
 import json
+import functools
 import math
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -263,6 +266,28 @@ def test_features_stay_inside_their_node_and_every_target_copy_works(nodes, num_
     if len(nodes) == 1 and tp_size == 1:
         assert [rank_layout.source_of(i) for i in range(50)] == [i % num_target_ranks for i in range(50)]
     assert rank_layout.target_ranks_per_node == num_target_ranks
+
+
+def test_sigterm_stops_a_rank_through_its_failure_report_and_kills_its_forked_workers():
+    """The launcher's SIGTERM raises StoppedByLauncher in the rank (which then reports the failure
+    that came first, instead of dying silently); a process forked from the rank, such as a
+    data-loading worker, still ends by SIGTERM as by default."""
+    from dflash_split import StoppedByLauncher, _stop_on_sigterm
+
+    previous = signal.signal(signal.SIGTERM, functools.partial(_stop_on_sigterm, os.getpid()))
+    try:
+        child = os.fork()
+        if child == 0:  # the worker: inherits the handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            os._exit(0)  # not reached when SIGTERM ends the worker
+        _, status = os.waitpid(child, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+        with pytest.raises(StoppedByLauncher, match=r"stopped by the launcher \(SIGTERM\)"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode, well before this ends
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_split_errors_name_the_flags():
