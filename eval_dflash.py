@@ -245,26 +245,51 @@ def _cache_argument(target) -> str:
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
+# Layer types whose cache holds a recurrent state rather than per-position keys and values
+# (transformers' `layer_types` names; "hybrid" layers hold both).
+RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding"}
+
+
 def _needs_rollback_cache(target) -> bool:
     """Whether the target's cache holds state that cannot be cut back (linear-attention layers:
     Qwen3.5, Qwen3-Next). Their recurrent state after a verify forward includes the rejected
-    drafts, and transformers can crop only attention keys/values."""
+    drafts, and transformers can crop only attention keys/values.
+
+    Raises:
+        ValueError: the target's config names recurrent layers, but this transformers gives its
+            cache no linear-attention layers, so rejected drafts could not be rolled back.
+    """
+    layer_types = getattr(target.config.get_text_config(decoder=True), "layer_types", None) or []
+    recurrent = sorted(RECURRENT_LAYER_TYPES.intersection(layer_types))
     linear = getattr(transformers.cache_utils, "LinearAttentionCacheLayerMixin", None)
-    if linear is None:
-        return False
-    return any(isinstance(layer, linear) for layer in DynamicCache(config=target.config).layers)
+    found = linear is not None and any(isinstance(layer, linear) for layer in DynamicCache(config=target.config).layers)
+    if recurrent and not found:
+        raise ValueError(
+            f"the target has {'/'.join(recurrent)} layers, but transformers {transformers.__version__} builds its cache "
+            "without linear-attention layers, so rejected drafts cannot be rolled back and decoding would not be "
+            "lossless; use a transformers version that requirements.txt allows"
+        )
+    return found
 
 
 def _cache_snapshot(cache) -> list[dict]:
-    """Every layer's state, restorable with `_cache_restore`. Attention layers replace their key
-    and value tensors on update (torch.cat), so references suffice; linear-attention states are
-    updated in place, so those (small, fixed-size) tensors are cloned."""
+    """Every layer's state, restorable with `_cache_restore`. Attention layers replace their `keys`
+    and `values` on update (torch.cat), so references suffice; every other tensor may be written in
+    place (linear-attention conv and recurrent states, token counters), so those (small, fixed-size)
+    tensors are cloned, whether they sit on the layer or in one of its dicts."""
+    def copy(value):
+        return value.clone() if torch.is_tensor(value) else value
+
     snapshot = []
     for layer in cache.layers:
-        state = dict(vars(layer))
-        for name, value in state.items():
-            if isinstance(value, dict):
-                state[name] = {k: v.clone() if torch.is_tensor(v) else v for k, v in value.items()}
+        state = {}
+        for name, value in vars(layer).items():
+            if name in ("keys", "values"):
+                state[name] = value
+            elif isinstance(value, dict):
+                state[name] = {k: copy(v) for k, v in value.items()}
+            else:
+                state[name] = copy(value)
         snapshot.append(state)
     return snapshot
 
@@ -325,14 +350,14 @@ class TargetRunner:
     def keep(self, count: int) -> torch.Tensor:
         """Keep the first `count` tokens of the last `verify` block (the anchor and the accepted
         drafts) in the cache and drop the rest. Returns their features [1, count, F], the context
-        the drafter gets next."""
+        the drafter gets next (None without layer ids)."""
         block, features, start, saved = self._verify
         self._verify = None
         if count == block.shape[1]:
             return features
         if saved is None:
             self.crop(start + count)
-            return features[:, :count]
+            return features[:, :count] if features is not None else None
         _cache_restore(self.cache, saved)  # the state before the block, then only the kept tokens
         self.length = start
         return self.forward(block[:, :count])[1]
@@ -351,6 +376,43 @@ class TargetRunner:
 
     def close(self) -> None:
         self.capture.__exit__()
+
+
+@torch.no_grad()
+def check_verify_keep(target) -> None:
+    """Start-up check of the rollback that lossless decoding rests on: a verify forward of 5 tokens
+    followed by `keep(2)` must leave the target's cache as if only those 2 had been fed. Runs the
+    same forwards on a fresh cache without the rejected tokens and compares the next logits
+    (identical kernels and shapes, so they agree to rounding). Cheap: five forwards of a few tokens.
+
+    Raises:
+        ValueError: the two differ (the transformers version's cache keeps state that `keep` does
+            not cut back); the message names the transformers version.
+    """
+    vocab = target.get_input_embeddings().weight.shape[0]
+    device = target.get_input_embeddings().weight.device
+    tokens = torch.randint(0, vocab, (1, 14), generator=torch.Generator().manual_seed(0)).to(device)
+    prompt, block, after = tokens[:, :6], tokens[:, 6:11], tokens[:, 11:]
+    runner, reference = TargetRunner(target, []), TargetRunner(target, [])
+    try:
+        runner.prefill(prompt)
+        runner.verify(block)
+        runner.keep(2)
+        logits = runner.forward(after)[0].float()
+        reference.prefill(prompt)
+        reference.forward(block[:, :2])
+        expected = reference.forward(after)[0].float()
+    finally:
+        runner.close()
+        reference.close()
+    difference = (logits - expected).abs().max().item()
+    if difference > 1e-3 * (1.0 + expected.abs().max().item()):
+        raise ValueError(
+            f"verify-then-keep does not roll the target's cache back on transformers {transformers.__version__} "
+            f"({'restore and re-run' if runner.rollback else 'crop'}: next logits differ by {difference:.3g} from "
+            "a cache that never saw the rejected drafts), so speculative decoding would not be lossless; "
+            "use a transformers version that requirements.txt allows"
+        )
 
 
 def static_cache_problem(target) -> str | None:
@@ -568,6 +630,7 @@ class Decoder:
         if kv_cache == "static":
             self.target = StaticTargetRunner(target, layer_ids, max_length, cuda_graphs)
         else:
+            check_verify_keep(target)  # never decode with a cache that cannot be cut back
             self.target = TargetRunner(target, layer_ids)
         self.drafting = Drafting(drafter, kv_cache, max_length, cuda_graphs) if drafter is not None else None
         self.kv_cache, self.cuda_graphs = kv_cache, cuda_graphs
