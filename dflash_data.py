@@ -518,6 +518,27 @@ def _is_hf_dataset_dir(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, m)) for m in markers) or any(Path(path).rglob("*.parquet"))
 
 
+def _is_blank(path: str) -> bool:
+    """Whether the file holds nothing but whitespace (reads only up to its first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _json_has_no_records(path: str) -> bool:
+    """Whether a .json file is an empty list (an invalid file is reported later, per record). Only
+    small files can be one, so large ones are not parsed twice."""
+    if os.path.getsize(path) > 256:
+        return False
+    try:
+        with open(path, "rb") as f:
+            return json.load(f) == []
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
 def _expand_paths(paths: list[str]) -> tuple[list[str], list[str]]:
     """Input paths -> (JSON/JSONL files, HF dataset paths). A folder of json/jsonl files
     contributes its files (sorted); a parquet file, a folder with parquet files, a saved
@@ -525,6 +546,8 @@ def _expand_paths(paths: list[str]) -> tuple[list[str], list[str]]:
     json_files, hf_paths = [], []
     for path in paths:
         if os.path.isfile(path) and path.endswith((".json", ".jsonl")):
+            if _is_blank(path):
+                raise ValueError(f"{path}: the file is empty (no records); fill it, or leave it out of --train_data")
             json_files.append(path)
         elif os.path.isfile(path) and not path.endswith(".parquet"):
             raise ValueError(f"{path}: unsupported data file type; use .jsonl, .json, .parquet or a dataset folder")
@@ -546,6 +569,9 @@ def _load_raw_records(paths: list[str], num_proc: int) -> datasets.Dataset:
         raise ValueError("no training data given; pass one or more files or datasets (--train_data)")
     json_files, hf_paths = _expand_paths([str(p) for p in paths])
     parts = []
+    for path in json_files:
+        if path.endswith(".json") and _json_has_no_records(path):
+            raise ValueError(f"{path}: the file holds an empty JSON list (no records); fill it, or leave it out of --train_data")
     if json_files:
         files = list(enumerate(json_files))
         parts.append(

@@ -332,6 +332,15 @@ def did_you_mean(names: list[str], known: list[str], prefix: str = "") -> str:
     return "; ".join(hints)
 
 
+def yaml_error_line(path: str, error: yaml.YAMLError) -> str:
+    """'configs/x.yaml, line 3, column 7: mapping values are not allowed here' (1-based, as
+    editors count) for a YAML syntax error."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{path}{where}: YAML syntax error: {problem}"
+
+
 def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
     """Settings from `--config FILE.yaml` (or the demo config when neither --config nor
     --target_model is given) with command-line flags on top. Returns (settings, config path).
@@ -360,7 +369,12 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
         if not os.path.isfile(config_path):
             raise ValueError(f"--config {config_path}: no such file")
         with open(config_path) as f:
-            values = yaml.safe_load(f) or {}
+            try:
+                values = yaml.safe_load(f) or {}
+            except yaml.YAMLError as error:
+                raise ValueError(yaml_error_line(config_path, error)) from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{config_path}: expected settings as `name: value` lines, got a YAML {type(values).__name__}")
         unknown = sorted(set(values) - set(known))
         if unknown:
             hint = did_you_mean(unknown, known)
@@ -593,9 +607,18 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings: TrainSetti
     os.replace(tmp, directory)
 
 
-def check_hub_access() -> None:
-    """Raise ValueError now, before training, when --push_to_hub could not upload at the end."""
-    from huggingface_hub import constants, get_token
+HUB_CHECK_TIMEOUT_S = 15  # --push_to_hub's access check at the start: an endpoint that does not answer fails in this time
+
+
+def check_hub_access(repo_id: str) -> None:
+    """Raise ValueError now, before training, when --push_to_hub could not upload to `repo_id` at
+    the end: offline mode, no token, a Hub that does not answer within HUB_CHECK_TIMEOUT_S, a token
+    the Hub rejects, a read-only token, or a namespace the token's user cannot write to. Asks the
+    Hub who the token belongs to (`whoami`), which creates nothing (creating the repo here would
+    leave an empty one behind after a failed run)."""
+    import threading
+
+    from huggingface_hub import HfApi, constants, get_token
 
     if constants.HF_HUB_OFFLINE:
         raise ValueError("--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set: unset it, or leave out --push_to_hub "
@@ -603,18 +626,65 @@ def check_hub_access() -> None:
     if get_token() is None:
         raise ValueError("--push_to_hub needs a Hugging Face token with write access and found none: run `hf auth login` "
                          "or set HF_TOKEN, then start again")
+    answer = {}
+
+    def ask():  # in a daemon thread: huggingface_hub's session has no timeout of its own
+        try:
+            answer["who"] = HfApi().whoami()
+        except Exception as error:  # reported below, in this thread
+            answer["error"] = error
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(HUB_CHECK_TIMEOUT_S)
+    endpoint = constants.ENDPOINT
+    if thread.is_alive():
+        raise ValueError(f"--push_to_hub: the Hub at {endpoint} did not answer within {HUB_CHECK_TIMEOUT_S} s; check the "
+                         "network (or HF_ENDPOINT), or leave out --push_to_hub and upload {output_dir}/final later with `hf upload`")
+    if "error" in answer:
+        error = answer["error"]
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if status == 401:
+            raise ValueError("--push_to_hub: the Hub rejected the token (invalid or expired): run `hf auth login` or set "
+                             "HF_TOKEN to a token with write access") from None
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--push_to_hub: could not reach the Hub at {endpoint} ({reason}); check the network (or "
+                         "HF_ENDPOINT), or leave out --push_to_hub and upload {output_dir}/final later with `hf upload`") from None
+    who = answer["who"]
+    role = who.get("auth", {}).get("accessToken", {}).get("role")
+    if role == "read":
+        raise ValueError(f"--push_to_hub: the token of {who.get('name')} is read-only; create one with write access "
+                         "(huggingface.co/settings/tokens) and set HF_TOKEN or run `hf auth login`")
+    namespace = repo_id.split("/")[0] if "/" in repo_id else who.get("name")
+    writable = {who.get("name")} | {org.get("name") for org in who.get("orgs", [])}
+    if namespace not in writable:
+        raise ValueError(f"--hub_model_id {repo_id}: {who.get('name')} can create repos only under "
+                         f"{', '.join(sorted(n for n in writable if n))}; pick one of those namespaces")
 
 
 def push_to_hub(final_dir: Path, settings: TrainSettings, step: int) -> str:
-    """Upload the export to --hub_model_id (on branch --hub_revision, created if missing); returns the commit URL."""
+    """Upload the export to --hub_model_id (on branch --hub_revision, created if missing); returns
+    the commit URL.
+
+    Raises:
+        ValueError: the upload failed; the message keeps `final_dir` and gives the `hf upload`
+            command that uploads it.
+    """
     from huggingface_hub import HfApi
 
     api = HfApi()
-    api.create_repo(settings.hub_model_id, private=settings.hub_private, exist_ok=True)
-    if settings.hub_revision:
-        api.create_branch(settings.hub_model_id, branch=settings.hub_revision, exist_ok=True)
-    commit = api.upload_folder(folder_path=str(final_dir), repo_id=settings.hub_model_id, revision=settings.hub_revision,
-                               commit_message=f"DFlash drafter, step {step}")
+    try:
+        api.create_repo(settings.hub_model_id, private=settings.hub_private, exist_ok=True)
+        if settings.hub_revision:
+            api.create_branch(settings.hub_model_id, branch=settings.hub_revision, exist_ok=True)
+        commit = api.upload_folder(folder_path=str(final_dir), repo_id=settings.hub_model_id, revision=settings.hub_revision,
+                                   commit_message=f"DFlash drafter, step {step}")
+    except Exception as error:  # the export stays where it is: say how to upload it
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+        revision = f" --revision {settings.hub_revision}" if settings.hub_revision else ""
+        private = " --private" if settings.hub_private else ""
+        raise ValueError(f"the upload to {settings.hub_model_id} failed ({type(error).__name__}: {reason}); the drafter is saved "
+                         f"in {final_dir}: upload it with `hf upload {settings.hub_model_id} {final_dir}{revision}{private}`") from None
     return commit.commit_url
 
 
@@ -972,8 +1042,8 @@ def setup_distributed(settings: TrainSettings, config_path: str | None) -> Clust
     liveness = start_liveness(rank, world, settings.liveness_timeout_s)
     if config_path == str(DEMO_CONFIG):
         logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
-    if settings.push_to_hub:
-        check_hub_access()  # now, not after the run
+    if settings.push_to_hub and rank == 0:
+        check_hub_access(settings.hub_model_id)  # now, not after the run
     set_seed(settings.seed)
     device = accelerator.device
     # Nodes (accelerate launch --machine_rank), and with several, one --output_dir that all of them see.
@@ -1876,6 +1946,17 @@ def main(argv: list[str]) -> None:
     cluster.accelerator.end_training()
 
 
+def record_error(line: str) -> None:
+    """Leave this rank's error line where torch's elastic agent looks for a worker's failure (the
+    file TORCHELASTIC_ERROR_FILE names, set for each rank by torchrun and by accelerate's
+    multi-process launch), so that `launch.py` can end a failed run's output with its first error."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        extra = {"timestamp": str(int(time.time())), "time_ns": str(time.time_ns())}
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": extra}}, f)
+
+
 if __name__ == "__main__":
     gc.freeze()  # the imports' ~500k objects live until exit: no garbage collection walks them again (~2 s less at exit)
     try:
@@ -1885,20 +1966,27 @@ if __name__ == "__main__":
         # With other ranks around, tell them first: they stop within seconds instead of waiting for
         # this rank's heartbeat to lapse.
         others_told, after_another = report_failure(error)
-        if after_another and not os.environ.get("DFLASH_TRACEBACK"):
+        quiet = not os.environ.get("DFLASH_TRACEBACK")
+        if after_another and quiet:
             code = 1  # the "stopping rank ... after an earlier failure" line names the cause; this rank's traceback would bury it
-        elif isinstance(error, StoppedByLauncher) and not os.environ.get("DFLASH_TRACEBACK"):
-            print(f"error: {error}", file=sys.stderr)  # no rank posted a failure: it died without one, or the user stopped the launch
+        elif isinstance(error, StoppedByLauncher) and quiet:
+            line = f"error: {error}"  # no rank posted a failure: it died without one, or the user stopped the launch
+            print(line, file=sys.stderr)
+            record_error(line)
             code = 1
-        elif isinstance(error, ValueError) and not os.environ.get("DFLASH_TRACEBACK"):
+        elif isinstance(error, ValueError) and quiet:
             # Bad settings or data: one clear message, no traceback. A ValueError from inside a
             # library may be a bug instead, so for that one say how to see where it came from.
-            hint = "" if raised_here(error) else "\n(unexpected: set DFLASH_TRACEBACK=1 to see the traceback)"
-            print(f"error: {error}{hint}", file=sys.stderr)
+            hint = "" if raised_here(error) else " (unexpected: set DFLASH_TRACEBACK=1 to see the traceback)"
+            line = f"error: {error}{hint}"
+            print(line, file=sys.stderr)
+            record_error(line)
             code = 2
-        elif not others_told:
-            raise
         else:
+            if not isinstance(error, (SystemExit, KeyboardInterrupt)):
+                record_error(f"error: {type(error).__name__}: {error} (traceback above)")
+            if not others_told:
+                raise
             traceback.print_exc()
             code = 1
         sys.stdout.flush()

@@ -317,6 +317,16 @@ def test_json_file_errors_name_the_record(tmp_path, qwen3_tokenizer):
         build_train_dataset([str(path)], qwen3_tokenizer, max_seq_length=128)
 
 
+@pytest.mark.parametrize("name,text", [("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("empty.json", "[]\n")])
+def test_an_empty_data_file_is_named(tmp_path, qwen3_tokenizer, name, text):
+    """An empty file, even beside a good one, is an error naming it (not datasets' 'corresponds to no data')."""
+    good = write_jsonl(tmp_path / "good.jsonl", [GOOD])
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{path}: the file (is empty|holds an empty JSON list) \(no records\)"):
+        build_train_dataset([good, str(path)], qwen3_tokenizer, max_seq_length=128)
+
+
 def test_skip_bad_samples_counts_per_reason(tmp_path, qwen3_tokenizer, caplog):
     lines = [GOOD, BAD_LINES["invalid_json"], GOOD, BAD_LINES["invalid_json"], BAD_LINES["empty_assistant_turn"], "", GOOD]
     path = write_jsonl(tmp_path / "data.jsonl", lines + [BAD_LINES["unknown_format"]])

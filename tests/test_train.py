@@ -151,19 +151,28 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
     }
     procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in commands.items()}
-    # The bad data line under a two-process launch: rank 0 names it; rank 1, whose barrier then fails,
-    # says it stops after rank 0's failure, without a traceback of its own.
-    two = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu.yaml",
-                            "train_dflash.py", *tiny_args(target, data, tmp_path / "out4", max_steps=1)],
-                           cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Under launch.py (accelerate's launcher) with one process (its plain launcher) and with two
+    # (torchrun's agent), the run's first error is the last line and the exit status is the script's.
+    # With two, rank 0 names the bad line; rank 1, whose barrier then fails, says it stops after rank
+    # 0's failure, without a traceback.
+    launchers = {1: [], 2: ["--config_file", "accelerate_configs/cpu.yaml"]}
+    launched = {nproc: subprocess.Popen([sys.executable, "launch.py", *launcher, "train_dflash.py",
+                                         *tiny_args(target, data, tmp_path / f"out-{nproc}", max_steps=1)],
+                                        cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for nproc, launcher in launchers.items()}
     results = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
-    stderr = two.communicate(timeout=300)[1]
-    assert two.returncode != 0 and "error: " in stderr and "chats.jsonl:2: invalid JSON at column 16" in stderr, stderr[-3000:]
+    for nproc, proc in launched.items():
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 2, (nproc, stderr[-3000:])
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "chats.jsonl:2: invalid JSON at column 16" in last, (nproc, stderr[-3000:])
+        assert "Traceback" not in stderr and "ChildFailedError" not in stderr and "CalledProcessError" not in stderr, stderr[-3000:]
+        assert stderr.count("chats.jsonl:2: invalid JSON") == 1 + (nproc == 2) * 2, stderr[-3000:]  # live; rank 1's line; the summary
     assert "stopping rank 1 after an earlier failure: rank 0 failed: DataFormatError" in stderr, stderr[-3000:]
-    assert 'train_dflash.py", line' not in stderr and "Connection closed by peer" not in stderr, stderr[-3000:]
     for name, proc in procs.items():
         stderr = results[name][1]
         assert proc.returncode == 2, (name, stderr[-3000:])
+        assert stderr.strip().splitlines()[-1].startswith("error: "), (name, stderr[-3000:])
         assert "Traceback" not in stderr and "safetensors" not in stderr.lower() and "Loading weights" not in stderr, stderr[-3000:]
         assert "DFLASH_TRACEBACK" not in stderr, "our own error messages need no traceback hint"
     stderr = results["data"][1]
@@ -218,6 +227,13 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
     assert parse_settings(["--target_model", "x", "--train_data", "a"])[0].is_causal is None
     with pytest.raises(ValueError, match="--sliding_window must be >= 1"):
         parse_settings(["--target_model", "x", "--train_data", "a", "--sliding_window", "0"])
+    # A YAML syntax error: one line with the file, line and column, not yaml's traceback.
+    config.write_text("target_model: x\ntrain_data: [a]\nnum_anchors: 4\n  block_size: : 8\n")
+    with pytest.raises(ValueError, match=rf"^{config}, line 4, column 13: YAML syntax error: mapping values are not allowed here$"):
+        parse_settings(["--config", str(config)])
+    config.write_text("- target_model\n- x\n")
+    with pytest.raises(ValueError, match=r"expected settings as `name: value` lines, got a YAML list"):
+        parse_settings(["--config", str(config)])
 
 
 
@@ -335,6 +351,9 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
         host = f"http://{self.headers['Host']}"
         if self.path == "/api/repos/create":
             request = json.loads(body)
+            if request["name"] == "forbidden":  # a repo the Hub refuses at the end of a run
+                self._reply({"error": "You don't have the rights to create a model under this namespace"}, 403)
+                return
             self._reply({"url": f"{host}/{request['organization']}/{request['name']}"})
         elif "/preupload/" in self.path:
             files = json.loads(body)["files"]
@@ -353,29 +372,28 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.requests.append(("GET", self.path, b"", dict(self.headers)))
-        self._reply({"error": "not found"}, 404)
+        if self.path == "/api/whoami-v2":  # who the token belongs to: hf_test_token is "me"'s, with write access
+            if self.headers.get("authorization") == "Bearer hf_test_token":
+                self._reply({"name": "me", "orgs": [{"name": "my-org"}], "auth": {"accessToken": {"role": "write"}}})
+            else:
+                self._reply({"error": "Invalid credentials in Authorization header"}, 401)
+        else:
+            self._reply({"error": "not found"}, 404)
 
     def log_message(self, *args):
         pass
 
 
-def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(tiny_qwen3_target, train_env, tmp_path):
+def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(fake_hub, tiny_qwen3_target, train_env, tmp_path):
     """The train_dflash.py smoke run: 2 steps on the repo's demo data, a checkpoint after each, TensorBoard on,
     pushed to a local stand-in for the Hub on a branch; the drafter has a sliding layer and a full one."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    FakeHub.requests = []
     out = tmp_path / "run"
-    env = dict(train_env, HF_ENDPOINT=f"http://127.0.0.1:{server.server_port}", HF_HUB_OFFLINE="0", HF_TOKEN="hf_test_token",
-               HF_HOME=str(tmp_path / "hf_home"))
+    env = dict(train_env, HF_ENDPOINT=fake_hub, HF_HUB_OFFLINE="0", HF_TOKEN="hf_test_token", HF_HOME=str(tmp_path / "hf_home"))
     args = tiny_args(tiny_qwen3_target, REPO / "data" / "demo_conversations.jsonl", out, max_samples=8, max_steps=2,
                      save_steps=1, logging_steps=10, target_layer_ids="1 3", report_to="tensorboard", push_to_hub="true",
                      hub_model_id="me/tiny-dflash", hub_revision="dev", layer_types="last_full", sliding_window=64)
-    try:
-        result = subprocess.run([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, capture_output=True,
-                                text=True, timeout=300, umask=0o022)
-    finally:
-        server.shutdown()
+    result = subprocess.run([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300, umask=0o022)
     assert result.returncode == 0, result.stderr[-4000:]
     final = out / "final"
     # Readable by everyone, like the rest of the export.
@@ -393,6 +411,8 @@ def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(tiny_
         assert text in card.text, text
     assert list((out / "runs").glob("events.out.tfevents.*")), "TensorBoard writes to {output_dir}/runs/"
     # The upload: repo, branch, then one commit on the branch carrying the export with its card.
+    paths = [path for _, path, _, _ in FakeHub.requests]
+    assert paths.index("/api/whoami-v2") < paths.index("/api/repos/create")  # the access check at the start
     posts = [path for method, path, _, _ in FakeHub.requests if method == "POST"]
     assert posts[:2] == ["/api/repos/create", "/api/models/me/tiny-dflash/branch/dev"], posts
     commit = next(body for method, path, body, _ in FakeHub.requests if path == "/api/models/me/tiny-dflash/commit/dev")
@@ -418,10 +438,74 @@ def test_push_to_hub_without_a_token_fails_before_training(monkeypatch, tmp_path
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no_tokens"))
     with pytest.raises(ValueError, match=r"--push_to_hub needs a Hugging Face token.*`hf auth login`.*HF_TOKEN"):
-        check_hub_access()
+        check_hub_access("me/x")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
-        check_hub_access()
+        check_hub_access("me/x")
+
+
+@pytest.fixture
+def fake_hub():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    FakeHub.requests = []
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_push_to_hub_checks_access_at_the_start_in_one_line(fake_hub, qwen3_tokenizer, train_env, tmp_path, monkeypatch):
+    """No network (a port nothing listens on) and a token the Hub rejects each stop the run in one
+    line before the target's weights are read; a good token writes only to its own namespaces."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    target = weightless_target(tmp_path / "target", qwen3_tokenizer)
+    args = tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out", push_to_hub="true",
+                     hub_model_id="me/tiny-dflash")
+    cases = {"offline": (closed, "hf_test_token"), "bad token": (fake_hub, "hf_not_a_token")}
+    procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=dict(train_env, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0",
+                                                                     HF_TOKEN=token, HF_HOME=str(tmp_path / "hf_home")))
+             for name, (endpoint, token) in cases.items()}
+    results = {name: (proc.communicate(timeout=120)[1], proc.returncode) for name, proc in procs.items()}
+    for name, (stderr, code) in results.items():
+        error_lines = [line for line in stderr.splitlines() if "error" in line.lower()]
+        assert code == 2 and len(error_lines) == 1 and stderr.strip().splitlines()[-1] == error_lines[0], (name, stderr[-3000:])
+        assert "Traceback" not in stderr and "Loading weights" not in stderr and "Tokenizing" not in stderr, (name, stderr[-3000:])
+    assert f"could not reach the Hub at {closed}" in results["offline"][0]
+    assert "the Hub rejected the token (invalid or expired)" in results["bad token"][0]
+
+    sys.path.insert(0, str(REPO))
+    import huggingface_hub
+
+    from train_dflash import check_hub_access
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", fake_hub)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    check_hub_access("my-org/tiny-dflash")
+    with pytest.raises(ValueError, match=r"^--hub_model_id other/tiny-dflash: me can create repos only under me, my-org"):
+        check_hub_access("other/tiny-dflash")
+    assert all(method == "GET" for method, *_ in FakeHub.requests)  # nothing created
+
+
+def test_a_failed_upload_keeps_the_export_and_names_the_command(fake_hub, monkeypatch, tmp_path):
+    sys.path.insert(0, str(REPO))
+    import huggingface_hub
+
+    from train_dflash import TrainSettings, push_to_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", fake_hub)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "config.json").write_text("{}")
+    settings = TrainSettings(target_model="x", train_data=["a"], push_to_hub=True, hub_model_id="me/forbidden", hub_revision="dev")
+    with pytest.raises(ValueError, match=rf"^the upload to me/forbidden failed \(HfHubHTTPError: .*\); the drafter is saved in "
+                                         rf"{final}: upload it with `hf upload me/forbidden {final} --revision dev`$"):
+        push_to_hub(final, settings, 7)
+    assert (final / "config.json").read_text() == "{}"
 
 
 def test_hub_retry_warnings_print_once(train_env, tmp_path):
