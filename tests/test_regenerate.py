@@ -7,6 +7,8 @@ target; generations are short (max_new_tokens 6).
 
 import json
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,9 +271,11 @@ def smollm2_server(tmp_path_factory, smollm2_target):
 
     from dflash_target import save_hf_folder
 
-    executable = shutil.which("transformers")
+    # The environment's own entry point (a venv's bin/ need not be on PATH), else the one on PATH.
+    beside = Path(sys.executable).parent / "transformers"
+    executable = str(beside) if beside.is_file() else shutil.which("transformers")
     if executable is None:
-        pytest.skip("the `transformers` command is not installed (pip install 'transformers[serving]')")
+        pytest.skip(f"the `transformers` command is not installed beside {sys.executable} or on PATH (pip install 'transformers[serving]')")
     folder = tmp_path_factory.mktemp("smollm2_hf")
     save_hf_folder(*smollm2_target, folder)
     with socket.socket() as s:

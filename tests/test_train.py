@@ -114,6 +114,10 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     # is accepted rarely, so tau sits at (or just above) 1.
     eval_rows = [row for row in log if "eval_tau" in row]
     assert [row["step"] for row in eval_rows] == [2, 4] and all(1.0 <= row["eval_tau"] <= 8 for row in eval_rows)
+    # Its log line goes with the progress bar (stderr), each on a line of its own.
+    held_out = [line.split("\r")[-1] for line in result.stderr.split("\n") if "Held-out tau at step" in line]
+    assert len(held_out) == 2 and all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in held_out), held_out
+    assert "tau" not in result.stdout
     assert (out / "training_curves.png").stat().st_size > 1000
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
@@ -227,6 +231,14 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
     assert parse_settings(["--target_model", "x", "--train_data", "a"])[0].is_causal is None
     with pytest.raises(ValueError, match="--sliding_window must be >= 1"):
         parse_settings(["--target_model", "x", "--train_data", "a", "--sliding_window", "0"])
+    # Deleting an earlier run is asked for on the command line, each time; the demo starts over in its own folder only.
+    config.write_text("target_model: x\ntrain_data: [a]\noverwrite_output_dir: true\n")
+    with pytest.raises(ValueError, match=r"overwrite_output_dir deletes the earlier run.*a command-line flag only"):
+        parse_settings(["--config", str(config)])
+    assert parse_settings(["--config", "configs/demo.yaml"])[0].overwrite_output_dir
+    assert parse_settings(["--config", "configs/demo.yaml", "--output_dir", "outputs/demo/"])[0].overwrite_output_dir
+    assert not parse_settings(["--config", "configs/demo.yaml", "--output_dir", str(tmp_path / "important")])[0].overwrite_output_dir
+    assert parse_settings(["--config", "configs/demo.yaml", "--output_dir", "x", "--overwrite_output_dir"])[0].overwrite_output_dir
     # A YAML syntax error: one line with the file, line and column, not yaml's traceback.
     config.write_text("target_model: x\ntrain_data: [a]\nnum_anchors: 4\n  block_size: : 8\n")
     with pytest.raises(ValueError, match=rf"^{config}, line 4, column 13: YAML syntax error: mapping values are not allowed here$"):
