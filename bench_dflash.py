@@ -57,7 +57,7 @@ count against torch's FlopCounterMode.
 
 Variants (--variant, repeatable; join levers with '+'), each with its prediction at
 256 anchors / seq 768 / batch 2 (baseline was 105 ms/sample in the public SpecForge anchor):
-  baseline            eager layers, compiled flex, dflash_model.dflash_loss with the eager chunk function (since
+  baseline            eager layers, compiled flex, dflash_loss.dflash_loss with the eager chunk function (since
                       2026-11-30 the fused form, gradient in the forward; the tables of 2026-11-30 12:10 measured the
                       earlier checkpointed fp32-logit CE in 4096-row chunks as baseline). train_dflash.py now
                       trains as compile_layers+fused_ce_compiled (--compile_drafter auto, on with flex).
@@ -99,10 +99,9 @@ from dflash_model import (
     DFlashDraftModel,
     block_labels,
     create_anchor_block_mask,
-    dflash_loss,
-    loss_weights,
     sample_anchors,
 )
+from dflash_loss import dflash_loss, loss_weights
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
@@ -267,8 +266,8 @@ def target_forward_flops(config: Qwen3Config, num_layers: int, batch: int, seq_l
 
 
 def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False):
-    """`dflash_model.dflash_loss` (the fused form, gradient in the forward), optionally with the
-    per-chunk elementwise work compiled (`dflash_model.compiled_ce_grad_chunk`, as in training)."""
+    """`dflash_loss.dflash_loss` (the fused form, gradient in the forward), optionally with the
+    per-chunk elementwise work compiled (`dflash_loss.compiled_ce_grad_chunk`, as in training)."""
     return dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, compiled=compiled)
 
 

@@ -16,7 +16,6 @@ A rank of train_dflash.py leaves its error line in the file torch's elastic agen
 error. A rank that died without a word (a signal: out of memory, killed) is named with its signal.
 """
 
-import json
 import logging
 import subprocess
 import sys

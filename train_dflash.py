@@ -107,19 +107,15 @@ from dflash_split import (
 )
 from dflash_compile import flex_compile_stats, setup_compile_cache, warm_up_flex_attention
 from dflash_model import (
-    DEFAULT_LOSS_GAMMA,
     DFlashConfig,
     DFlashDraftModel,
     anchor_slots,
     block_label_valid,
     block_labels,
     create_anchor_block_mask,
-    default_loss_gamma,
-    dflash_loss,
-    estimate_acceptance_length,
-    loss_weights,
     sample_anchors,
 )
+from dflash_loss import DEFAULT_LOSS_GAMMA, default_loss_gamma, dflash_loss, estimate_acceptance_length, loss_weights
 from dflash_target import (
     drafter_config_for_target,
     SMOLLM2_PACKAGE,

@@ -351,6 +351,7 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
     in the locked warm-up (one per layer and shape), and a second step at the same shape compiles nothing."""
     import logging
 
+    from dflash_loss import dflash_loss, loss_weights
     from test_model import _batch, tiny_drafter
 
     def step(drafter, compiled):
@@ -360,8 +361,8 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
         anchors, valid = dm.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
         hidden = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
         labels, label_valid = dm.block_labels(input_ids, loss_mask, anchors, valid, 4)
-        loss, _ = dm.dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid,
-                                 dm.loss_weights(4, gamma=3.0), compiled=compiled)
+        loss, _ = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid,
+                              loss_weights(4, gamma=3.0), compiled=compiled)
         drafter.zero_grad(set_to_none=True)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in drafter.parameters()]
@@ -384,14 +385,15 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
     torch.testing.assert_close(loss_again, loss)
 
 
-def test_compile_safety_and_the_fused_loss_import_nothing_of_the_project(repo_root):
-    """dflash_compile.py (and dflash_fused_ce.py) sit under the model: what a warm-up needs from the
-    drafter (the mask builder, the shapes) is passed in, so neither imports a module of this repo."""
+def test_compile_safety_and_the_loss_sit_under_the_model(repo_root):
+    """dflash_compile.py imports no module of this repo, and dflash_loss.py only dflash_compile.py:
+    what a warm-up needs from the drafter (the mask builder, the shapes) is passed in, and the loss
+    takes hidden states and the head's weight, not the model."""
     import ast
 
     project = {p.stem for p in repo_root.glob("*.py")}
-    for name in ("dflash_compile.py", "dflash_fused_ce.py"):
+    for name, allowed in (("dflash_compile.py", set()), ("dflash_loss.py", {"dflash_compile"})):
         tree = ast.parse((repo_root / name).read_text())
         imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-        assert not imported & project, (name, imported & project)
+        assert imported & project == allowed, (name, imported & project)

@@ -21,15 +21,14 @@ from bench_dflash import (
     target_forward_flops,
     visible_pairs,
 )
-from dflash_fused_ce import weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
+from dflash_loss import weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
 from dflash_model import (
     DFlashDraftModel,
     block_labels,
     dense_anchor_block_mask,
-    dflash_loss,
-    loss_weights,
     sample_anchors,
 )
+from dflash_loss import dflash_loss, loss_weights
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
 VOCAB = 128

@@ -23,14 +23,11 @@ from dflash_model import (
     create_anchor_block_mask,
     default_target_layer_ids,
     dense_anchor_block_mask,
-    dflash_loss,
-    estimate_acceptance_length,
-    default_loss_gamma,
-    loss_weights,
     resolve_layer_types,
     sample_anchors,
     scale_and_cap_logits,
 )
+from dflash_loss import dflash_loss, estimate_acceptance_length, default_loss_gamma, loss_weights
 
 VOCAB = 64
 MASK_ID = 63

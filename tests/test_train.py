@@ -679,7 +679,8 @@ def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
     from types import SimpleNamespace
 
     sys.path.insert(0, str(REPO))
-    from dflash_model import block_labels, dflash_loss, loss_weights
+    from dflash_loss import dflash_loss, loss_weights
+    from dflash_model import block_labels
     from train_dflash import Compute, MicroBatchLoss, TrainSettings
 
     block_size, hidden_size, vocab = 4, 8, 50

@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo's flat modules
 
 from bench_dflash import MasterWeightAdamW, make_batch
-from dflash_model import DFlashDraftModel, block_labels, dflash_loss, loss_weights, sample_anchors
+from dflash_model import DFlashDraftModel, block_labels, sample_anchors
+from dflash_loss import dflash_loss, loss_weights
 from dflash_target import SAFETENSORS_INDEX, drafter_config_for_target, load_target_embeddings, parameter_bytes
 
 QWEN3_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
