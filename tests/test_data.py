@@ -504,7 +504,7 @@ def test_collate_batch_fills_rows_that_train_nothing():
 def test_prefetch_keeps_order_and_runs_ahead():
     import threading
 
-    from train_dflash import prefetch
+    from dflash_features import prefetch
 
     pulled, on_main = [], []
 

@@ -188,7 +188,8 @@ def test_choose_target_ranks():
 
 @pytest.mark.parametrize("drafters, accumulation", [(1, 1), (2, 1), (3, 2)])
 def test_train_plan_covers_every_sample_once_and_resumes(drafters, accumulation):
-    from train_dflash import TrainSettings, epoch_batches, train_plan
+    from dflash_schedule import epoch_batches, train_plan
+    from train_dflash import TrainSettings
 
     settings = TrainSettings(target_model="x", train_data=["x"], per_device_batch_size=2, gradient_accumulation_steps=accumulation, seed=3)
     lengths = [(7 * i) % 23 + 1 for i in range(19)]  # 10 micro-batches of 2 (the last one of 1)
@@ -259,7 +260,8 @@ def test_transport_is_quiet_across_a_checkpoint(monkeypatch):
 def test_schedule_counts_steps_and_refuses_another_number_of_drafter_ranks(drafters, accumulation):
     """make_schedule: steps per epoch from the plan, --max_steps or epochs in all, the micro-steps left
     after the resume point; a checkpoint of another number of drafter ranks is refused, naming the fix."""
-    from train_dflash import ResumePoint, TrainData, TrainSettings, make_schedule
+    from dflash_schedule import ResumePoint, make_schedule
+    from train_dflash import TrainData, TrainSettings
 
     lengths = [(7 * i) % 23 + 1 for i in range(19)]
     data = TrainData(dataset=None, lengths=lengths, eval_prompts=None, chat_kwargs=None)

@@ -294,7 +294,7 @@ def test_predict_next_is_the_targets_greedy_token(tiny_qwen3_target, monkeypatch
     target's own logits at every position (HF forward as the reference), also when the argmax runs
     in chunks of positions. target_features shifts it into labels: position t is trained on the
     target's token after t - 1; with --label_source data the labels are the input ids."""
-    from train_dflash import target_features
+    from dflash_features import target_features
 
     target, _ = load_target(str(tiny_qwen3_target))
     input_ids, attention_mask = _batch(target.config.vocab_size)

