@@ -3,7 +3,8 @@
 On every node, local ranks [0, N) run the frozen target, alone or in tensor-parallel groups of
 --target_tp_size ranks that share one copy; the node's other ranks train the drafter under
 DeepSpeed ZeRO-2 with all drafter ranks as its data-parallel group (README, "Target and drafter
-ranks", "More than one node"). train_dflash.py uses the pieces below in the order a run meets them:
+ranks", "More than one node"). A training run (dflash_topology.py, dflash_features.py, train_dflash.py)
+uses the pieces below in the order it meets them:
 
 - `node_ranks`, `check_shared_output_dir`, `check_split`: the nodes, one --output_dir they all see,
   a split that fits them.
@@ -293,7 +294,7 @@ def strip_target_layers(target: torch.nn.Module) -> None:
 # ----------------------------------------------------------------------------------------------
 # Feature transport
 #
-# One message per micro-batch, sent in the order all ranks agree on (train_dflash.train_plan):
+# One message per micro-batch, sent in the order all ranks agree on (dflash_schedule.train_plan):
 #   header    int64 [len(HEADER)]                      what follows, and the sender's counters
 #   tokens    int64 [3, batch, S]                      rows: input_ids, loss_mask (0/1), label_ids
 #   features  target dtype [batch, S, feature_dim]     context features, sent from the GPU
