@@ -291,12 +291,13 @@ def row_loss_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, target_
         tv    1 - A                                q * (A_below - below)                A
         nla   -log(A + NLA_EPS)                    q * (A_below - below) / (A + eps)    A
         lk    lam kl + (1 - lam) tv, lam = exp(-eta sg[A])   lam (q - p) + (1 - lam) dtv/dz   A
-    Exact ties q_v = p_v (in practice both 0 after fp32 underflow, where q_v = 0) contribute nothing.
+    At an exact tie q_v = p_v, min takes p_v (below_v = 0) where autograd's torch.minimum would split
+    the gradient; ties occur in practice only where both underflow to 0 in fp32, and there q_v = 0.
     The chain rule back to the raw logits multiplies by multiplier * (1 - tanh^2) (tanh with a cap).
 
     The confidence is what D-PACE smooths (`dpace_weights`): for CE the probability of the label, for
     the distribution losses the probability that the target accepts the drafted token at T = 1. The two
-    agree when p is one-hot at the label (A = min(1, q_t) = q_t), and A = exp(-nla).
+    agree when p is one-hot at the label (A = min(1, q_t) = q_t), and A = exp(-nla) (up to NLA_EPS).
 
     Args:
         logits: [rows, vocab], the drafter's logits (bf16 on GPU).
@@ -540,7 +541,8 @@ def dflash_loss(
     mean over padded positions. The default keeps the loss a weighted mean, whose scale (and so the
     learning rate that suits it) does not depend on how large the weights are: D-PACE weights grow
     with the drafter's confidence (up to B-1 at position 1), so under "count" its loss and gradient
-    grow as training succeeds, a learning-rate ramp tied to tau. It is also the paper's reduction.
+    grow as training succeeds, a learning-rate ramp tied to tau. It is also the reduction CE with
+    exp weights has always had here (DESIGN section 2).
 
     l_i is the per-position `loss` (`LOSSES`; `row_loss_and_grad_chunk` gives the formulas); w_i is
     `weights[k]` (loss_weighting="exp") or the D-PACE weight of the position (`dpace_weights`, from the
