@@ -6,6 +6,7 @@
     python bench_dflash.py --device cpu --tiny         # CPU smoke test: tiny config, SDPA, 2 timed steps (< 60 s)
     python bench_dflash.py --quick --compile_target    # (b) also with the target's layers compiled
     python bench_dflash.py --quick --drafter_only --layer_types last_full --sliding_window 2048   # (a) only
+    python bench_dflash.py --quick --drafter_only --objectives --budget_s 540   # every loss objective vs CE (< 10 min)
 
 On a machine whose working tree does not come back (the device tool), append to a copy:
     cp BENCHMARKS.md $OUT/ && python bench_dflash.py --quick --record-to $OUT/BENCHMARKS.md 2>&1 | tee $OUT/bench.log
@@ -48,6 +49,7 @@ needed, 1 x fwd where only one is. Per micro-batch (L drafter layers, T = valid 
                 context keys (kv < a_j) plus the B keys of its own block; padded anchor slots
                 count nothing                                       bwd 2x (no score recompute)
   lm_head       T x hidden x vocab, label positions 1..B-1 only      bwd 1x (frozen head: input grad only)
+  target_head   T x hidden x vocab, the target's logits for the distribution losses (loss_kl, ...)   bwd 0x
 Not counted: norms, RoPE, softmax, the loss's elementwise work, the optimizer. Block position 0 of
 the LAST layer goes through q/o/MLP without feeding any label (about 1% of the layer work); it is
 counted, as the model computes it. The checkpointed loss of dflash_loss recomputes the head forward
@@ -78,6 +80,21 @@ Variants (--variant, repeatable; join levers with '+'), each with its prediction
                       (~75 ms/sample with the optimizer sharded 7 ways, the public anchor's setting).
 liger-kernel's fused linear CE is not installed on the GPU machine and cannot take per-row weights
 directly, so fused_ce implements the same scheme in plain torch instead.
+
+Loss objectives (dflash_loss.py; levers that join the ones above, e.g. compile_layers+fused_ce_compiled+loss_kl;
+--objectives runs the first variant with each of them, so one run compares them with CE at both headline shapes).
+The distribution losses read the target's last hidden state at the position before each label (random here,
+[batch, S, hidden]) and put it through the same head in each chunk. Predictions against the CE variant at
+256 / 768 / 2, 7,680 label rows a step (the compiled CE loss takes ~30 ms of a ~140 ms step there):
+  dpace               D-PACE position weights with CE (per-row kernel, weights applied after all rows).
+                      Prediction: within +-2% time and memory (T floats and one [T, hidden] scale extra).
+  loss_kl             forward KL(p || q). Prediction: +12-18% ms/sample (one more head matmul, 9.6 TFLOP = ~14 ms per
+                      step at ~700 TFLOP/s, plus ~5 ms of elementwise passes over [T, vocab]); +3-5 GB peak (the
+                      target's bf16 logits and fp32 p of one 4096-row chunk, 1.2 + 2.5 GB).
+  loss_tv, loss_nla   1 - sum min(p, q), -log sum min(p, q). Prediction: as loss_kl, within +-3% of it.
+  loss_lk             the LK hybrid of KL and TV. Prediction: +1-3% over loss_kl (both terms' elementwise work).
+  loss_ce             CE, explicitly (the default).
+At 512 / 3072 / 1 the same 7,680 rows come per sample instead of per 2 samples: about twice the added ms/sample.
 """
 
 import argparse
@@ -101,7 +118,7 @@ from dflash_model import (
     create_anchor_block_mask,
     sample_anchors,
 )
-from dflash_loss import dflash_loss, loss_weights
+from dflash_loss import LOSSES, block_target_hidden, dflash_loss, loss_weights
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
@@ -119,6 +136,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random config (hidden 64) for smoke tests; implies small grids")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu")
     p.add_argument("--variant", action="append", default=None, help="variant name(s), levers joined by '+' (see the docstring); repeatable")
+    p.add_argument("--objectives", action="store_true",
+                   help="run the first --variant (default compile_layers+fused_ce_compiled, tiny: baseline) as is and with each "
+                        "loss objective: +dpace, +loss_kl, +loss_tv, +loss_nla, +loss_lk")
     p.add_argument("--steps", type=int, default=None, help="timed steps per config (default 6, tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per config after the flex warm-up (default 3, tiny 1)")
     p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 300, full 500, tiny 50); (a) stops 75 s earlier to leave time for (b) and (c)")
@@ -152,6 +172,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     elif not args.quick:
         default_variants += ["compile_layers", "loss_chunk_2048", "loss_chunk_8192"]
     args.variants = args.variant or default_variants
+    if args.objectives:
+        base = args.variant[0] if args.variant else ("baseline" if args.tiny else "compile_layers+fused_ce_compiled")
+        args.variants = [base] + [f"{base}+{lever}" for lever in OBJECTIVE_LEVERS]
     for name in args.variants:
         parse_variant(name)  # fail early on a typo
     return args
@@ -192,6 +215,7 @@ def drafter_step_flops(
     label_valid: torch.Tensor,
     *,
     dense_attention: bool = False,
+    distribution_loss: bool = False,
 ) -> dict[str, tuple[int, int]]:
     """Useful FLOPs of one drafter training step (forward + backward), by part.
 
@@ -203,8 +227,11 @@ def drafter_step_flops(
         dense_attention: count every block slot (padded ones too) and every (query, key) pair of
             the [N*B, S + N*B] score matrix, as dense SDPA executes it, instead of the useful
             work (valid blocks, visible keys only). Used to compare with FlopCounterMode.
+        distribution_loss: the loss compares with the target's distribution (kl, tv, nla, lk), whose
+            logits the same head computes from the target's hidden states: adds target_head.
     Returns:
-        {part: (forward FLOPs, backward FLOPs)} for fc, context_kv, block_qkvo, mlp, attention, lm_head.
+        {part: (forward FLOPs, backward FLOPs)} for fc, context_kv, block_qkvo, mlp, attention, lm_head
+        (and target_head).
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -229,7 +256,9 @@ def drafter_step_flops(
         "attention": 2 * pairs * heads * 2 * head_dim,  # QK^T and PV, 2*head_dim MACs per (query, key, head), all layers
         "lm_head": 2 * labels * hidden * vocab,
     }
-    bwd_factor = {"fc": 1, "lm_head": 1}  # one of the two gradients only; every other part needs both
+    if distribution_loss:
+        fwd["target_head"] = fwd["lm_head"]
+    bwd_factor = {"fc": 1, "lm_head": 1, "target_head": 0}  # one of the two gradients only (none for the target); the rest need both
     return {part: (f, bwd_factor.get(part, 2) * f) for part, f in fwd.items()}
 
 
@@ -265,14 +294,18 @@ def target_forward_flops(config: Qwen3Config, num_layers: int, batch: int, seq_l
 # Loss variants: the LM head + weighted CE with the input gradient computed in the forward
 
 
-def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False):
+def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False, **objective):
     """`dflash_loss.dflash_loss` (the fused form, gradient in the forward), optionally with the
-    per-chunk elementwise work compiled (`dflash_loss.compiled_ce_grad_chunk`, as in training)."""
-    return dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, compiled=compiled)
+    per-chunk elementwise work compiled (`dflash_loss.compiled_ce_grad_chunk`, as in training).
+    objective: dflash_loss's loss / target_hidden / loss_weighting keywords."""
+    return dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, compiled=compiled, **objective)
 
 
 # ----------------------------------------------------------------------------------------------
 # Variants
+
+
+OBJECTIVE_LEVERS = ("dpace", "loss_kl", "loss_tv", "loss_nla", "loss_lk")  # what --objectives adds to the first variant
 
 
 @dataclass(frozen=True)
@@ -281,14 +314,21 @@ class Variant:
     compile_layers: bool = False
     loss: str = "chunked"  # chunked (dflash_loss) | fused | fused_compiled
     chunk_size: int = 4096
+    objective: str = "ce"  # dflash_loss's loss: ce | kl | tv | nla | lk
+    weighting: str = "exp"  # dflash_loss's loss_weighting: exp | dpace
 
 
 def parse_variant(name: str) -> Variant:
-    """'compile_layers+fused_ce_compiled' -> Variant(...). Levers: baseline, compile_layers, loss_chunk_N, fused_ce, fused_ce_compiled."""
-    fields = {"compile_layers": False, "loss": "chunked", "chunk_size": 4096}
+    """'compile_layers+fused_ce_compiled' -> Variant(...). Levers: baseline, compile_layers, loss_chunk_N, fused_ce,
+    fused_ce_compiled, loss_<one of dflash_loss.LOSSES>, dpace."""
+    fields = {"compile_layers": False, "loss": "chunked", "chunk_size": 4096, "objective": "ce", "weighting": "exp"}
     for lever in name.split("+"):
         if lever == "baseline":
             continue
+        elif lever.startswith("loss_") and lever[len("loss_"):] in LOSSES:
+            fields["objective"] = lever[len("loss_"):]
+        elif lever == "dpace":
+            fields["weighting"] = "dpace"
         elif lever == "compile_layers":
             fields["compile_layers"] = True
         elif lever.startswith("loss_chunk_") and lever[len("loss_chunk_"):].isdigit():
@@ -300,15 +340,17 @@ def parse_variant(name: str) -> Variant:
         else:
             raise ValueError(
                 f"--variant {name!r}: unknown lever {lever!r}; use baseline, compile_layers, loss_chunk_N, fused_ce, "
-                f"fused_ce_compiled, joined by '+'"
+                f"fused_ce_compiled, {', '.join('loss_' + loss for loss in LOSSES)}, dpace, joined by '+'"
             )
     return Variant(name=name, **fields)
 
 
 def loss_fn(variant: Variant):
+    """The variant's loss: (hidden, head_weight, labels, label_valid, weights, chunk_size=, **objective) -> (loss, accepted)."""
     if variant.loss == "chunked":
         return dflash_loss
-    return lambda *a, chunk_size: fused_dflash_loss(*a, chunk_size=chunk_size, compiled=variant.loss == "fused_compiled")
+    return lambda *a, chunk_size, **objective: fused_dflash_loss(*a, chunk_size=chunk_size, compiled=variant.loss == "fused_compiled",
+                                                                 **objective)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,15 +466,19 @@ class Progress:
 # (a) drafter train step
 
 
-def make_batch(batch: int, seq_len: int, config: DFlashConfig, device, dtype, with_features: bool = True):
-    """Random full-length rows: input_ids [batch, S], loss_mask [batch, S] (prompt = first S/8), features [batch, S, 5*hidden]."""
+def make_batch(batch: int, seq_len: int, config: DFlashConfig, device, dtype, with_features: bool = True,
+               with_target_hidden: bool = False):
+    """Random full-length rows: input_ids [batch, S], loss_mask [batch, S] (prompt = first S/8), features
+    [batch, S, 5*hidden], and the target's last hidden state [batch, S, hidden] for the distribution losses (else None)."""
     input_ids = torch.randint(0, config.mask_token_id, (batch, seq_len), device=device)
     loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
     loss_mask[:, seq_len // 8:] = True
-    features = None
+    features = target_hidden = None
     if with_features:
         features = torch.randn(batch, seq_len, len(config.target_layer_ids) * config.hidden_size, device=device, dtype=dtype)
-    return input_ids, loss_mask, features
+    if with_target_hidden:
+        target_hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, dtype=dtype)
+    return input_ids, loss_mask, features, target_hidden
 
 
 def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensors, num_anchors, backend, generator, clock,
@@ -441,7 +487,7 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
 
     With `extractor`, the target forward runs first (colocated mode) and produces the features.
     """
-    input_ids, loss_mask, features = batch_tensors
+    input_ids, loss_mask, features, target_hidden = batch_tensors
     block_size = drafter.config.block_size
     clock.mark()
     if extractor is not None:
@@ -451,7 +497,10 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend=backend)  # [batch, N, B, hidden]
     clock.mark()
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)
-    loss, _ = loss_fn(variant)(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size)
+    objective = dict(loss=variant.objective, loss_weighting=variant.weighting)
+    if variant.objective != "ce":
+        objective["target_hidden"] = block_target_hidden(target_hidden, anchors, block_size)  # [batch, N, B-1, hidden]
+    loss, _ = loss_fn(variant)(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size, **objective)
     clock.mark()
     loss.backward()
     clock.mark()
@@ -514,7 +563,8 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        batch_tensors = make_batch(batch, seq_len, config, device, dtype, with_features=extractor is None)
+        batch_tensors = make_batch(batch, seq_len, config, device, dtype, with_features=extractor is None,
+                                   with_target_hidden=variant.objective != "ce")
         generator = torch.Generator().manual_seed(0)
         start = time.perf_counter()
         if ctx["backend"] == "flex":
@@ -540,7 +590,8 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
             sync(device)
             step_ms.append((time.perf_counter() - t0) * 1e3)
             phases.append(clock.phase_ms())
-            flops.append(sum(f + b for f, b in drafter_step_flops(config, seq_len, anchors, anchor_valid, label_valid).values()))
+            parts = drafter_step_flops(config, seq_len, anchors, anchor_valid, label_valid, distribution_loss=variant.objective != "ce")
+            flops.append(sum(f + b for f, b in parts.values()))
         row["ms_step"] = statistics.median(step_ms)
         row["phases_ms"] = [statistics.median(p) for p in zip(*phases)]
         row["flops_sample"] = statistics.mean(flops) / batch
@@ -746,10 +797,11 @@ def run_target_supply(args, s: dict, config: DFlashConfig, device, dtype, progre
 def run_colocated(args, s: dict, ctx: dict, extractor: TargetFeatureExtractor, drafter_rows: list, target_rows: list,
                   progress) -> list:
     """(c) target forward + drafter step on one GPU at the headline shapes (baseline and the fastest
-    variant), each against the two alone."""
+    CE variant: the truncated target has no last hidden state for the distribution losses), each
+    against the two alone."""
     ctx["drafter"].attach_target(extractor.embed_tokens, extractor.lm_head)
     ctx["head_weight"] = extractor.lm_head.weight
-    ok = [r for r in drafter_rows if r["status"] == "ok"]
+    ok = [r for r in drafter_rows if r["status"] == "ok" and parse_variant(r["variant"]).objective == "ce"]
     rows = []
     for num_anchors, seq_len, batch in s["headline"]:
         at_shape = [r for r in ok if (r["anchors"], r["seq"], r["batch"]) == (num_anchors, seq_len, batch)]

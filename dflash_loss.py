@@ -9,8 +9,14 @@ three times (logits, checkpoint recompute, dlogits @ W), and nothing vocab-sized
 (the idea of Liger-Kernel's fused linear cross-entropy). `dflash_loss` defines the DFlash loss (which
 rows, which weights, the normalisation, the accuracy) and calls `fused_linear_weighted_ce`.
 
+Beyond the paper's objective (DESIGN section 2b): D-PACE position weights (`dpace_weights`, the
+default of speculators for DFlash), and losses against the target's whole distribution p instead of its
+argmax (`LOSSES`: kl, tv, nla, lk). Both need a per-row quantity before the weighted sum, so they run
+through `fused_linear_row_loss`, which returns each row's loss and keeps each row's unweighted input
+gradient; the weights are applied afterwards (`dflash_loss` explains why that is exact and cheap).
+
 Notation: rows = positions in a chunk, T = valid positions in the micro-batch, vocab = LM head rows,
-B = block size, N = anchors per row.
+B = block size, N = anchors per row, p = the target's distribution, q = the drafter's.
 """
 
 import functools
@@ -69,6 +75,49 @@ def loss_weights(block_size: int, gamma: float | None = None, device=None) -> to
         raise ValueError(f"--loss_decay_gamma must be > 0, got {gamma}")
     k = torch.arange(1, block_size, dtype=torch.float32, device=device)
     return torch.exp(-(k - 1) / gamma)
+
+
+LOSS_WEIGHTINGS = ("exp", "dpace")  # `loss_weights`' fixed decay, or `dpace_weights`
+LOSS_NORMALIZERS = ("weights", "count")  # divide the weighted sum by the sum of weights, or by the count of valid positions
+DEFAULT_DPACE_ALPHA = 0.5  # speculators' default smoothing of the D-PACE confidence
+
+
+def dpace_weights(confidence: torch.Tensor, label_valid: torch.Tensor, alpha: float = DEFAULT_DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE position weights: the expected number of accepted draft tokens that each position carries
+    (speculators' default weighting for DFlash, DESIGN section 2b).
+
+    Per block, the smoothed confidence is s_k = (1 - alpha) * c_k + alpha at valid positions and 1 at
+    masked ones (a masked position neither stops nor shrinks the run). The weight of a valid position k
+    is W_k = sum_{j >= k, j valid} prod_{i <= j} s_i, and 0 where masked.
+
+    Why: if s_k is the chance that position k is accepted once 1..k-1 were, the expected accepted length
+    of the block is E = sum_j prod_{i <= j} s_i, and dE / d log s_k = sum_{j >= k} prod_{i <= j} s_i = W_k:
+    position k's log-confidence moves every term from k on. With alpha = 0 and c_k = exp(-CE_k), the
+    loss sum_k W_k * CE_k (W detached) has exactly the gradient of -E, so the loss targets tau instead
+    of a fixed decay. alpha > 0 keeps later positions' weights from vanishing while the drafter is still
+    poor (every s_k >= alpha); it drops the exact factor (1 - alpha) c_k / s_k of d log s_k / d log c_k.
+
+    Args:
+        confidence: [batch, N, B-1] float, c_k in [0, 1] (any value where masked): exp(-CE_k) for the CE
+            loss, the acceptance probability sum_v min(p_v, q_v) for the distribution losses
+            (`dflash_loss`). Detached here: the weights carry no gradient.
+        label_valid: [batch, N, B-1] bool from `block_labels`.
+        alpha: smoothing in [0, 1]; alpha = 1 gives each valid position the count of valid positions at
+            or after it in its block.
+    Returns:
+        [batch, N, B-1] float32, 0 where masked.
+    Raises:
+        ValueError: if alpha is outside [0, 1].
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"--dpace_alpha must be in [0, 1] (the weight of the constant in the smoothed confidence), got {alpha}")
+    # Worked example, B - 1 = 3, alpha = 0.5, c = [0.8, 0.4, 0.6]: s = [0.9, 0.7, 0.8], prefix products
+    # [0.9, 0.63, 0.504], W = [0.9 + 0.63 + 0.504, 0.63 + 0.504, 0.504] = [2.034, 1.134, 0.504].
+    # With position 2 masked: s = [0.9, 1, 0.8], prefix [0.9, 0.9, 0.72], W = [0.9 + 0.72, 0, 0.72] = [1.62, 0, 0.72].
+    valid = label_valid.to(torch.float32)
+    smoothed = torch.where(label_valid, (1.0 - alpha) * confidence.detach().float() + alpha, 1.0)  # [batch, N, B-1]
+    prefix = torch.cumprod(smoothed, dim=-1) * valid  # prod_{i <= j} s_i at valid j, 0 at masked j
+    return prefix.flip(-1).cumsum(-1).flip(-1) * valid  # suffix sums over j >= k
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,6 +229,249 @@ def fused_linear_weighted_ce(rows: torch.Tensor, head_weight: torch.Tensor, targ
 
 
 # ----------------------------------------------------------------------------------------------
+# Per-row losses through the same head, against the labels (ce) or the target's distribution
+
+
+# ce: cross-entropy with the label (the paper's loss). The others compare the drafter's q with the
+# target's p over the whole vocabulary (DESIGN section 2b): kl = forward KL(p || q); tv = total
+# variation 1 - sum_v min(p_v, q_v) (equal to 1/2 sum_v |p_v - q_v| for two distributions), i.e. one
+# minus the probability that verification at T = 1 accepts a token sampled from q; nla = the negative
+# log of that acceptance probability; lk = the LK hybrid lam * kl + (1 - lam) * tv with
+# lam = exp(-eta * sg[acceptance]): KL's strong gradient while the overlap is small, TV's direct
+# target once it grows (Samarin et al., "LK Losses", arXiv 2602.23881).
+LOSSES = ("ce", "kl", "tv", "nla", "lk")
+# eta of the LK hybrid: speculators' default, which it gives as the LK paper's best hybrid setting.
+# lam = exp(-3 A) is 1 at acceptance A = 0, 0.22 at A = 0.5 and 0.067 at A = 0.9.
+DEFAULT_LK_ETA = 3.0
+# nla = -log(A + NLA_EPS): finite where the supports of p and q do not overlap in fp32, and far below
+# the overlap of a uniform drafter with a one-hot target (1 / vocab = 6.6e-6 for Qwen3), so the
+# cold-start gradient q * (...) / (A + eps) is nearly that of -log A. A clamp would zero it instead.
+NLA_EPS = 1e-8
+
+
+def block_target_hidden(target_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The target's last hidden state (the final-norm output, the LM head's input) at the position
+    before each label: label k = 1..B-1 of the block at anchor a is token[a + k], and the target's
+    distribution over it comes from its logits at a + k - 1. Laid out like `block_labels`' labels.
+
+    Sending this instead of the target's logits is what makes the distribution losses affordable in
+    split mode: the drafter rank already holds the frozen LM head and applies it inside the fused
+    kernel, chunk by chunk. Bytes per sample at Qwen3-8B shapes (vocab 151,936, hidden 4096, bf16):
+      per label position, 512 anchors x 15 = 7,680 rows: logits 7,680 x 151,936 x 2 = 2,333,736,960 B
+        (2.33 GB) against hidden 7,680 x 4,096 x 2 = 62,914,560 B (62.9 MB), 37x less;
+      per sequence position, seq 3072 (what a target rank sends: anchors are drawn on the drafter rank):
+        logits 3,072 x 151,936 x 2 = 933,494,784 B (933 MB) against 3,072 x 4,096 x 2 = 25,165,824 B
+        (25.2 MB), 20% on top of the 5 context-feature layers it already sends (125.8 MB).
+
+    Args:
+        target_hidden: [batch, S, hidden], any dtype (kept).
+        anchors: [batch, N] int64 from `sample_anchors`.
+        block_size: B.
+    Returns:
+        [batch, N, B-1, hidden]; rows past the sequence end repeat position S-1 (their labels are invalid).
+    """
+    seq_len = target_hidden.shape[1]
+    positions = anchors[:, :, None] + torch.arange(block_size - 1, device=anchors.device)  # [batch, N, B-1]: a + k - 1
+    batch_index = torch.arange(anchors.shape[0], device=anchors.device)[:, None, None]  # [batch, 1, 1]
+    return target_hidden[batch_index, positions.clamp(max=seq_len - 1)]  # [batch, N, B-1, hidden]
+
+
+def row_loss_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None, loss: str = "ce",
+                            multiplier: float = 1.0, softcap: float | None = None, lk_eta: float = DEFAULT_LK_ETA):
+    """One chunk of a per-row loss with its closed-form gradient with respect to the logits, unweighted
+    (the caller weights the rows once every row's confidence is known). Works in place on fp32 copies.
+
+    z = the scaled, capped logits (`dflash_model.scale_and_cap_logits`), q = softmax(z); for the
+    distribution losses p = softmax of the target's logits under the same multiplier and cap. With the
+    acceptance probability A = sum_v min(p_v, q_v), below_v = [q_v < p_v] (where min takes q) and
+    A_below = sum_v below_v q_v, so that dA/dz_v = q_v (below_v - A_below):
+        loss  per row                              d loss / dz                          confidence
+        ce    -log q_t                             q - onehot(t)                        q_t = exp(-CE)
+        kl    sum_v p_v (log p_v - log q_v)        q - p                                A
+        tv    1 - A                                q * (A_below - below)                A
+        nla   -log(A + NLA_EPS)                    q * (A_below - below) / (A + eps)    A
+        lk    lam kl + (1 - lam) tv, lam = exp(-eta sg[A])   lam (q - p) + (1 - lam) dtv/dz   A
+    At an exact tie q_v = p_v, min takes p_v (below_v = 0) where autograd's torch.minimum would split
+    the gradient; ties occur in practice only where both underflow to 0 in fp32, and there q_v = 0.
+    The chain rule back to the raw logits multiplies by multiplier * (1 - tanh^2) (tanh with a cap).
+
+    The confidence is what D-PACE smooths (`dpace_weights`): for CE the probability of the label, for
+    the distribution losses the probability that the target accepts the drafted token at T = 1. The two
+    agree when p is one-hot at the label (A = min(1, q_t) = q_t), and A = exp(-nla) (up to NLA_EPS).
+
+    Args:
+        logits: [rows, vocab], the drafter's logits (bf16 on GPU).
+        targets: [rows] int64 labels (CE, and the argmax hit for every loss).
+        target_logits: [rows, vocab], the target's logits at the position before each label; None for ce.
+        loss: one of `LOSSES`.
+    Returns:
+        (loss [rows] float32, confidence [rows] float32, dlogits [rows, vocab] in the logits dtype, hit [rows] bool).
+    """
+    x = logits.float()  # z, [rows, vocab]
+    if multiplier != 1.0:
+        x.mul_(multiplier)
+    capped = None
+    if softcap:
+        capped = x.div_(softcap).tanh_()  # tanh(z / c), kept for the chain rule
+        x = capped * softcap
+    hit = x.argmax(dim=-1) == targets
+    x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))  # log q
+    if loss == "ce":
+        row_loss = -x.gather(1, targets[:, None]).squeeze(1)
+        confidence = torch.exp(-row_loss)
+        x.exp_().scatter_add_(1, targets[:, None], torch.full_like(row_loss[:, None], -1.0))  # q - onehot
+    else:
+        y = target_logits.float()  # [rows, vocab]
+        if multiplier != 1.0:
+            y.mul_(multiplier)
+        if softcap:
+            y.div_(softcap).tanh_().mul_(softcap)
+        y.sub_(torch.logsumexp(y, dim=-1, keepdim=True))  # log p
+        kl = None
+        if loss in ("kl", "lk"):
+            log_ratio = y - x  # log p - log q
+            kl = log_ratio.mul_(y.exp_()).sum(dim=-1)  # y is p from here on
+            del log_ratio
+        else:
+            y.exp_()
+        x.exp_()  # q
+        overlap = torch.minimum(x, y).sum(dim=-1)  # A [rows]
+        below = x < y  # [rows, vocab] bool
+        overlap_below = torch.where(below, x, 0.0).sum(dim=-1, keepdim=True)  # A_below [rows, 1]
+        confidence = overlap
+        if loss == "kl":
+            row_loss = kl
+            x.sub_(y)
+        elif loss == "tv":
+            row_loss = 1.0 - overlap
+            x.mul_(torch.where(below, overlap_below - 1.0, overlap_below))
+        elif loss == "nla":
+            row_loss = -torch.log(overlap + NLA_EPS)
+            x.mul_(torch.where(below, overlap_below - 1.0, overlap_below)).div_((overlap + NLA_EPS)[:, None])
+        elif loss == "lk":
+            lam = torch.exp(-lk_eta * overlap)[:, None]  # [rows, 1], a constant for autograd (sg)
+            row_loss = lam[:, 0] * kl + (1.0 - lam[:, 0]) * (1.0 - overlap)
+            # lam (q - p) + (1 - lam) q (A_below - below) = q (lam + (1 - lam)(A_below - below)) - lam p
+            x.mul_(torch.where(below, overlap_below - 1.0, overlap_below).mul_(1.0 - lam).add_(lam))
+            x.sub_(y.mul_(lam))
+        else:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    if capped is not None:
+        x.mul_(1 - capped.square_())
+    if multiplier != 1.0:
+        x.mul_(multiplier)
+    return row_loss, confidence, x.to(logits.dtype), hit
+
+
+def row_loss_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None,
+                                       loss: str = "ce", multiplier: float = 1.0, softcap: float | None = None,
+                                       lk_eta: float = DEFAULT_LK_ETA):
+    """`row_loss_and_grad_chunk` without in-place ops, for torch.compile to fuse into a few kernels."""
+    z = logits.float() * multiplier  # [rows, vocab]
+    capped = None
+    if softcap:
+        capped = torch.tanh(z / softcap)
+        z = capped * softcap
+    log_q = torch.log_softmax(z, dim=-1)
+    q = torch.exp(log_q)
+    hit = z.argmax(dim=-1) == targets
+    if loss == "ce":
+        onehot = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]  # fused, never stored
+        row_loss = -log_q.gather(1, targets[:, None]).squeeze(1)
+        confidence = torch.exp(-row_loss)
+        dz = q - onehot.float()
+    else:
+        u = target_logits.float() * multiplier
+        if softcap:
+            u = torch.tanh(u / softcap) * softcap
+        log_p = torch.log_softmax(u, dim=-1)
+        p = torch.exp(log_p)
+        overlap = torch.minimum(p, q).sum(dim=-1)  # [rows]
+        below = q < p
+        dtv = q * (torch.where(below, q, 0.0).sum(dim=-1, keepdim=True) - below.float())
+        confidence = overlap
+        if loss == "tv":
+            row_loss, dz = 1.0 - overlap, dtv
+        elif loss == "nla":
+            row_loss, dz = -torch.log(overlap + NLA_EPS), dtv / (overlap + NLA_EPS)[:, None]
+        elif loss in ("kl", "lk"):
+            kl = (p * (log_p - log_q)).sum(dim=-1)
+            row_loss, dz = kl, q - p
+            if loss == "lk":
+                lam = torch.exp(-lk_eta * overlap)
+                row_loss = lam * kl + (1.0 - lam) * (1.0 - overlap)
+                dz = lam[:, None] * dz + (1.0 - lam[:, None]) * dtv
+        else:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    if capped is not None:
+        dz = dz * (1 - capped * capped)
+    return row_loss, confidence, (dz * multiplier).to(logits.dtype), hit
+
+
+class _FusedLinearRowLoss(torch.autograd.Function):
+    """Per-row losses l_i of rows_i @ W^T (against labels, or the target rows' logits under the same W),
+    with each row's gradient d l_i / d rows_i computed in the forward, chunk by chunk, and kept.
+
+    Backward scales row i's kept gradient by the incoming d total / d l_i: whatever weights the caller
+    puts on the rows afterwards (fixed, or D-PACE weights found from every row's confidence), the input
+    gradient is exact, and no vocab-sized pass runs twice. W is the target's frozen head: no weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, targets, target_rows, chunk_size, row_grad_chunk):
+        needs_grad = rows.requires_grad
+        grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden], unweighted
+        row_loss = torch.empty(targets.shape, dtype=torch.float32, device=rows.device)  # [T]
+        confidence = torch.empty_like(row_loss)  # [T]
+        hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
+        for start in range(0, rows.shape[0], chunk_size):
+            end = min(start + chunk_size, rows.shape[0])
+            logits = rows[start:end] @ weight.t()  # [rows, vocab]
+            target_logits = None if target_rows is None else target_rows[start:end] @ weight.t()  # [rows, vocab]
+            loss_c, confidence_c, dlogits, hit = row_grad_chunk(logits, targets[start:end], target_logits)
+            del logits, target_logits
+            if needs_grad:
+                grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
+            row_loss[start:end], confidence[start:end], hits[start:end] = loss_c, confidence_c, hit
+        ctx.save_for_backward(grad_rows if needs_grad else rows.new_empty(0))
+        ctx.mark_non_differentiable(confidence, hits)
+        return row_loss, confidence, hits
+
+    @staticmethod
+    def backward(ctx, grad_row_loss, grad_confidence, grad_hits):
+        (grad_rows,) = ctx.saved_tensors
+        # The per-row scale in fp32: a bf16 weight would be off by up to 0.4%, row by row.
+        return (grad_rows.float() * grad_row_loss[:, None]).to(grad_rows.dtype), None, None, None, None, None
+
+
+def fused_linear_row_loss(rows: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, target_rows: torch.Tensor | None,
+                          chunk_size: int, loss: str = "ce", row_grad_chunk: Callable = row_loss_and_grad_chunk,
+                          multiplier: float = 1.0, softcap: float | None = None,
+                          lk_eta: float = DEFAULT_LK_ETA) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's loss through the frozen head, its confidence and its argmax hit, in chunks: at most
+    `chunk_size x vocab` logits of the drafter (and as many of the target) exist at a time.
+
+    Args:
+        rows: [T, hidden], the drafter's hidden states at the valid label positions.
+        head_weight: [vocab, hidden], the frozen LM head (no gradient reaches it).
+        targets: [T] int64 labels.
+        target_rows: [T, hidden], the target's last hidden state at the position before each label
+            (`block_target_hidden`), detached; None for ce.
+        chunk_size: rows per chunk.
+        loss: one of `LOSSES`.
+        row_grad_chunk: `row_loss_and_grad_chunk`, or a compiled `row_loss_and_grad_chunk_functional`
+            (`compiled_row_loss_chunk`).
+        multiplier, softcap: the logit scaling and cap, applied to both the drafter's and the target's logits.
+        lk_eta: eta of the LK hybrid.
+    Returns:
+        loss [T] float32 (differentiable: weight it, sum it, backpropagate once), confidence [T] float32,
+        hits [T] bool.
+    """
+    row_grad_chunk = functools.partial(row_grad_chunk, loss=loss, multiplier=multiplier, softcap=softcap, lk_eta=lk_eta)
+    return _FusedLinearRowLoss.apply(rows, head_weight, targets, target_rows, chunk_size, row_grad_chunk)
+
+
+# ----------------------------------------------------------------------------------------------
 # The DFlash loss and its metrics
 
 
@@ -203,70 +495,158 @@ def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights:
         return _compiled_ce(logits, targets, weights, multiplier, softcap)
 
 
+_compiled_row_loss = None
+
+
+def compiled_row_loss_chunk(logits: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None, loss: str = "ce",
+                            multiplier: float = 1.0, softcap: float | None = None, lk_eta: float = DEFAULT_LK_ETA):
+    """`row_loss_and_grad_chunk`, torch.compile'd (dynamic shapes), under the compile lock as
+    `compiled_ce_grad_chunk`; one graph per loss. `dflash_loss(..., compiled=True)` uses it for every
+    loss or weighting that needs per-row values."""
+    global _compiled_row_loss
+    if _compiled_row_loss is None:
+        _compiled_row_loss = torch.compile(row_loss_and_grad_chunk_functional, dynamic=True)
+    key = ("row_loss_chunk", loss, str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1], multiplier, softcap, lk_eta)
+    what = f"loss chunk ({loss} per row, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
+    run = lambda: _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta)  # noqa: E731
+    compile_once_locked(key, what, run, logits.device)
+    with running_compiled():
+        return run()
+
+
 def dflash_loss(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
     labels: torch.Tensor,
     label_valid: torch.Tensor,
-    weights: torch.Tensor,
+    weights: torch.Tensor | None,
     chunk_size: int = 4096,
     compiled: bool = False,
     output_multiplier: float = 1.0,
     final_logit_softcapping: float | None = None,
     valid_index: torch.Tensor | None = None,
+    *,
+    loss: str = "ce",
+    target_hidden: torch.Tensor | None = None,
+    loss_weighting: str = "exp",
+    dpace_alpha: float = DEFAULT_DPACE_ALPHA,
+    normalize: str = "weights",
+    lk_eta: float = DEFAULT_LK_ETA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position-weighted cross-entropy through the target's LM head, in chunks (arXiv 2602.06036).
+    """Position-weighted loss through the target's LM head, in chunks (arXiv 2602.06036): by default
+    the paper's cross-entropy with exp(-(k-1)/gamma) weights.
 
-    loss = sum_i w_k(i) * CE_i / sum_i w_k(i) over valid positions i of the micro-batch, never a
-    plain mean over padded positions.
+    loss = sum_i w_i * l_i / sum_i w_i over valid positions i of the micro-batch (normalize="weights",
+    the default), or sum_i w_i * l_i / T (normalize="count", speculators' reduction), never a plain
+    mean over padded positions. The default keeps the loss a weighted mean, whose scale (and so the
+    learning rate that suits it) does not depend on how large the weights are: D-PACE weights grow
+    with the drafter's confidence (up to B-1 at position 1), so under "count" its loss and gradient
+    grow as training succeeds, a learning-rate ramp tied to tau. It is also the reduction CE with
+    exp weights has always had here (DESIGN section 2).
+
+    l_i is the per-position `loss` (`LOSSES`; `row_loss_and_grad_chunk` gives the formulas); w_i is
+    `weights[k]` (loss_weighting="exp") or the D-PACE weight of the position (`dpace_weights`, from the
+    detached confidence: exp(-CE) for ce, the acceptance probability sum_v min(p_v, q_v) for the others).
 
     Only valid label positions go through the head (padding and block position 0 never cost a
     vocab-sized matmul), and at most `chunk_size x vocab` logits exist at once instead of
-    `N*(B-1) x vocab`. The input gradient is computed in the forward (`fused_linear_weighted_ce`),
-    so there is no activation checkpointing, no recompute of the head, and nothing compiled runs
-    in autograd's backward threads. Measured on an H200 at Qwen3-8B shapes (BENCHMARKS.md,
-    bench_dflash.py): 92.4 vs 98.9 ms/sample and 37.3 vs 38.2 GB against the earlier
-    checkpointed form (non-reentrant checkpointing, itself chosen over reentrant: 67.4 vs 68.0 ms
-    for the loss alone at 8192 rows, equal memory, and no recompute in autograd's threads).
+    `N*(B-1) x vocab`. The input gradient is computed in the forward, so there is no activation
+    checkpointing, no recompute of the head, and nothing compiled runs in autograd's backward threads.
+    CE with fixed weights runs through `fused_linear_weighted_ce`, whose chunks apply the weights to
+    dlogits directly. Measured on an H200 at Qwen3-8B shapes (BENCHMARKS.md, bench_dflash.py): 92.4 vs
+    98.9 ms/sample and 37.3 vs 38.2 GB against the earlier checkpointed form (non-reentrant
+    checkpointing, itself chosen over reentrant: 67.4 vs 68.0 ms for the loss alone at 8192 rows,
+    equal memory, and no recompute in autograd's threads).
+
+    D-PACE, and the distribution losses, run through `fused_linear_row_loss`. A D-PACE weight depends
+    on the confidence of every position of its block, and a block's rows may straddle two chunks, so
+    no chunk knows its rows' weights while its logits exist. It does not need to: the loss is linear
+    in the weights, d(sum_i w_i l_i)/d rows_i = w_i * d l_i / d rows_i, so each chunk keeps its rows'
+    unweighted gradient [rows, hidden] (the buffer the CE path keeps anyway) and its rows' confidence;
+    once all chunks are done the weights are found on [batch, N, B-1] and the backward scales each
+    row's gradient by w_i / normaliser. One head pass, no second vocab-sized pass, and T floats extra.
+    The distribution losses add the target's head matmul per chunk (its logits from `target_hidden`),
+    one more fp32 [chunk_size, vocab] buffer for p, and nothing vocab-sized beyond the chunk.
 
     Args:
         hidden: [batch, N, B-1, hidden], drafter output at block positions 1..B-1.
         head_weight: [vocab, hidden], the target's LM head weight (frozen).
         labels, label_valid: [batch, N, B-1] from `block_labels`.
-        weights: [B-1] float32 from `loss_weights`.
+        weights: [B-1] float32 from `loss_weights`; unused (may be None) with loss_weighting="dpace".
         chunk_size: rows per chunk.
-        compiled: run the per-chunk softmax / dlogits / argmax through `compiled_ce_grad_chunk`
-            (GPU training) instead of the eager `weighted_ce_and_grad_chunk`.
+        compiled: run the per-chunk elementwise work through `compiled_ce_grad_chunk` /
+            `compiled_row_loss_chunk` (GPU training) instead of the eager functions.
         output_multiplier, final_logit_softcapping: the drafter config's logit scaling and cap
-            (`scale_and_cap_logits`), applied to the head's logits before the CE, as the engines
-            apply them before sampling.
+            (`scale_and_cap_logits`), applied to the head's logits before the loss, as the engines
+            apply them before sampling; the target's logits get the same (the head is the target's).
         valid_index: [T, 3] int64 on hidden's device, `label_valid.nonzero()` found ahead (the trainer
             finds it on the host); None: found here, which waits for the device once.
+        loss: "ce" (labels), or "kl", "tv", "nla", "lk" (the target's distribution; need target_hidden).
+        target_hidden: [batch, N, B-1, hidden], the target's last hidden state (final-norm output) at the
+            position before each label (`block_target_hidden`); detached here. Unused for ce.
+        loss_weighting: "exp" (`weights`) or "dpace" (`dpace_weights`).
+        dpace_alpha: D-PACE's confidence smoothing, in [0, 1].
+        normalize: "weights" or "count", see above.
+        lk_eta: eta of the LK hybrid, >= 0 (0 gives plain KL).
     Returns:
         loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
         accepted: [B-1] float32; at block position k = 1..B-1, the share of blocks with a label at k
             whose argmax is right at every position 1..k (NaN where no block has a label at k). Entry
-            0 is the first position's accuracy; `estimate_acceptance_length` turns it into tau.
+            0 is the first position's accuracy; `estimate_acceptance_length` turns it into tau. Labels
+            and argmax only, whatever the loss.
+    Raises:
+        ValueError: on an unknown loss, weighting or normaliser, a distribution loss without
+            target_hidden (or with the wrong shape), exp weighting without weights, lk_eta < 0, or
+            (with D-PACE, when a label is valid) dpace_alpha outside [0, 1].
     """
+    if loss not in LOSSES:
+        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    if loss_weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"--loss_weighting must be one of {', '.join(LOSS_WEIGHTINGS)}, got {loss_weighting!r}")
+    if normalize not in LOSS_NORMALIZERS:
+        raise ValueError(f"--loss_normalize must be one of {', '.join(LOSS_NORMALIZERS)}, got {normalize!r}")
+    if loss_weighting == "exp" and weights is None:
+        raise ValueError("--loss_weighting exp needs the per-position weights (loss_weights); pass them, or use --loss_weighting dpace")
+    if loss != "ce" and target_hidden is None:
+        raise ValueError(f"--loss {loss} compares the drafter with the target's distribution and needs the target's last "
+                         "hidden state at each label's previous position (target_hidden, from block_target_hidden); pass it, or use --loss ce")
+    if loss != "ce" and target_hidden.shape != hidden.shape:
+        raise ValueError(f"target_hidden must be laid out like hidden, {list(hidden.shape)}, got {list(target_hidden.shape)} "
+                         "(gather it with block_target_hidden)")
+    if lk_eta < 0:
+        raise ValueError(f"--lk_eta must be >= 0 (0 gives plain KL), got {lk_eta}")
     positions = label_valid.shape[-1]
     # One nonzero (one wait for the device, unless found ahead) gives the valid rows; gathering by these
     # indices costs no further wait, where each boolean-mask index would wait once more, and again in its backward.
     b_index, n_index, k_index = (label_valid.nonzero() if valid_index is None else valid_index).unbind(1)  # each [T] int64
     rows = hidden[b_index, n_index, k_index]  # [T, hidden]
     targets = labels[b_index, n_index, k_index]  # [T]
-    row_weights = weights.to(rows.device)[k_index]  # [T]
     if rows.shape[0] == 0:
         return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
-    ce_grad_chunk = compiled_ce_grad_chunk if compiled else weighted_ce_and_grad_chunk
-    weighted_ce, hit = fused_linear_weighted_ce(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk,
-                                                output_multiplier, final_logit_softcapping)
-    loss = weighted_ce / row_weights.sum()
+    if loss == "ce" and loss_weighting == "exp":
+        row_weights = weights.to(rows.device)[k_index]  # [T]
+        ce_grad_chunk = compiled_ce_grad_chunk if compiled else weighted_ce_and_grad_chunk
+        weighted_ce, hit = fused_linear_weighted_ce(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk,
+                                                    output_multiplier, final_logit_softcapping)
+        mean_loss = weighted_ce / (row_weights.sum() if normalize == "weights" else rows.shape[0])
+    else:
+        target_rows = None if loss == "ce" else target_hidden.detach()[b_index, n_index, k_index]  # [T, hidden]
+        row_grad_chunk = compiled_row_loss_chunk if compiled else row_loss_and_grad_chunk
+        row_loss, confidence, hit = fused_linear_row_loss(rows, head_weight.detach(), targets, target_rows, chunk_size, loss,
+                                                          row_grad_chunk, output_multiplier, final_logit_softcapping, lk_eta)
+        if loss_weighting == "dpace":
+            block_confidence = torch.zeros(label_valid.shape, dtype=torch.float32, device=rows.device)  # [batch, N, B-1]
+            block_confidence[b_index, n_index, k_index] = confidence
+            row_weights = dpace_weights(block_confidence, label_valid, dpace_alpha)[b_index, n_index, k_index]  # [T]
+        else:
+            row_weights = weights.to(rows.device)[k_index]  # [T]
+        mean_loss = (row_weights * row_loss).sum() / (row_weights.sum() if normalize == "weights" else rows.shape[0])
     # A block's draft is accepted up to its first wrong (or unlabelled) position, as verification
     # stops there; counting runs, not per-position accuracies, keeps the errors' correlation.
     correct = torch.zeros_like(label_valid)  # [batch, N, B-1] bool
     correct[b_index, n_index, k_index] = hit
     accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [B-1]
-    return loss, accepted / label_valid.sum(dim=(0, 1)).float()
+    return mean_loss, accepted / label_valid.sum(dim=(0, 1)).float()
 
 
 def estimate_acceptance_length(accepted: torch.Tensor) -> float:

@@ -385,6 +385,31 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
     torch.testing.assert_close(loss_again, loss)
 
 
+def test_compiled_distribution_loss_with_dpace_matches_eager_and_compiles_once(fresh_flex_state):
+    """dflash_loss(compiled=True) with the LK hybrid and D-PACE weights: the compiled per-row chunk gives the
+    eager loss and gradient, compiles under the lock once, and a second call compiles nothing."""
+    from dflash_loss import dflash_loss
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, 5, 8, generator=g).requires_grad_(True)  # [batch, N, B-1, hidden]
+    target_hidden = torch.randn(2, 3, 5, 8, generator=g)
+    head = torch.randn(40, 8, generator=g)
+    labels = torch.randint(0, 40, (2, 3, 5), generator=g)
+    valid = torch.rand(2, 3, 5, generator=g) > 0.3
+    results = []
+    for compiled in (False, True, True):
+        loss, accepted = dflash_loss(hidden, head, labels, valid, None, chunk_size=4, compiled=compiled, final_logit_softcapping=5.0,
+                                     loss="lk", target_hidden=target_hidden, loss_weighting="dpace")
+        (grad,) = torch.autograd.grad(loss, hidden)
+        results.append((loss, accepted, grad))
+        if compiled:
+            assert dc.flex_compile_stats()["compiles"] == 1
+    for other in results[1:]:
+        torch.testing.assert_close(other[0], results[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(other[1], results[0][1], equal_nan=True)
+        torch.testing.assert_close(other[2], results[0][2], rtol=1e-4, atol=1e-6)
+
+
 def test_compile_safety_and_the_loss_sit_under_the_model(repo_root):
     """dflash_compile.py imports no module of this repo, and dflash_loss.py only dflash_compile.py:
     what a warm-up needs from the drafter (the mask builder, the shapes) is passed in, and the loss

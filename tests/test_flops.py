@@ -158,6 +158,30 @@ def test_step_total_matches_flop_counter(fused):
     assert measured == pytest.approx(expected, rel=0.02)
 
 
+def test_distribution_loss_step_counts_the_target_head():
+    """With a loss against the target's distribution the same head also computes the target's logits
+    (forward only): the step's total grows by exactly drafter_step_flops' target_head part."""
+    from dflash_loss import block_target_hidden
+
+    drafter = tiny_drafter()
+    config = drafter.config
+    input_ids, features, anchors, anchor_valid, labels, label_valid = tiny_batch(config)
+    target_hidden = block_target_hidden(torch.randn(*input_ids.shape, HIDDEN), anchors, BLOCK)  # [batch, N, B-1, hidden]
+
+    def step(**objective):
+        hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend="sdpa")
+        loss, _ = fused_dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(BLOCK, 4.0),
+                                    chunk_size=16, **objective)
+        loss.backward()
+
+    parts = drafter_step_flops(config, input_ids.shape[1], anchors, anchor_valid, label_valid, dense_attention=True,
+                               distribution_loss=True)
+    assert parts["target_head"] == (parts["lm_head"][0], 0)
+    # The head's matmuls are counted exactly, so the difference is exact (the part is ~2% of the total here).
+    added = count(lambda: step(loss="lk", target_hidden=target_hidden, loss_weighting="dpace"))["Global"] - count(step)["Global"]
+    assert added == parts["target_head"][0]
+
+
 def test_target_forward_flops_match_flop_counter():
     target_config = tiny_target_config()
     from transformers import Qwen3ForCausalLM

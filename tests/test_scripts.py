@@ -51,8 +51,8 @@ def smoke_runs(tiny_qwen3_target, train_env, tmp_path_factory) -> dict:
         json.dumps(row) + "\n" for row in [{"step": 5, "loss": 9.0, "tau_estimate": 1.1}, {"step": 5, "eval_tau": 1.2},
                                            {"step": 10, "eval_tau": 1.4}]))
     commands = {
-        "bench_dflash.py": ["--device", "cpu", "--tiny", "--quick", "--variant", "baseline", "--steps", "1", "--warmup", "0",
-                            "--no_append"],
+        "bench_dflash.py": ["--device", "cpu", "--tiny", "--quick", "--variant", "baseline", "--objectives", "--steps", "1",
+                            "--warmup", "0", "--no_append"],
         # Dynamo off: the harness's threads, locks, warm-ups and loss run, without minutes of C++ compiles
         # (flex then runs eagerly, which the CPU allows).
         "bench_compile_race.py": ["race", "--device", "cpu", "--pattern", "ours", "--runs", "2", "--parallel", "2",
@@ -76,6 +76,8 @@ def _ok(smoke_runs, script):
 def test_bench_dflash_tiny(smoke_runs):
     result, _ = _ok(smoke_runs, "bench_dflash.py")
     assert "| baseline | 8 | 64 | 2 |" in result.stdout  # (a) drafter step, headline tiny shape
+    for lever in ("dpace", "loss_kl", "loss_tv", "loss_nla", "loss_lk"):  # --objectives: every loss objective beside CE
+        assert f"| baseline+{lever} | 16 | 128 | 1 |" in result.stdout
 
 
 def test_bench_compile_race_records_the_summary_table(smoke_runs):

@@ -101,7 +101,7 @@ def main(argv: list[str]) -> None:
     generator = torch.Generator().manual_seed(0)
     times = []
     for step in range(args.steps):
-        input_ids, loss_mask, features = make_batch(args.batch, args.seq_len, draft_config, device, dtype)
+        input_ids, loss_mask, features, _ = make_batch(args.batch, args.seq_len, draft_config, device, dtype)
         start = time.perf_counter()
         anchors, anchor_valid = sample_anchors(loss_mask, args.num_anchors, generator)
         hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend=backend)
