@@ -855,7 +855,7 @@ def main(argv: list[str]) -> None:
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda":
-        setup_compile_cache("shared")  # before anything compiles (README, "Compile safety")
+        setup_compile_cache("shared")  # before anything compiles (docs/compile-safety.md)
     else:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and a shared CPU loses a lot to them
     torch.manual_seed(0)

@@ -219,7 +219,7 @@ vllm serve {target} --speculative-config '{speculative_config}'
 
 
 def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str) -> None:
-    """The export (config.json + model.safetensors, no target weights; README "Export format"), plus
+    """The export (config.json + model.safetensors, no target weights; docs/training.md, "The export"), plus
     training_settings.json and the model card README.md, written to a temp dir and renamed into
     place, so a crash never leaves a half-written export."""
     tmp = directory.with_name(f".tmp-{directory.name}")

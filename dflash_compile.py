@@ -10,8 +10,7 @@ within a process it is threads that collide: worker threads, and autograd's back
 CUDA), and several ranks sharing one cache directory collided on its files (corrupt or mismatched
 entries, duplicated compile work). Clearing the cache made it come back, suppressing the error only
 hid it, and removing the compile wrapper ran out of memory. The durable fix is synchronisation:
-one compiler at a time per node, the others wait and then load the warm cache (README, "Compile
-safety"; DESIGN section 3).
+one compiler at a time per node, the others wait and then load the warm cache (docs/compile-safety.md).
 
 The rules of this module:
   1. `setup_compile_cache` picks the inductor/Triton cache dirs and the node-wide lock dir, once per

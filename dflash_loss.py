@@ -9,7 +9,7 @@ three times (logits, checkpoint recompute, dlogits @ W), and nothing vocab-sized
 (the idea of Liger-Kernel's fused linear cross-entropy). `dflash_loss` defines the DFlash loss (which
 rows, which weights, the normalisation, the accuracy) and calls `fused_linear_weighted_ce`.
 
-Beyond the paper's objective (DESIGN section 2b): D-PACE position weights (`dpace_weights`, the
+Beyond the paper's objective (docs/training.md, "The objective"): D-PACE position weights (`dpace_weights`, the
 default of speculators for DFlash), and losses against the target's whole distribution p instead of its
 argmax (`LOSSES`: kl, tv, nla, lk). Both need a per-row quantity before the weighted sum, so they run
 through `fused_linear_row_loss`, which returns each row's loss and keeps each row's unweighted input
@@ -84,7 +84,7 @@ DEFAULT_DPACE_ALPHA = 0.5  # speculators' default smoothing of the D-PACE confid
 
 def dpace_weights(confidence: torch.Tensor, label_valid: torch.Tensor, alpha: float = DEFAULT_DPACE_ALPHA) -> torch.Tensor:
     """D-PACE position weights: the expected number of accepted draft tokens that each position carries
-    (speculators' default weighting for DFlash, DESIGN section 2b).
+    (speculators' default weighting for DFlash, docs/training.md, "The objective").
 
     Per block, the smoothed confidence is s_k = (1 - alpha) * c_k + alpha at valid positions and 1 at
     masked ones (a masked position neither stops nor shrinks the run). The weight of a valid position k
@@ -233,7 +233,7 @@ def fused_linear_weighted_ce(rows: torch.Tensor, head_weight: torch.Tensor, targ
 
 
 # ce: cross-entropy with the label (the paper's loss). The others compare the drafter's q with the
-# target's p over the whole vocabulary (DESIGN section 2b): kl = forward KL(p || q); tv = total
+# target's p over the whole vocabulary (docs/training.md, "The objective"): kl = forward KL(p || q); tv = total
 # variation 1 - sum_v min(p_v, q_v) (equal to 1/2 sum_v |p_v - q_v| for two distributions), i.e. one
 # minus the probability that verification at T = 1 accepts a token sampled from q; nla = the negative
 # log of that acceptance probability; lk = the LK hybrid lam * kl + (1 - lam) * tv with
@@ -542,7 +542,7 @@ def dflash_loss(
     learning rate that suits it) does not depend on how large the weights are: D-PACE weights grow
     with the drafter's confidence (up to B-1 at position 1), so under "count" its loss and gradient
     grow as training succeeds, a learning-rate ramp tied to tau. It is also the reduction CE with
-    exp weights has always had here (DESIGN section 2).
+    exp weights has had since the first release (the paper's normalisation, arXiv 2602.06036).
 
     l_i is the per-position `loss` (`LOSSES`; `row_loss_and_grad_chunk` gives the formulas); w_i is
     `weights[k]` (loss_weighting="exp") or the D-PACE weight of the position (`dpace_weights`, from the

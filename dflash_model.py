@@ -2,7 +2,7 @@
 forward pass, conditioned on the target's hidden states.
 
 Reference: "DFlash: Block Diffusion for Flash Speculative Decoding" (arXiv 2602.06036), and the
-checkpoint format its released drafters, SGLang and vLLM load (README, "Export format and serving").
+checkpoint format its released drafters, SGLang and vLLM load (docs/training.md, "The export").
 
 Reading order: config -> pure helpers (anchors, blocks, labels, masks) -> attention dispatch ->
 RMSNorm, attention, MLP, decoder layer -> drafter. The training objective (position weights, the
@@ -100,7 +100,7 @@ def resolve_layer_types(layer_types: str | list[str] | None, num_layers: int) ->
 
 @strict
 class DFlashConfig(Qwen3Config):
-    """Drafter config: a Qwen3 config plus the DFlash fields that serving engines read (README, "Export format").
+    """Drafter config: a Qwen3 config plus the DFlash fields that serving engines read (docs/training.md, "The export").
 
     It stays `model_type = "qwen3"` (a second class registering "qwen3" would collide in
     AutoConfig); the DFlash fields are `block_size`, `num_target_layers` and

@@ -2,9 +2,9 @@
 
 On every node, local ranks [0, N) run the frozen target, alone or in tensor-parallel groups of
 --target_tp_size ranks that share one copy; the node's other ranks train the drafter under
-DeepSpeed ZeRO-2 with all drafter ranks as its data-parallel group (README, "Target and drafter
-ranks", "More than one node"). A training run (dflash_topology.py, dflash_features.py, train_dflash.py)
-uses the pieces below in the order it meets them:
+DeepSpeed ZeRO-2 with all drafter ranks as its data-parallel group (docs/topology.md). A training
+run (dflash_topology.py, dflash_features.py, train_dflash.py) uses the pieces below in the order it
+meets them:
 
 - `node_ranks`, `check_shared_output_dir`, `check_split`: the nodes, one --output_dir they all see,
   a split that fits them.

@@ -365,7 +365,7 @@ def estimate_target_bytes(config: PretrainedConfig, dtype: torch.dtype, tp_size:
     Counted on the empty module tree (no weights read). AutoTP splits every `nn.Linear` over the
     group (attention and MLP projections, the LM head); everything else stays whole on each rank:
     the embedding, the norms, and the 3-D expert tensors of transformers' MoE blocks, which are not
-    `nn.Linear` (so a MoE target's experts are replicated, not split; see README).
+    `nn.Linear` (so a MoE target's experts are replicated, not split; docs/topology.md).
     """
     skeleton = _target_skeleton(config, dtype)
     whole = split = 0
@@ -560,7 +560,7 @@ def find_qwen3_tokenizer_dir() -> str:
 
 # Released drafters for targets whose attention a Qwen3 layer cannot copy (partial rotary: Qwen3.5,
 # Qwen3-Next) use Qwen3's standard attention shape instead: 32 query heads of 128 dimensions, full
-# rotary (z-lab's Qwen3.5-27B and Qwen3.5/3.6-35B-A3B drafters, README "Targets").
+# rotary (z-lab's Qwen3.5-27B and Qwen3.5/3.6-35B-A3B drafters, docs/targets.md).
 STANDARD_HEAD_DIM = 128
 STANDARD_NUM_HEADS = 32
 
@@ -622,7 +622,7 @@ def drafter_config_for_target(
 ) -> DFlashConfig:
     """A drafter config sized after any HF causal-LM target (Qwen3, Llama, Mistral, Gemma, MoE, hybrid, ...).
 
-    Sizes follow the released drafters (README "Targets"): hidden size, RMSNorm epsilon and
+    Sizes follow the released drafters (docs/targets.md): hidden size, RMSNorm epsilon and
     RoPE (theta and scaling) are the target's. The attention shape is the target's when its
     RoPE rotates whole heads; for partial-rotary targets (Qwen3.5, Qwen3-Next) it is Qwen3's
     standard 32 heads of 128 with full rotary and the target's KV width (KV heads = target KV

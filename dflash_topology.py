@@ -92,7 +92,7 @@ def setup_distributed(settings) -> Cluster:
     """Logging, compile caches, the process group, liveness, the seed, nodes and the split's checks."""
     env_rank = int(os.environ.get("RANK", "0"))
     setup_logging(env_rank)  # rank 0 logs the setup; after the split the lead (first drafter rank) logs training too
-    # Compile caches and the node-wide compile lock are fixed before anything compiles (README, "Compile safety").
+    # Compile caches and the node-wide compile lock are fixed before anything compiles (docs/compile-safety.md).
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     setup_compile_cache(
         settings.compile_cache, settings.compile_cache_dir, int(os.environ.get("LOCAL_RANK", "0")),
@@ -139,7 +139,7 @@ class TargetParts:
 
 
 def plan_rank_roles(settings, cluster: Cluster, resume: ResumePoint) -> RankRoles:
-    """The split, fixed or as in the checkpoint being resumed (README, "Target and drafter ranks"), and
+    """The split, fixed or as in the checkpoint being resumed (docs/topology.md), and
     what this rank loads. --target_ranks counts per node; target ranks share a copy of the target in
     tensor-parallel groups of --target_tp_size ranks (DeepSpeed AutoTP). With auto (and no
     checkpoint) the layout is left to `time_rank_split`."""

@@ -146,7 +146,7 @@ class TrainSettings:
     draft_num_attention_heads: int | None = field(default=None, metadata={"help": "Drafter query heads (default: the target's; 32 for partial-rotary targets such as Qwen3.5)"})
     draft_num_key_value_heads: int | None = field(default=None, metadata={"help": "Drafter KV heads (default: the target's; its KV width / 128 for partial-rotary targets)"})
     draft_head_dim: int | None = field(default=None, metadata={"help": "Drafter head dimension (default: the target's; 128 for partial-rotary targets)"})
-    # topology (README, "Target and drafter ranks")
+    # topology (docs/topology.md)
     target_ranks: str = field(default="0", metadata={"help": "On every node, local ranks [0, N) only run the target and send context features to the node's other ranks, which train the drafter: 0 = colocated (every rank does both), N (per node), or auto (time both sides on a few batches, pick N)"})
     target_tp_size: int = field(default=1, metadata={"help": "Target ranks form groups of this many ranks of one node that share one copy of the target, split by DeepSpeed AutoTP (tensor parallelism), for a target too large for one device; --target_ranks must be a multiple of it. 1 = every target rank holds a whole copy"})
     prefetch_batches: int = field(default=2, metadata={"help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
@@ -556,7 +556,7 @@ def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, 
 def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: TrainData, layout, resume: ResumePoint,
                  compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
     """Compile flex for the first batch's shape, in the main thread, under the compile lock, before
-    the feature receiver thread starts (README, "Compile safety"). Compiled drafter layers trace flex
+    the feature receiver thread starts (docs/compile-safety.md). Compiled drafter layers trace flex
     into their own (locked) compiles, so then nothing is done here."""
     if compute.backend != "flex" or compute.compile_drafter:
         return

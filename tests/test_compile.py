@@ -1,4 +1,4 @@
-"""Compile safety of flex_attention (README, "Compile safety"): one compiler at a time across ranks and threads, others
+"""Compile safety of flex_attention (docs/compile-safety.md): one compiler at a time across ranks and threads, others
 load the warm cache, no silent dense fallback, lock timeouts that name the holder.
 
 Every compile here uses the shapes of test_model's flex test (tiny_drafter(block_size=4), _batch()), so
