@@ -541,8 +541,8 @@ def dflash_loss(
     mean over padded positions. The default keeps the loss a weighted mean, whose scale (and so the
     learning rate that suits it) does not depend on how large the weights are: D-PACE weights grow
     with the drafter's confidence (up to B-1 at position 1), so under "count" its loss and gradient
-    grow as training succeeds, a learning-rate ramp tied to tau. It is also the reduction CE with
-    exp weights has had since the first release (the paper's normalisation, arXiv 2602.06036).
+    grow as training succeeds, a learning-rate ramp tied to tau. It is also the paper's normalisation
+    (arXiv 2602.06036).
 
     l_i is the per-position `loss` (`LOSSES`; `row_loss_and_grad_chunk` gives the formulas); w_i is
     `weights[k]` (loss_weighting="exp") or the D-PACE weight of the position (`dpace_weights`, from the
