@@ -181,7 +181,9 @@ def model_card(settings, config: DFlashConfig, *, steps: int, num_samples: int, 
         ("anchors per sequence", settings.num_anchors),
         ("max sequence length", settings.max_seq_length),
         ("optimizer steps", steps),
-        ("loss decay gamma", f"{settings.loss_decay_gamma or default_loss_gamma(config.block_size):.2f}"),
+        ("loss", settings.loss + (f" (lk eta {settings.lk_eta})" if settings.loss == "lk" else "")),
+        ("position weights", f"D-PACE, alpha {settings.dpace_alpha}" if settings.loss_weighting == "dpace" else
+         f"exp(-(k-1)/gamma), gamma {settings.loss_decay_gamma or default_loss_gamma(config.block_size):.2f}"),
     ]
     speculative_config = json.dumps({"method": "dflash", "model": location, "num_speculative_tokens": config.block_size - 1})
     return f"""---

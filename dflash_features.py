@@ -50,14 +50,30 @@ def prefetch(items, fn, depth: int = 2):
 
 
 def target_features(extractor: TargetFeatureExtractor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The target's part of one micro-batch: (context_features [batch, S, n*hidden] in the target
-    dtype, label_ids [batch, S] int64). label_ids[:, t] is the token position t is trained to
-    predict: the data's own token (--label_source data: label_ids is input_ids), or the target's
-    argmax after position t - 1 (target_argmax; an extractor made with predict_next)."""
-    if not extractor.predict_next:
-        return extractor(input_ids, attention_mask), input_ids
-    features, next_ids = extractor(input_ids, attention_mask)
-    return features, torch.cat([input_ids[:, :1], next_ids[:, :-1]], dim=1)
+    """The target's part of one micro-batch: (target outputs [batch, S, n*hidden (+ hidden)] in the
+    target dtype, label_ids [batch, S] int64).
+
+    The target outputs are the context features (n target layers' outputs), followed, for a loss
+    against the target's distribution (an extractor made with last_hidden), by the target's last
+    hidden state: one tensor, so that the target-output cache and split mode's transport carry both
+    as they carry the features alone; `MicroBatchLoss` splits it again. label_ids[:, t] is the token
+    position t is trained to predict: the data's own token (--label_source data: label_ids is
+    input_ids), or the target's argmax after position t - 1 (target_argmax; an extractor made with
+    predict_next)."""
+    output = extractor(input_ids, attention_mask)
+    if not (extractor.predict_next or extractor.last_hidden):
+        return output, input_ids
+    features, *rest = output
+    label_ids = torch.cat([input_ids[:, :1], rest.pop(0)[:, :-1]], dim=1) if extractor.predict_next else input_ids
+    if extractor.last_hidden:
+        features = torch.cat([features, rest.pop(0)], dim=-1)  # [batch, S, n*hidden + hidden]
+    return features, label_ids
+
+
+def target_output_dim(draft_config: DFlashConfig, loss: str) -> int:
+    """Width of the target outputs `target_features` makes: the context features, plus the target's
+    last hidden state for a loss against its distribution (any --loss but ce)."""
+    return (len(draft_config.target_layer_ids) + (loss != "ce")) * draft_config.hidden_size
 
 
 class TargetOutputCache:
@@ -152,13 +168,13 @@ class FeatureSupply:
         if layout.split:
             self.receiver = FeatureReceiver(
                 layout.transport_group, layout.senders_of(layout.rank), device, settings.prefetch_batches,
-                self._schedule(schedule.plan(data, settings, resume, layout.dp_world), resume.global_step), feature_dim=len(draft_config.target_layer_ids) * draft_config.hidden_size,
-                dtype=compute.dtype,
+                self._schedule(schedule.plan(data, settings, resume, layout.dp_world), resume.global_step),
+                feature_dim=target_output_dim(draft_config, settings.loss), dtype=compute.dtype,
             )
         self.target_time = Stopwatch(device)  # colocated: this rank's target forwards
         self.cache = None
         if settings.cache_target_outputs:
-            self.cache = TargetOutputCache(list(data.dataset["num_tokens"]), len(draft_config.target_layer_ids) * draft_config.hidden_size,
+            self.cache = TargetOutputCache(list(data.dataset["num_tokens"]), target_output_dim(draft_config, settings.loss),
                                            compute.dtype, device, with_labels=extractor.predict_next)
         # Colocated: the next micro-batches are collated in a worker thread while this one trains.
         plan = schedule.plan(data, settings, resume, layout.dp_world)
@@ -185,8 +201,9 @@ class FeatureSupply:
 
     def next(self, collated: list, indices: list[int], trains: bool):
         """(input_ids [batch, S], loss_mask [batch, S], label_ids [batch, S], context_features [batch, S,
-        n*hidden], tokens) of this rank's next micro-batch, on the device, except a colocated rank's
-        loss mask (on the host). A filler step (trains False) has no loss mask."""
+        n*hidden (+ hidden, `target_features`)], tokens) of this rank's next micro-batch, on the
+        device, except a colocated rank's loss mask (on the host). A filler step (trains False) has
+        no loss mask."""
         if self.receiver is not None:
             item = self.receiver.get()
             return item["input_ids"], item["loss_mask"], item["label_ids"], item["context_features"], item["num_tokens"]

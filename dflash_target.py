@@ -762,6 +762,10 @@ class TargetFeatureExtractor:
         deepest captured layer, unless `predict_next`.
     predict_next: also return the target's greedy next token at every position (argmax of its
         logits): the forward runs every layer, the final norm and the LM head. Needs truncate=False.
+    last_hidden: also return the target's last hidden state (the final-norm output, the LM head's
+        input) at every position, from which a drafter rank recomputes the target's distribution
+        with the head it holds (the distribution losses of dflash_loss.py): the forward runs every
+        layer and the final norm. Needs truncate=False.
 
     Attributes the drafter borrows by reference: `embed_tokens` (input embedding, [vocab_size,
     hidden]) and `lm_head` (output head; the same weight as `embed_tokens` for tied targets
@@ -769,9 +773,10 @@ class TargetFeatureExtractor:
     written into the drafter's config), `vocab_size` (rows of the embedding).
     """
 
-    def __init__(self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True, predict_next: bool = False):
-        if truncate and predict_next:
-            raise ValueError("TargetFeatureExtractor(predict_next=True) needs the whole target: pass truncate=False")
+    def __init__(self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True, predict_next: bool = False,
+                 last_hidden: bool = False):
+        if truncate and (predict_next or last_hidden):
+            raise ValueError("TargetFeatureExtractor(predict_next=True or last_hidden=True) needs the whole target: pass truncate=False")
         decoder, layers_name, layers = _decoder_and_layers(target)
         # The untruncated count (the drafter config needs it). The config keeps it even when an
         # earlier extractor already truncated this target's layer list.
@@ -805,7 +810,7 @@ class TargetFeatureExtractor:
             layers = nn.ModuleList(layers[: max(target_layer_ids) + 1])
             setattr(decoder, layers_name, layers)  # the dropped layers lose their last reference here
         self.decoder, self.layers_name = decoder, layers_name  # called without the LM head
-        self.layers, self.truncated, self.predict_next = layers, truncate, predict_next
+        self.layers, self.truncated, self.predict_next, self.last_hidden = layers, truncate, predict_next, last_hidden
 
         self._captured: dict[int, torch.Tensor] | None = None  # only filled during __call__
         self._graphed = None  # a CUDAGraphCall of the forward, after use_cuda_graphs()
@@ -824,14 +829,14 @@ class TargetFeatureExtractor:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """input_ids [batch, S] long, attention_mask [batch, S] (1 = real token, right padding)
         -> context_features [batch, S, len(target_layer_ids) * hidden] in the target dtype,
-        layer outputs concatenated in `target_layer_ids` order. With `predict_next` a pair:
-        (context_features, next_ids [batch, S] int64), next_ids[:, t] the target's argmax after
-        position t."""
+        layer outputs concatenated in `target_layer_ids` order. With `predict_next` and/or
+        `last_hidden` a tuple, in this order: (context_features, next_ids [batch, S] int64 (next_ids[:, t]
+        the target's argmax after position t), last_hidden [batch, S, hidden] in the target dtype)."""
         if self._graphed is not None and input_ids.is_cuda:
             # A copy: the graph's output buffers are overwritten by the next replay, while the drafter's
             # autograd (and in split mode the sender thread) may still hold these tensors.
             output = self._graphed(input_ids, attention_mask)
-            return tuple(t.clone() for t in output) if self.predict_next else output.clone()
+            return tuple(t.clone() for t in output) if isinstance(output, tuple) else output.clone()
         return self._features(input_ids, attention_mask, explicit_mask=False)
 
     def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, explicit_mask: bool):
@@ -847,7 +852,7 @@ class TargetFeatureExtractor:
         self._captured = {}
         # A target kept whole (for evaluation) runs only the layers up to the deepest captured one
         # here too: the decoder iterates a prefix of its layer list for the duration of this call.
-        full = None if self.truncated or self.predict_next else getattr(self.decoder, self.layers_name)
+        full = None if self.truncated or self.predict_next or self.last_hidden else getattr(self.decoder, self.layers_name)
         if full is not None:
             setattr(self.decoder, self.layers_name, nn.ModuleList(full[: max(self.target_layer_ids) + 1]))
         try:
@@ -858,9 +863,10 @@ class TargetFeatureExtractor:
             if full is not None:
                 setattr(self.decoder, self.layers_name, full)
         features = torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
-        if not self.predict_next:
+        if not (self.predict_next or self.last_hidden):
             return features
-        return features, self._greedy_next(output[0])  # the final-norm hidden states (a ModelOutput or a tuple)
+        last = output[0]  # the final-norm hidden states [batch, S, hidden] (a ModelOutput or a tuple)
+        return (features, *([self._greedy_next(last)] if self.predict_next else []), *([last] if self.last_hidden else []))
 
     def _greedy_next(self, hidden: torch.Tensor) -> torch.Tensor:
         """Argmax of the LM head over the final-norm hidden states [batch, S, hidden] -> [batch, S]

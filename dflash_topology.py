@@ -202,9 +202,10 @@ def load_target_parts(settings, target_config, draft_config: DFlashConfig, clust
         # Truncating the target after its deepest captured layer frees the later layers, but tau
         # evaluation verifies drafts with the target's logits, and target_argmax labels are its
         # argmax, so where either runs the target stays whole.
-        predict = settings.label_source == "target_argmax"
-        extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=not (roles.evaluator or predict),
-                                           predict_next=predict)
+        # A loss against the target's distribution needs its last hidden state: every layer runs too.
+        predict, last_hidden = settings.label_source == "target_argmax", settings.loss != "ce"
+        extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=not (roles.evaluator or predict or last_hidden),
+                                           predict_next=predict, last_hidden=last_hidden)
         parts = TargetParts(target, extractor, extractor.embed_tokens, extractor.lm_head)
     elif settings_tp > 1:
         join_tensor_parallel_init()  # DeepSpeed AutoTP's world broadcast (dflash_split.py)
@@ -266,7 +267,8 @@ def settle_split(layout, settings, draft_config: DFlashConfig, parts: TargetPart
     if layout.split:
         check_deepspeed_save_barriers()
         logger.info("Split mode: %s", layout.describe())
-        if layout.is_target and not layout.is_evaluator and not parts.extractor.truncated and not parts.extractor.predict_next:  # auto kept it whole while timing
+        whole_for_labels = parts.extractor is not None and (parts.extractor.predict_next or parts.extractor.last_hidden)
+        if layout.is_target and not layout.is_evaluator and not parts.extractor.truncated and not whole_for_labels:  # auto kept it whole while timing
             parts.extractor.remove_hooks()
             parts.extractor = TargetFeatureExtractor(parts.target, draft_config.target_layer_ids, truncate=True)
             if compute.compile_target:

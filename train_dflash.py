@@ -78,7 +78,16 @@ from dflash_cli import SettingsParser, HelpFormatter, did_you_mean, yaml_error_l
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
 from dflash_features import FeatureSupply, to_device
-from dflash_loss import DEFAULT_LOSS_GAMMA, default_loss_gamma, dflash_loss, loss_weights
+from dflash_loss import (
+    DEFAULT_LOSS_GAMMA,
+    LOSS_NORMALIZERS,
+    LOSS_WEIGHTINGS,
+    LOSSES,
+    block_target_hidden,
+    default_loss_gamma,
+    dflash_loss,
+    loss_weights,
+)
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
@@ -163,7 +172,12 @@ class TrainSettings:
     num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
     anchor_slots_multiple: int = field(default=0, metadata={"help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
     label_source: str = field(default="data", metadata={"help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix: the token temperature-0 verification accepts at a block's first position, and at later ones while the reply's tokens in the block are the greedy ones). target_argmax runs the whole target (every layer and its LM head) on the target ranks; not with --target_tp_size > 1"})
-    loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma); default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
+    loss: str = field(default="ce", metadata={"help": "Per-position loss: ce (cross-entropy on the labels, the paper's), or against the target's whole distribution p (draft q): kl (KL(p||q)), tv (1 - sum min(p, q), one minus the acceptance probability at temperature 1), nla (-log sum min(p, q)), lk (KL and TV blended by the acceptance, lambda = exp(-eta * sg[sum min(p, q)])). The distribution losses run every target layer and send its last hidden state with the features (hidden x 2 bytes per token in bf16)"})
+    loss_weighting: str = field(default="exp", metadata={"help": "Position weights: exp (w_k = exp(-(k-1)/gamma), the paper's) or dpace (D-PACE, speculators' default: the expected accepted tokens each position carries, from the drafter's detached confidence)"})
+    dpace_alpha: float = field(default=0.5, metadata={"help": "D-PACE's smoothing: confidence s_k = (1 - alpha) * exp(-CE_k) + alpha (the acceptance probability instead of exp(-CE_k) with a distribution loss)"})
+    loss_normalize: str = field(default="weights", metadata={"help": "Divide the weighted loss sum by the sum of weights (weights, a weighted mean) or by the valid positions (count, speculators' reduction)"})
+    lk_eta: float = field(default=3.0, metadata={"help": "eta of --loss lk (speculators' default; 0 gives plain KL)"})
+    loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
@@ -262,6 +276,13 @@ class TrainSettings:
             raise ValueError(f"--sliding_window must be >= 1 (a query always sees itself), got {self.sliding_window}")
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
             raise ValueError(f"--loss_decay_gamma must be > 0, got {self.loss_decay_gamma}")
+        for name, choices in (("loss", LOSSES), ("loss_weighting", LOSS_WEIGHTINGS), ("loss_normalize", LOSS_NORMALIZERS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if not 0 <= self.dpace_alpha <= 1:
+            raise ValueError(f"--dpace_alpha must be between 0 and 1, got {self.dpace_alpha}")
+        if self.lk_eta < 0:
+            raise ValueError(f"--lk_eta must be >= 0 (0 gives plain KL), got {self.lk_eta}")
         if not 0 <= self.max_dropped_fraction <= 1:
             raise ValueError(f"--max_dropped_fraction must be between 0 and 1, got {self.max_dropped_fraction}")
 
@@ -409,13 +430,19 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
     return draft_config
 
 
-def loss_weights_for(settings: TrainSettings, device: torch.device) -> torch.Tensor:
-    """The per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by block size), logged."""
+def loss_weights_for(settings: TrainSettings, device: torch.device) -> torch.Tensor | None:
+    """The fixed per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by block
+    size), or None with D-PACE (its weights come from each block's confidence); logged."""
+    objective = f"--loss {settings.loss}, normalised by the {'sum of weights' if settings.loss_normalize == 'weights' else 'valid positions'}"
+    if settings.loss_weighting == "dpace":
+        logger.info("Loss weights D-PACE (alpha %.2f); %s", settings.dpace_alpha, objective)
+        return None
     gamma = settings.loss_decay_gamma or default_loss_gamma(settings.block_size)
     logger.info(
-        "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s)", gamma,
+        "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s); %s", gamma,
         "--loss_decay_gamma" if settings.loss_decay_gamma else
         "the paper's value for this block size" if settings.block_size in DEFAULT_LOSS_GAMMA else "(19*B + 62)/52, fitted to the paper's values",
+        objective,
     )
     return loss_weights(settings.block_size, gamma, device=device)
 
@@ -428,17 +455,20 @@ class MicroBatchLoss:
     settings: TrainSettings
     draft_config: DFlashConfig
     compute: Compute
-    weights: torch.Tensor  # [B-1] float32, `loss_weights_for`
+    weights: torch.Tensor | None  # [B-1] float32, `loss_weights_for`; None with D-PACE
     lm_head: torch.nn.Module | None  # the target's (frozen); None on a rank that trains nothing
     slots_used: list[int] = field(default_factory=list)  # anchor slots per micro-batch since the last log (--anchor_slots_multiple)
 
     def __call__(self, model, context_features, input_ids, loss_mask, label_ids, anchor_key: tuple):
         """(loss, accepted [B-1]: `dflash_loss`'s share of blocks right through each position) of one
         micro-batch. model: the DeepSpeed engine or the bare drafter; context_features [batch, S,
-        n*hidden], input_ids and label_ids [batch, S] (`target_features`), loss_mask [batch, S] on the
+        n*hidden], followed by the target's last hidden state [batch, S, hidden] for a distribution
+        loss; input_ids and label_ids [batch, S] (`target_features`); loss_mask [batch, S] on the
         host or the device. Anchors are drawn afresh for every anchor_key = (seed, epoch, micro-step,
         drafter rank): re-sampled every epoch, reproducible on resume."""
         settings, config, device = self.settings, self.draft_config, input_ids.device
+        width = len(config.target_layer_ids) * config.hidden_size
+        context_features, target_hidden = context_features[..., :width], context_features[..., width:]  # views
         generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
         num_anchors = settings.num_anchors
         if settings.anchor_slots_multiple:
@@ -451,10 +481,14 @@ class MicroBatchLoss:
         loss_mask, anchors, anchor_valid, valid_index = (to_device(t, device) for t in (loss_mask, anchors, anchor_valid, valid_index))
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend)
         labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, settings.block_size)
+        # The target's distribution over label k of a block comes from its logits one position earlier.
+        target_rows = block_target_hidden(target_hidden, anchors, settings.block_size) if settings.loss != "ce" else None
         return dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
                            chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
                            output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
-                           valid_index=valid_index)
+                           valid_index=valid_index, loss=settings.loss, target_hidden=target_rows,
+                           loss_weighting=settings.loss_weighting, dpace_alpha=settings.dpace_alpha,
+                           normalize=settings.loss_normalize, lk_eta=settings.lk_eta)
 
     def take_mean_anchor_slots(self) -> float | None:
         """Mean anchor slots per micro-batch of this rank since the last call (which it resets); None

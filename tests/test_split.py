@@ -46,11 +46,12 @@ def assert_same_weights(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
-# What every run compared with the split run shares: labels from the target's argmax (they travel
-# with the features), and 32 anchors per sample, so that a drafter step (its LM head over 32 x 7 block
-# positions) costs clearly more than the target's forward (its head over <= 192 tokens) and
-# --target_ranks auto's choice of colocated here does not hinge on timing noise.
-SHARED = dict(label_source="target_argmax", num_anchors=32)
+# What every run compared with the split run shares: labels from the target's argmax and, for the LK
+# loss against the target's distribution, its last hidden state (both travel with the features), D-PACE
+# weights, and 32 anchors per sample, so that a drafter step (its LM head over 32 x 7 block positions)
+# costs clearly more than the target's forward (its head over <= 192 tokens) and --target_ranks auto's
+# choice of colocated here does not hinge on timing noise.
+SHARED = dict(label_source="target_argmax", num_anchors=32, loss="lk", loss_weighting="dpace")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,7 @@ def split_run(trainable_qwen3_target, gsm8k_path, train_env, tmp_path_factory):
 def test_split_run_logs_both_sides_and_checkpoints(split_run):
     out, _, stderr = split_run
     assert "Split mode: target ranks [0] feed drafter ranks [1, 2]; rank 1 leads" in stderr
+    assert "Loss weights D-PACE (alpha 0.50); --loss lk, normalised by the sum of weights" in stderr
     assert re.search(r"Target rank 0 done: 36 samples", stderr), "the target rank made 18 samples x 2 epochs"
     log = read_jsonl(out / "train_log.jsonl")
     assert [row["step"] for row in log] == [2, 4, 6, 8, 10]

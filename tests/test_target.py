@@ -323,6 +323,37 @@ def test_predict_next_is_the_targets_greedy_token(tiny_qwen3_target, monkeypatch
     torch.testing.assert_close(data_features, features, rtol=0, atol=0)
 
 
+def test_last_hidden_is_the_lm_heads_input_and_travels_with_the_features(tiny_qwen3_target):
+    """last_hidden: the target's final-norm output (HF hidden_states[-1], what its LM head reads) at
+    every position, after the features (and the argmax with predict_next); target_features appends
+    it to the features, the width `target_output_dim` gives, and the head on it is the target's logits."""
+    from dflash_features import target_features, target_output_dim
+    from dflash_model import DFlashConfig
+
+    target, _ = load_target(str(tiny_qwen3_target))
+    input_ids, attention_mask = _batch(target.config.vocab_size)
+    with torch.no_grad():
+        reference = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
+    with pytest.raises(ValueError, match="truncate=False"):
+        TargetFeatureExtractor(target, [0, 2], last_hidden=True)
+    plain = TargetFeatureExtractor(target, [0, 2], truncate=False)
+    features = plain(input_ids, attention_mask)
+    plain.remove_hooks()
+    extractor = TargetFeatureExtractor(target, [0, 2], truncate=False, predict_next=True, last_hidden=True)
+    got_features, next_ids, last = extractor(input_ids, attention_mask)
+    torch.testing.assert_close(got_features, features, rtol=0, atol=0)
+    torch.testing.assert_close(last, reference.hidden_states[-1], rtol=0, atol=0)
+    torch.testing.assert_close(target.lm_head(last), reference.logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(next_ids, reference.logits.argmax(-1))
+    outputs, label_ids = target_features(extractor, input_ids, attention_mask)
+    config = DFlashConfig(hidden_size=target.config.hidden_size, dflash_config={"mask_token_id": 0, "target_layer_ids": [0, 2]})
+    assert outputs.shape[-1] == target_output_dim(config, "kl") == 3 * target.config.hidden_size
+    assert target_output_dim(config, "ce") == 2 * target.config.hidden_size
+    torch.testing.assert_close(outputs, torch.cat([features, last], dim=-1), rtol=0, atol=0)
+    assert torch.equal(label_ids[:, 1:], next_ids[:, :-1])
+    extractor.remove_hooks()
+
+
 def test_an_unloadable_hub_id_says_what_a_hub_id_needs_here(monkeypatch):
     """A --target_model that is neither a folder nor a cached hub model: the error names the flag and,
     offline, that only the local cache is read (not a hint to set a variable that is not set)."""

