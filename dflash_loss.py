@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from dflash_compile import compile_once_locked, running_compiled
-from dflash_model import scale_and_cap_logits
 
 # ----------------------------------------------------------------------------------------------
 # Position weights
@@ -369,7 +368,8 @@ def top_k_candidates(rows: torch.Tensor, head_weight: torch.Tensor, top_k: int, 
 
 
 def selector_objective(
-    selector,
+    candidate_scores: Callable,
+    top_k: int,
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
     labels: torch.Tensor,
@@ -383,7 +383,7 @@ def selector_objective(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DFlash2's selector loss, to be added with weight 1.0 to the drafter's own loss (`dflash_loss`).
 
-    At each valid label position: take the drafter's top-K logits (K = selector.top_k), put the label
+    At each valid label position: take the drafter's top-K logits, put the label
     in slot K when it is missing (`selector_training_candidates`), score the K candidates with the
     selector given the true previous token (teacher forcing: `predecessor_ids`, the anchor at k = 1),
     and take the hard K-way cross-entropy against the label, position-weighted and normalised as
@@ -404,7 +404,9 @@ def selector_objective(
       needs the target's logits, which this trainer does not carry.
 
     Args:
-        selector: the drafter's `CandidateSelector`.
+        candidate_scores: the drafter's `candidate_selector.candidate_scores` (hidden [T, hidden],
+            predecessor ids [T], candidate ids [T, K], unary logits [T, K] -> scores [T, K]).
+        top_k: K, the drafter's `config.selector_top_k`.
         hidden: [batch, N, B-1, hidden], drafter output at block positions 1..B-1 (after `norm`).
         head_weight: [vocab, hidden], the target's LM head (frozen).
         labels, label_valid: [batch, N, B-1] from `block_labels`.
@@ -412,7 +414,7 @@ def selector_objective(
         weights: [B-1] float32 from `loss_weights`.
         chunk_size: rows per chunk of the top-K head matmul (one extra matmul of the head, no backward).
         output_multiplier, final_logit_softcapping: the drafter's logit scaling and cap, applied to
-            the unary logits as the draft pass applies them.
+            the unary logits as the draft pass applies them (`dflash_model.scale_and_cap_logits`).
         valid_index: [T, 3] int64, `label_valid.nonzero()` found ahead, or None.
     Returns:
         loss: scalar float32 (0 with a graph if nothing is valid).
@@ -428,10 +430,11 @@ def selector_objective(
     targets = labels[b_index, n_index, k_index]  # [T]
     head_weight = head_weight.detach()
     candidate_ids, target_index, contains = selector_training_candidates(
-        top_k_candidates(rows.detach(), head_weight, selector.top_k, chunk_size), targets)
-    unary = _CandidateLogits.apply(rows, head_weight, candidate_ids, chunk_size)  # [T, K]
-    unary = scale_and_cap_logits(unary.float(), output_multiplier, final_logit_softcapping)
-    scores = selector.candidate_scores(rows, predecessor_ids[b_index, n_index, k_index], candidate_ids, unary)
+        top_k_candidates(rows.detach(), head_weight, top_k, chunk_size), targets)
+    unary = _CandidateLogits.apply(rows, head_weight, candidate_ids, chunk_size).float() * output_multiplier  # [T, K]
+    if final_logit_softcapping:
+        unary = torch.tanh(unary / final_logit_softcapping) * final_logit_softcapping
+    scores = candidate_scores(rows, predecessor_ids[b_index, n_index, k_index], candidate_ids, unary)
     loss = selector_loss(scores, target_index, weights.to(rows.device)[k_index])
     hit = contains & (scores.detach().argmax(dim=1) == target_index)
     correct = torch.zeros_like(label_valid)  # [batch, N, B-1] bool

@@ -1,12 +1,15 @@
 """The DFlash drafter: a small block-diffusion model that drafts a whole block of tokens in one
-forward pass, conditioned on the target's hidden states.
+forward pass, conditioned on the target's hidden states. And its successor DFlash2, whose layers
+also convolve along the block and whose drafts come from a candidate selector.
 
 Reference: "DFlash: Block Diffusion for Flash Speculative Decoding" (arXiv 2602.06036), and the
 checkpoint format its released drafters, SGLang and vLLM load (README, "Export format and serving").
+DFlash2: the definitions of z-lab/dflash's `DFlash2DraftModel` and the checkpoints it loads.
 
-Reading order: config -> pure helpers (anchors, blocks, labels, masks) -> attention dispatch ->
-RMSNorm, attention, MLP, decoder layer -> drafter. The training objective (position weights, the
-loss through the target's LM head, the tau estimate) is in dflash_loss.py.
+Reading order: config -> pure helpers (anchors, blocks, labels, the convolution, masks, sampling)
+-> attention dispatch -> RMSNorm, attention, MLP, convolution, decoder layers, candidate selector ->
+drafters. The training objective (position weights, the loss through the target's LM head, the tau
+estimate, DFlash2's selector loss) is in dflash_loss.py.
 
 Notation used in every shape comment:
     batch   batch dimension            S       context (sequence) length
@@ -226,9 +229,7 @@ class DFlashConfig(Qwen3Config):
         return causal, (self.sliding_window if sliding else None)
 
 
-# DFlash2's fields and their defaults. Every default is what both z-lab/dflash ships
-# (tests/fixtures/dflash2-config.json, the config of a released DFlash2 drafter) and speculators'
-# `DFlash2SpeculatorConfig` (speculators/models/dflash2/config.py) default to.
+# DFlash2's sizes, written inside `dflash_config` (as z-lab's checkpoints have them).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
@@ -254,11 +255,14 @@ class DFlash2Config(DFlashConfig):
             not divide hidden_size, a rank < 1, or selector_top_k outside 1..vocab_size.
     """
 
+    # Each default is both what z-lab ships (z-lab/dflash tests/fixtures/dflash2-config.json, the
+    # config of a released DFlash2 drafter) and speculators' default (DFlash2SpeculatorConfig in
+    # speculators/models/dflash2/config.py); block_size keeps DFlashConfig's 16, z-lab's value too.
     conv_kernel_size: int = 2  # taps of each convolution: a position mixes itself and its predecessor
     conv_group_size: int = 16  # channels that share one per-token kernel weight
     selector_rank: int = 256  # width of the selector's codebooks
     selector_top_k: int = 16  # draft-logit candidates the selector rescores per position
-    is_causal: bool | None = False
+    is_causal: bool | None = False  # z-lab's fixture; speculators' sliding_window_non_causal = True
 
     def __post_init__(self, **kwargs):
         if self.dflash_config is not None:
@@ -798,6 +802,7 @@ class DFlashMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+
 class GroupedDynamicCausalConv(nn.Module):
     """DFlash2's pair of convolutions around one sublayer (attention or MLP): one mixes the
     sublayer's input, the other its output, both along the block and causally
@@ -848,6 +853,7 @@ class DFlashDecoderLayer(nn.Module):
         """x: [batch, Q, hidden] -> [batch, Q, hidden]; see `DFlashAttention.forward`."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
     """A DFlash layer whose attention and MLP are each wrapped in a `GroupedDynamicCausalConv`:
