@@ -321,7 +321,7 @@ def selector_loss(scores: torch.Tensor, target_index: torch.Tensor, row_weights:
     """Position-weighted K-way cross-entropy of the selector: sum_i w_i * CE(scores_i, index_i) / sum_i w_i.
 
     Args:
-        scores: [T, K] float, `CandidateSelector.candidate_scores` at the training candidates.
+        scores: [T, K] float, the `CandidateSelector`'s scores of the training candidates.
         target_index: [T] int64 (`selector_training_candidates`).
         row_weights: [T] float32, each row's position weight (as in `dflash_loss`).
     Returns:
@@ -404,7 +404,7 @@ def selector_objective(
       needs the target's logits, which this trainer does not carry.
 
     Args:
-        candidate_scores: the drafter's `candidate_selector.candidate_scores` (hidden [T, hidden],
+        candidate_scores: the drafter's `candidate_selector` module (called as hidden [T, hidden],
             predecessor ids [T], candidate ids [T, K], unary logits [T, K] -> scores [T, K]).
         top_k: K, the drafter's `config.selector_top_k`.
         hidden: [batch, N, B-1, hidden], drafter output at block positions 1..B-1 (after `norm`).

@@ -893,10 +893,11 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, config.selector_rank))
         self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
 
-    def candidate_scores(self, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor,
-                         unary: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor,
+                unary: torch.Tensor) -> torch.Tensor:
         """Scores of given candidates given their predecessors, for all positions at once (the
-        teacher-forced form of the walk, used by training and by tests).
+        teacher-forced form of the walk; training calls it through the module, so its parameter
+        hooks run).
 
         Args:
             hidden: [..., hidden], the drafter's final hidden states (after `norm`).
@@ -932,7 +933,7 @@ class CandidateSelector(nn.Module):
         predecessor = anchor_token
         tokens, rows = [], []
         for t in range(hidden.shape[1]):
-            scores = self.candidate_scores(hidden[:, t], predecessor, candidate_ids[:, t], unary[:, t])  # [batch, K]
+            scores = self(hidden[:, t], predecessor, candidate_ids[:, t], unary[:, t])  # [batch, K]
             if temperature == 0:
                 index = scores.argmax(dim=-1)
                 rows.append(F.one_hot(index, self.top_k).float())

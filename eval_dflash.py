@@ -548,8 +548,8 @@ class Drafting:
     kv_cache "dynamic": `DFlashContextCache`, grown by concatenation. "static":
     `DFlashStaticContextCache` of `max_length` positions; with `cuda_graphs` the draft pass is
     captured once and replayed (one graph for greedy drafts, one per sampling setting).
-    `drafter` is a `DFlashDraftModel` (or, with "dynamic", any object with `extend_context` and
-    `draft_block`, and `draft_probs` for sampling).
+    `drafter` is a `DFlashDraftModel` or `DFlash2DraftModel` (or, with "dynamic", any object with
+    `extend_context` and `draft_block`, and `draft_probs` or `draft_sample` for sampling).
     """
 
     def __init__(self, drafter, kv_cache: str = "dynamic", max_length: int | None = None, cuda_graphs: bool = False):
@@ -631,7 +631,7 @@ class Decoder:
 
     Args:
         target: the full HF causal LM (verification needs its logits).
-        drafter: a `DFlashDraftModel` in the target's dtype with `attach_target` done, or None
+        drafter: a `DFlashDraftModel` / `DFlash2DraftModel` in the target's dtype with `attach_target` done, or None
             (plain greedy decoding only).
         kv_cache: "dynamic" or "static" (see `resolve_kv_cache`).
         max_length: with "static", the most positions one prompt plus its generation needs

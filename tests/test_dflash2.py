@@ -389,7 +389,7 @@ def test_selector_objective_equals_a_plain_reference():
         return total / norm
 
     def ours(chunk_size):
-        return selector_objective(selector.candidate_scores, selector.top_k, hidden, head, labels, label_valid, predecessors,
+        return selector_objective(selector, selector.top_k, hidden, head, labels, label_valid, predecessors,
                                   weights, chunk_size=chunk_size, output_multiplier=0.7, final_logit_softcapping=3.0)[0]
 
     expected = run(reference)
@@ -424,7 +424,7 @@ def test_selector_accepted_is_the_walk_along_the_true_tokens():
                 if label_valid[b, n, k]:
                     input_ids[b, anchors[b, n] + k + 1] = labels[b, n, k]
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
-    _, accepted = selector_objective(selector.candidate_scores, selector.top_k, hidden, head, labels, label_valid,
+    _, accepted = selector_objective(selector, selector.top_k, hidden, head, labels, label_valid,
                                      selector_predecessor_ids(input_ids, anchors, 4), loss_weights(4, 2.0))
     with torch.no_grad():
         walk = selector.walk(hidden.flatten(0, 1), drafter.compute_logits(hidden.flatten(0, 1)), input_ids.gather(1, anchors).flatten())[0]
@@ -548,7 +548,7 @@ def test_zlab_reference_parity(tmp_path):
             ours_hidden = drafter.draft_hidden(cache, token)
             logits = drafter.compute_logits(ours_hidden)
             unary, our_candidates = logits.topk(drafter.config.selector_top_k, dim=-1)
-            scores = drafter.candidate_selector.candidate_scores(ours_hidden, torch.cat([token[:, None], path[:, :-1]], 1), our_candidates, unary)
+            scores = drafter.candidate_selector(ours_hidden, torch.cat([token[:, None], path[:, :-1]], 1), our_candidates, unary)
         torch.testing.assert_close(scattered(sampling_probs(scores, 0.8)[0], our_candidates[0], VOCAB), scattered(q[0], candidates[0], VOCAB),
                                    rtol=1e-5, atol=1e-6)
 
