@@ -36,7 +36,6 @@ from dflash_model import (
     GroupedDynamicCausalConv,
     block_labels,
     dense_anchor_block_mask,
-    grouped_dynamic_causal_conv,
     position_rule,
     sample_anchors,
     sample_index,
@@ -328,7 +327,7 @@ def test_draft_pass_and_selector_equal_the_reference_arithmetic(is_causal):
         assert greedy.tolist() == path[1:]
         tokens, candidate_ids, q = drafter.draft_sample(cache, token, 0.7, 1.0, torch.rand(1, 4))
         candidates, scores = reference_selector_scores(drafter, hidden, logits, torch.cat([token, tokens[0, :-1]]))
-        assert set(candidates.flatten().tolist()) <= set(range(VOCAB)) and torch.equal(candidate_ids[0].sort(-1).values, candidates.sort(-1).values)
+        assert torch.equal(candidate_ids[0].sort(-1).values, candidates.sort(-1).values)  # the same top-k sets
         torch.testing.assert_close(scattered(q[0], candidate_ids[0], VOCAB), scattered(torch.softmax(scores / 0.7, -1), candidates, VOCAB),
                                    rtol=1e-5, atol=1e-6)
         assert (q[0].gather(1, (candidate_ids[0] == tokens[0, :, None]).int().argmax(1, keepdim=True)) > 0).all()
