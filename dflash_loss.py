@@ -9,11 +9,14 @@ three times (logits, checkpoint recompute, dlogits @ W), and nothing vocab-sized
 (the idea of Liger-Kernel's fused linear cross-entropy). `dflash_loss` defines the DFlash loss (which
 rows, which weights, the normalisation, the accuracy) and calls `fused_linear_weighted_ce`.
 
-Beyond the paper's objective (docs/training.md, "The objective"): D-PACE position weights (`dpace_weights`, the
-default of speculators for DFlash), and losses against the target's whole distribution p instead of its
-argmax (`LOSSES`: kl, tv, nla, lk). Both need a per-row quantity before the weighted sum, so they run
-through `fused_linear_row_loss`, which returns each row's loss and keeps each row's unweighted input
-gradient; the weights are applied afterwards (`dflash_loss` explains why that is exact and cheap).
+Beyond the paper's objective (docs/training.md, "The objective"): D-PACE position weights
+(`dpace_weights`, the default of speculators for DFlash), and losses against the target's whole
+distribution p instead of its argmax (`LOSSES`: kl, tv, nla, lk). Both need a per-row quantity before
+the weighted sum, so they run through `fused_linear_row_loss`, which returns each row's loss and keeps
+each row's unweighted input gradient; the weights are applied afterwards (`dflash_loss` explains why
+that is exact and cheap). DFlash2 adds its candidate selector's objective (`selector_objective`): a
+hard K-way cross-entropy over the drafter's top-K candidates with teacher-forced predecessors, added
+to the DFlash loss.
 
 Notation: rows = positions in a chunk, T = valid positions in the micro-batch, vocab = LM head rows,
 B = block size, N = anchors per row, p = the target's distribution, q = the drafter's.
@@ -23,6 +26,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from dflash_compile import compile_once_locked, running_compiled
 
@@ -664,3 +668,156 @@ def estimate_acceptance_length(accepted: torch.Tensor) -> float:
             label (treated as 0).
     """
     return 1.0 + torch.nan_to_num(accepted.float(), nan=0.0).sum().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# DFlash2: the candidate selector's objective
+
+
+def selector_training_candidates(candidate_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selector's training candidates: the drafter's top-K, with the target token put in the
+    last (least likely) slot when it is not among them, so every position has a label among K.
+
+    Worked example, K = 3: candidates [7, 2, 9], target 2 -> unchanged, index 1; target 5 ->
+    [7, 2, 5], index 2.
+
+    Args:
+        candidate_ids: [T, K] int64, the top-K of the drafter's logits (distinct ids).
+        targets: [T] int64.
+    Returns:
+        candidate_ids [T, K] int64, target_index [T] int64, and contains [T] bool: whether the
+        top-K already held the target (the selector can draft it at serving time only then).
+    """
+    matches = candidate_ids == targets[:, None]  # [T, K]
+    contains = matches.any(dim=1)
+    last = candidate_ids.shape[1] - 1
+    target_index = torch.where(contains, matches.int().argmax(dim=1), last)
+    injected = candidate_ids.clone()
+    injected[:, last] = torch.where(contains, candidate_ids[:, last], targets)
+    return injected, target_index, contains
+
+
+def selector_loss(scores: torch.Tensor, target_index: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """Position-weighted K-way cross-entropy of the selector: sum_i w_i * CE(scores_i, index_i) / sum_i w_i.
+
+    Args:
+        scores: [T, K] float, the `CandidateSelector`'s scores of the training candidates.
+        target_index: [T] int64 (`selector_training_candidates`).
+        row_weights: [T] float32, each row's position weight (as in `dflash_loss`).
+    Returns:
+        scalar float32.
+    """
+    ce = F.cross_entropy(scores.float(), target_index, reduction="none")  # [T]
+    return (ce * row_weights).sum() / row_weights.sum()
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """rows [T, hidden] x head rows of the candidates -> [T, K] logits, chunk by chunk, keeping only
+    the candidate ids for backward: the gathered head rows (T x K x hidden, 1 GB in bf16 at 8192 rows,
+    K = 16 and hidden 4096) are gathered again in backward instead of being stored. The head is frozen."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, candidate_ids, chunk_size):
+        out = rows.new_empty(candidate_ids.shape)  # [T, K]
+        for start in range(0, rows.shape[0], chunk_size):
+            end = start + chunk_size
+            out[start:end] = (weight[candidate_ids[start:end]] @ rows[start:end, :, None])[..., 0]
+        ctx.save_for_backward(candidate_ids)
+        ctx.weight, ctx.chunk_size = weight, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (candidate_ids,) = ctx.saved_tensors
+        grad_rows = grad_out.new_empty(candidate_ids.shape[0], ctx.weight.shape[1])  # [T, hidden]
+        for start in range(0, candidate_ids.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            grad_rows[start:end] = (grad_out[start:end, None, :] @ ctx.weight[candidate_ids[start:end]])[:, 0]
+        return grad_rows, None, None, None
+
+
+@torch.no_grad()
+def top_k_candidates(rows: torch.Tensor, head_weight: torch.Tensor, top_k: int, chunk_size: int) -> torch.Tensor:
+    """rows [T, hidden] -> [T, K] int64, the ids of the K largest logits of each row, most likely
+    first, with at most chunk_size x vocab logits at a time. The engines' logit multiplier (> 0) and
+    cap are monotone, so the raw logits rank the candidates as the served ones do."""
+    ids = torch.empty(rows.shape[0], top_k, dtype=torch.long, device=rows.device)
+    for start in range(0, rows.shape[0], chunk_size):
+        ids[start : start + chunk_size] = (rows[start : start + chunk_size] @ head_weight.t()).topk(top_k, dim=-1).indices
+    return ids
+
+
+def selector_objective(
+    candidate_scores: Callable,
+    top_k: int,
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_valid: torch.Tensor,
+    predecessor_ids: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int = 4096,
+    output_multiplier: float = 1.0,
+    final_logit_softcapping: float | None = None,
+    valid_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash2's selector loss, to be added with weight 1.0 to the drafter's own loss (`dflash_loss`).
+
+    At each valid label position: take the drafter's top-K logits, put the label
+    in slot K when it is missing (`selector_training_candidates`), score the K candidates with the
+    selector given the true previous token (teacher forcing: `predecessor_ids`, the anchor at k = 1),
+    and take the hard K-way cross-entropy against the label, position-weighted and normalised as
+    `dflash_loss` is. Gradients reach the selector and, through the unary logits and the hidden
+    projection, the drafter's hidden states (as in speculators).
+
+    Why this objective (speculators' DFlash2 objective, speculators/models/dflash2/metrics.py
+    `compute_selector_loss`, weight `selector_loss_alpha` = 1.0):
+    - K-way over the unary top-K is the decision the selector makes when serving; the full vocab
+      would spend the selector's capacity on tokens it never sees. Injecting a missing label at the
+      least likely slot gives every position a label while keeping K = the serving K.
+    - Teacher forcing is exact where it matters: under verification a draft counts only while every
+      earlier draft was right, and then the walk's predecessor IS the true previous token. So the
+      run of teacher-forced hits per block (`accepted` below) is the selector path's accepted length,
+      and all B-1 positions train in one parallel pass instead of a B-1-step walk.
+    - Hard labels (the data tokens) rather than speculators' argmax of the target's logits: our data
+      are the target's own replies and our DFlash loss is hard-label CE too; a soft objective
+      needs the target's logits, which this trainer does not carry.
+
+    Args:
+        candidate_scores: the drafter's `candidate_selector` module (called as hidden [T, hidden],
+            predecessor ids [T], candidate ids [T, K], unary logits [T, K] -> scores [T, K]).
+        top_k: K, the drafter's `config.selector_top_k`.
+        hidden: [batch, N, B-1, hidden], drafter output at block positions 1..B-1 (after `norm`).
+        head_weight: [vocab, hidden], the target's LM head (frozen).
+        labels, label_valid: [batch, N, B-1] from `block_labels`.
+        predecessor_ids: [batch, N, B-1] int64 from `dflash_model.selector_predecessor_ids`.
+        weights: [B-1] float32 from `loss_weights`.
+        chunk_size: rows per chunk of the top-K head matmul (one extra matmul of the head, no backward).
+        output_multiplier, final_logit_softcapping: the drafter's logit scaling and cap, applied to
+            the unary logits as the draft pass applies them (`dflash_model.scale_and_cap_logits`).
+        valid_index: [T, 3] int64, `label_valid.nonzero()` found ahead, or None.
+    Returns:
+        loss: scalar float32 (0 with a graph if nothing is valid).
+        accepted: [B-1] float32, as `dflash_loss`'s, for the selector's path (a hit needs the label
+            among the unary top-K and the selector's argmax on it); `estimate_acceptance_length`
+            turns it into the path's tau.
+    """
+    positions = label_valid.shape[-1]
+    b_index, n_index, k_index = (label_valid.nonzero() if valid_index is None else valid_index).unbind(1)  # each [T]
+    rows = hidden[b_index, n_index, k_index]  # [T, hidden]
+    if rows.shape[0] == 0:
+        return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
+    targets = labels[b_index, n_index, k_index]  # [T]
+    head_weight = head_weight.detach()
+    candidate_ids, target_index, contains = selector_training_candidates(
+        top_k_candidates(rows.detach(), head_weight, top_k, chunk_size), targets)
+    unary = _CandidateLogits.apply(rows, head_weight, candidate_ids, chunk_size).float() * output_multiplier  # [T, K]
+    if final_logit_softcapping:
+        unary = torch.tanh(unary / final_logit_softcapping) * final_logit_softcapping
+    scores = candidate_scores(rows, predecessor_ids[b_index, n_index, k_index], candidate_ids, unary)
+    loss = selector_loss(scores, target_index, weights.to(rows.device)[k_index])
+    hit = contains & (scores.detach().argmax(dim=1) == target_index)
+    correct = torch.zeros_like(label_valid)  # [batch, N, B-1] bool
+    correct[b_index, n_index, k_index] = hit
+    accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [B-1]
+    return loss, accepted / label_valid.sum(dim=(0, 1)).float()

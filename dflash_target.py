@@ -52,7 +52,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_compile import CUDAGraphCall, compile_once_locked, running_compiled
-from dflash_model import DFlashConfig, default_target_layer_ids, resolve_layer_types
+from dflash_model import DFLASH2_FIELDS, DFlash2Config, DFlashConfig, default_target_layer_ids, resolve_layer_types
 
 log = logging.getLogger("dflash_target")
 
@@ -619,6 +619,11 @@ def drafter_config_for_target(
     num_attention_heads: int | None = None,
     num_key_value_heads: int | None = None,
     head_dim: int | None = None,
+    drafter: str = "dflash",
+    conv_kernel_size: int | None = None,
+    conv_group_size: int | None = None,
+    selector_rank: int | None = None,
+    selector_top_k: int | None = None,
 ) -> DFlashConfig:
     """A drafter config sized after any HF causal-LM target (Qwen3, Llama, Mistral, Gemma, MoE, hybrid, ...).
 
@@ -641,9 +646,20 @@ def drafter_config_for_target(
         layer_types, sliding_window, is_causal: the drafter's attention layout (`resolve_layer_types`,
             `DFlashConfig.attention_rule`); default all full attention.
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim: override the derived sizes.
+        drafter: "dflash" (a `DFlashConfig`) or "dflash2" (a `DFlash2Config`, whose is_causal
+            defaults to False).
+        conv_kernel_size, conv_group_size, selector_rank, selector_top_k: DFlash2's sizes; None
+            keeps `DFlash2Config`'s defaults.
     Raises:
-        ValueError: as `DFlashConfig` (dflash_model.py), or when the heads do not divide into the KV heads.
+        ValueError: as `DFlashConfig` / `DFlash2Config` (dflash_model.py), when the heads do not divide
+            into the KV heads, on an unknown drafter, or on DFlash2 sizes for a DFlash drafter.
     """
+    extra = {name: value for name, value in zip(DFLASH2_FIELDS, (conv_kernel_size, conv_group_size, selector_rank, selector_top_k))
+             if value is not None}
+    if drafter not in ("dflash", "dflash2"):
+        raise ValueError(f"--drafter must be dflash or dflash2, got {drafter!r}")
+    if drafter == "dflash" and extra:
+        raise ValueError(f"{', '.join('--' + name for name in extra)} belong to DFlash2 drafters: pass --drafter dflash2, or leave them out")
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     num_target_layers = text_config.num_hidden_layers
     if target_layer_ids is None:
@@ -671,8 +687,11 @@ def drafter_config_for_target(
             f"--draft_num_attention_heads and --draft_num_key_value_heads that do"
         )
     derived_intermediate = 3 * hidden if _is_moe(text_config) or not getattr(text_config, "intermediate_size", None) else text_config.intermediate_size
-    return DFlashConfig(
-        architectures=["DFlashDraftModel"],
+    config_class = DFlash2Config if drafter == "dflash2" else DFlashConfig
+    if is_causal is not None:  # else the class's default: None for DFlash, False for DFlash2
+        extra["is_causal"] = is_causal
+    return config_class(
+        architectures=["DFlash2DraftModel" if drafter == "dflash2" else "DFlashDraftModel"],
         vocab_size=vocab_size or text_config.vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate_size or derived_intermediate,
@@ -687,7 +706,6 @@ def drafter_config_for_target(
         tie_word_embeddings=False,
         layer_types=resolve_layer_types(layer_types, num_draft_layers),
         sliding_window=sliding_window,
-        is_causal=is_causal,
         block_size=block_size,
         num_target_layers=num_target_layers,
         dflash_config={
@@ -695,6 +713,7 @@ def drafter_config_for_target(
             "target_layer_ids": list(target_layer_ids),
             **target_output_scaling(text_config),
         },
+        **extra,
     )
 
 

@@ -46,7 +46,9 @@ Greedy decoding (--temperature 0, the default) makes the lossless check exact. W
 from its own distribution q (one parallel pass, so each q_i is independent of the other drafts), the
 target accepts draft i with probability min(1, p_i / q_i) and replaces the first rejected one with a
 sample from the normalised residual max(0, p_i - q_i), or adds a bonus token sampled from p after a
-fully accepted block (`rejection_sample`). The output is then distributed exactly as plain sampling
+fully accepted block (`rejection_sample`). A DFlash2 drafter samples its drafts left to right along its
+candidate selector's walk, each q_i over the selector's K candidates given d_{i-1}, and verification
+takes q_i in that candidate-index form. The output is then distributed exactly as plain sampling
 from the target, which tests/test_sampling.py checks statistically; there is no per-prompt check, and
 "lossless" is null in results.json. tau and acceptance by position are counted as above. Targets with
 linear-attention layers (Qwen3.5, Qwen3-Next) decode with a dynamic cache whose recurrent state is
@@ -73,7 +75,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from dflash_compile import CUDAGraphCall
 from dflash_data import load_prompts
-from dflash_model import DFlashDraftModel, sampling_probs
+from dflash_model import DFlash2DraftModel, DFlashDraftModel, sampling_probs
 
 logger = logging.getLogger(__name__)
 
@@ -546,8 +548,8 @@ class Drafting:
     kv_cache "dynamic": `DFlashContextCache`, grown by concatenation. "static":
     `DFlashStaticContextCache` of `max_length` positions; with `cuda_graphs` the draft pass is
     captured once and replayed (one graph for greedy drafts, one per sampling setting).
-    `drafter` is a `DFlashDraftModel` (or, with "dynamic", any object with `extend_context` and
-    `draft_block`, and `draft_probs` for sampling).
+    `drafter` is a `DFlashDraftModel` or `DFlash2DraftModel` (or, with "dynamic", any object with
+    `extend_context` and `draft_block`, and `draft_probs` or `draft_sample` for sampling).
     """
 
     def __init__(self, drafter, kv_cache: str = "dynamic", max_length: int | None = None, cuda_graphs: bool = False):
@@ -559,6 +561,7 @@ class Drafting:
         self.cuda_graphs = self.static and cuda_graphs
         self.graphed = CUDAGraphCall(lambda anchor: self.drafter.draft_block(self.cache, anchor)) if self.cuda_graphs else None
         self.graphed_probs: dict[tuple[float, float], CUDAGraphCall] = {}
+        self.graphed_samples: dict[tuple[float, float], CUDAGraphCall] = {}
 
     @property
     def length(self) -> int:
@@ -591,6 +594,17 @@ class Drafting:
             self.graphed_probs[key] = CUDAGraphCall(lambda a: self.drafter.draft_probs(self.cache, a, temperature, top_p))
         return self.graphed_probs[key](anchor)
 
+    def draft_sample(self, anchor: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor):
+        """anchor [1] int64, uniform [1, B-1] draws in [0, 1) -> a DFlash2 drafter's sampled block
+        (`DFlash2DraftModel.draft_sample`: tokens, candidate ids, q rows over them). The draws come
+        from outside, so a captured graph holds no random state."""
+        if not self.cuda_graphs:
+            return self.drafter.draft_sample(self.cache, anchor, temperature, top_p, uniform)
+        key = (temperature, top_p)
+        if key not in self.graphed_samples:
+            self.graphed_samples[key] = CUDAGraphCall(lambda a, u: self.drafter.draft_sample(self.cache, a, temperature, top_p, u))
+        return self.graphed_samples[key](anchor, uniform)
+
 
 def resolve_kv_cache(kv_cache: str, cuda_graphs: str, device: torch.device, target=None) -> tuple[str, bool]:
     """(kv_cache, cuda_graphs) for `--kv_cache auto|static|dynamic` and `--cuda_graphs auto|on|off`:
@@ -617,7 +631,7 @@ class Decoder:
 
     Args:
         target: the full HF causal LM (verification needs its logits).
-        drafter: a `DFlashDraftModel` in the target's dtype with `attach_target` done, or None
+        drafter: a `DFlashDraftModel` / `DFlash2DraftModel` in the target's dtype with `attach_target` done, or None
             (plain greedy decoding only).
         kv_cache: "dynamic" or "static" (see `resolve_kv_cache`).
         max_length: with "static", the most positions one prompt plus its generation needs
@@ -651,7 +665,8 @@ def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 
 def rejection_sample(
-    drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None
+    drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None,
+    draft_indices: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """Speculative sampling of one block (Leviathan et al. 2023; DFlash's reference verifies the same way).
 
@@ -660,19 +675,25 @@ def rejection_sample(
     renormalised (from p_i itself if p_i == q_i leaves no residual). If every draft is accepted,
     the bonus token is sampled from the target's distribution after the last one. The tokens this
     commits are distributed exactly as plain sampling from the target: the verification is lossless.
-    DFlash's drafts are independent given the context (one parallel pass), so q_i does not depend
-    on d_1..d_{i-1}, which the argument needs.
+    q_i must be the distribution d_i was drawn from given d_1..d_{i-1}: DFlash's drafts are
+    independent given the context (one parallel pass), a DFlash2 draft depends on the one before it
+    (the selector's walk), and either way d_i is judged only once d_1..d_{i-1} are accepted, i.e.
+    are the tokens p_i is conditioned on.
 
     Args:
         drafts: [k] int64, d_1..d_k.
-        draft_probs: [k, vocab] float, q_1..q_k (rows sum to 1).
+        draft_probs: [k, vocab] float, q_1..q_k (rows sum to 1); with draft_indices, [k, K]: q_i
+            over the K candidate ids draft_indices[i] (DFlash2's selector), zero elsewhere.
         target_probs: [k + 1, vocab] float, p_1..p_{k+1}: the target's distribution after
             [anchor, d_1..d_{i-1}], i.e. its verify logits at block positions 0..k.
         generator: for reproducible draws (on the tensors' device).
+        draft_indices: [k, K] int64 distinct candidate ids per position, or None (q over the vocab).
     Returns:
         (n, token): n accepted drafts (0..k) and the token committed after them (host ints; one sync).
     """
     k = drafts.shape[0]
+    if draft_indices is not None:  # the candidate-index form: q over the vocab is q_i scattered onto its ids
+        draft_probs = torch.zeros_like(target_probs[:k]).scatter(1, draft_indices, draft_probs.to(target_probs.dtype))
     p = target_probs[:k].gather(1, drafts[:, None])[:, 0]  # [k]
     q = draft_probs.gather(1, drafts[:, None])[:, 0]  # [k], > 0: each draft was sampled from its q
     u = torch.rand(k, generator=generator, device=drafts.device)
@@ -739,7 +760,8 @@ def speculative_generate(
       1. the drafter drafts d_1..d_{b-1} for positions L+1..L+b-1 (b = block_size; a drafter
          trained with a larger block drafts its full block and we keep the first b-1, since the
          drafts of one pass are made together and it was trained on full blocks): the argmax at
-         temperature 0, else samples from its distribution q;
+         temperature 0, else samples from its distribution q. A DFlash2 drafter drafts along its
+         selector's walk: its argmax path, or a sampled path with q rows over its candidates;
       2. the target runs `[anchor, d_1..d_{b-1}]` at positions L..L+b-1 in one cached forward;
       3. greedy: n = longest prefix with d_i == the target's argmax after block[:i], and the
          target's argmax after the n accepted drafts is the bonus token. Sampling:
@@ -751,9 +773,9 @@ def speculative_generate(
 
     Args:
         target: HF causal LM (full, not truncated: verification needs its logits).
-        drafter: `DFlashDraftModel` in the target's dtype with `attach_target` done (or any object
-            with `config.block_size`, `config.target_layer_ids`, `extend_context`, `draft_block`,
-            and `draft_probs` for sampling).
+        drafter: `DFlashDraftModel` or `DFlash2DraftModel` in the target's dtype with `attach_target`
+            done (or any object with `config.block_size`, `config.target_layer_ids`, `extend_context`,
+            `draft_block`, and for sampling `draft_probs`, or `draft_sample` for a selector walk).
         input_ids: [1, P] int64 prompt on the target's device.
         max_new_tokens: most tokens generated, the prefill token included.
         block_size: tokens per verify forward, anchor included (2..drafter block size); default
@@ -774,6 +796,7 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     block_size = resolve_block_size(drafter, block_size)
+    selector_walk = hasattr(drafter, "draft_sample")  # DFlash2: drafts and q come from the selector's walk
     eos = set(eos_token_ids)
     device = input_ids.device
     committed, accepted_drafts = [], []
@@ -791,8 +814,13 @@ def speculative_generate(
 
             while tokens[-1] not in eos and len(tokens) < max_new_tokens:
                 anchor = torch.tensor([tokens[-1]], device=device)  # [1]
+                candidates = None
                 if temperature == 0:
                     drafts = drafting.draft(anchor)[:, : block_size - 1].to(device)  # [1, b-1]
+                elif selector_walk:
+                    uniform = torch.rand(1, drafter.config.block_size - 1, generator=generator, device=device)  # [1, B-1]
+                    drafts, candidates, q = drafting.draft_sample(anchor, temperature, top_p, uniform)
+                    drafts, candidates, q = drafts[:, : block_size - 1], candidates[0, : block_size - 1], q[0, : block_size - 1]
                 else:
                     q = drafting.draft_probs(anchor, temperature, top_p)[0, : block_size - 1].to(device)  # [b-1, vocab]
                     drafts = torch.multinomial(q, 1, generator=generator).T  # [1, b-1], d_i ~ q_i
@@ -802,6 +830,9 @@ def speculative_generate(
                     predicted = logits[0].argmax(dim=-1)  # [b]
                     n = int((drafts[0] == predicted[:-1]).long().cumprod(dim=0).sum())  # longest matching draft prefix
                     new = predicted[: n + 1].tolist()  # accepted drafts (== predicted there) + the bonus token
+                elif candidates is not None:  # DFlash2: q rows over the selector's candidates
+                    n, token = rejection_sample(drafts[0], q, sampling_probs(logits[0], temperature, top_p), generator, candidates)
+                    new = drafts[0, :n].tolist() + [token]
                 else:
                     n, token = rejection_sample(drafts[0], q, sampling_probs(logits[0], temperature, top_p), generator)
                     new = drafts[0, :n].tolist() + [token]
@@ -1043,7 +1074,8 @@ def plot_acceptance(path: str, rates: list, tau: float | None, baseline_tau: flo
 
 
 def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
-    """Load a DFlash drafter checkpoint, refusing folders that are not one (no dflash_config)."""
+    """Load a DFlash or DFlash2 drafter checkpoint (by its config's `architectures`), refusing folders
+    that are not one (no dflash_config)."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--draft_model {path!r} has no config.json; pass the folder of a DFlash drafter checkpoint")
@@ -1054,7 +1086,8 @@ def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashD
             f"--draft_model {path!r} is not a DFlash drafter: its config.json has no 'dflash_config' "
             f"(mask_token_id, target_layer_ids). Pass a checkpoint written by train_dflash.py or a released DFlash drafter."
         )
-    return DFlashDraftModel.from_pretrained(path, dtype=dtype).to(device).eval()
+    model_class = DFlash2DraftModel if "DFlash2DraftModel" in (config.get("architectures") or []) else DFlashDraftModel
+    return model_class.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
