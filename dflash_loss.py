@@ -785,7 +785,8 @@ def selector_objective(
 
     Args:
         candidate_scores: the drafter's `candidate_selector` module (called as hidden [T, hidden],
-            predecessor ids [T], candidate ids [T, K], unary logits [T, K] -> scores [T, K]).
+            predecessor ids [T], candidate ids [T, K], unary logits [T, K] -> scores [T, K]; its
+            `parameters()` join the graph even when nothing is valid).
         top_k: K, the drafter's `config.selector_top_k`.
         hidden: [batch, N, B-1, hidden], drafter output at block positions 1..B-1 (after `norm`).
         head_weight: [vocab, hidden], the target's LM head (frozen).
@@ -806,7 +807,10 @@ def selector_objective(
     b_index, n_index, k_index = (label_valid.nonzero() if valid_index is None else valid_index).unbind(1)  # each [T]
     rows = hidden[b_index, n_index, k_index]  # [T, hidden]
     if rows.shape[0] == 0:
-        return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
+        # Zero, with the selector's parameters in the graph too: every drafter rank must give every
+        # parameter a gradient, or ZeRO's reductions differ between ranks (a filler micro-batch).
+        zero = hidden.sum() * 0.0 + sum(p.sum() for p in candidate_scores.parameters()) * 0.0
+        return zero, torch.full((positions,), float("nan"), device=hidden.device)
     targets = labels[b_index, n_index, k_index]  # [T]
     head_weight = head_weight.detach()
     candidate_ids, target_index, contains = selector_training_candidates(

@@ -87,8 +87,11 @@ from dflash_loss import (
     default_loss_gamma,
     dflash_loss,
     loss_weights,
+    selector_objective,
 )
 from dflash_model import (
+    DFlash2Config,
+    DFlash2DraftModel,
     DFlashConfig,
     DFlashDraftModel,
     anchor_slots,
@@ -96,6 +99,7 @@ from dflash_model import (
     block_labels,
     create_anchor_block_mask,
     sample_anchors,
+    selector_predecessor_ids,
 )
 from dflash_progress import (
     DEBUG_LOG,
@@ -145,6 +149,7 @@ class TrainSettings:
     mask_token_id: int | None = field(default=None, metadata={"help": "Block mask token id: an existing row of the target's embedding (default: <|MASK|> or the first spare row)"})
     mask_token: str | None = field(default=None, metadata={"help": "Block mask token as a string of the target tokenizer (alternative to --mask_token_id)"})
     # drafter
+    drafter: str = field(default="dflash", metadata={"help": "dflash (the paper's drafter) or dflash2 (its successor: grouped dynamic causal convolutions around each layer's attention and MLP, and a candidate selector that rescores the top-k draft tokens along the block; docs/drafters.md)"})
     num_draft_layers: int = field(default=5, metadata={"help": "Drafter decoder layers (paper: 5)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "0-based target layers feeding the drafter (default: one per drafter layer, spread evenly from layer 1 to L-3)"})
     block_size: int = field(default=16, metadata={"help": "Tokens per block, anchor included (B)"})
@@ -155,6 +160,10 @@ class TrainSettings:
     draft_num_attention_heads: int | None = field(default=None, metadata={"help": "Drafter query heads (default: the target's; 32 for partial-rotary targets such as Qwen3.5)"})
     draft_num_key_value_heads: int | None = field(default=None, metadata={"help": "Drafter KV heads (default: the target's; its KV width / 128 for partial-rotary targets)"})
     draft_head_dim: int | None = field(default=None, metadata={"help": "Drafter head dimension (default: the target's; 128 for partial-rotary targets)"})
+    conv_kernel_size: int | None = field(default=None, metadata={"help": "--drafter dflash2: taps of each convolution (default 2, as z-lab's and speculators' DFlash2)"})
+    conv_group_size: int | None = field(default=None, metadata={"help": "--drafter dflash2: channels sharing one per-token kernel weight (default 16)"})
+    selector_rank: int | None = field(default=None, metadata={"help": "--drafter dflash2: width of the candidate selector's codebooks (default 256)"})
+    selector_top_k: int | None = field(default=None, metadata={"help": "--drafter dflash2: draft-logit candidates the selector rescores per position (default 16)"})
     # topology (docs/topology.md)
     target_ranks: str = field(default="0", metadata={"help": "On every node, local ranks [0, N) only run the target and send context features to the node's other ranks, which train the drafter: 0 = colocated (every rank does both), N (per node), or auto (time both sides on a few batches, pick N)"})
     target_tp_size: int = field(default=1, metadata={"help": "Target ranks form groups of this many ranks of one node that share one copy of the target, split by DeepSpeed AutoTP (tensor parallelism), for a target too large for one device; --target_ranks must be a multiple of it. 1 = every target rank holds a whole copy"})
@@ -410,6 +419,11 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
         num_attention_heads=settings.draft_num_attention_heads,
         num_key_value_heads=settings.draft_num_key_value_heads,
         head_dim=settings.draft_head_dim,
+        drafter=settings.drafter,
+        conv_kernel_size=settings.conv_kernel_size,
+        conv_group_size=settings.conv_group_size,
+        selector_rank=settings.selector_rank,
+        selector_top_k=settings.selector_top_k,
     )
     if settings.sliding_window is not None and "sliding_attention" not in draft_config.layer_types:
         logger.warning("--sliding_window %d has no effect: every drafter layer is full attention (set --layer_types)", settings.sliding_window)
@@ -483,12 +497,24 @@ class MicroBatchLoss:
         labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, settings.block_size)
         # The target's distribution over label k of a block comes from its logits one position earlier.
         target_rows = block_target_hidden(target_hidden, anchors, settings.block_size) if settings.loss != "ce" else None
-        return dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
-                           chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
-                           output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
-                           valid_index=valid_index, loss=settings.loss, target_hidden=target_rows,
-                           loss_weighting=settings.loss_weighting, dpace_alpha=settings.dpace_alpha,
-                           normalize=settings.loss_normalize, lk_eta=settings.lk_eta)
+        loss, accepted = dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
+                                     chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
+                                     output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
+                                     valid_index=valid_index, loss=settings.loss, target_hidden=target_rows,
+                                     loss_weighting=settings.loss_weighting, dpace_alpha=settings.dpace_alpha,
+                                     normalize=settings.loss_normalize, lk_eta=settings.lk_eta)
+        if not isinstance(config, DFlash2Config):
+            return loss, accepted
+        # DFlash2 drafts through its candidate selector: its K-way loss joins with weight 1.0 (the
+        # fixed exp weights, also under D-PACE), and its path's hits are what the log's tau estimate counts.
+        selector = getattr(model, "module", model).candidate_selector  # the DeepSpeed engine wraps the drafter
+        selector_weights = self.weights if self.weights is not None else loss_weights(settings.block_size, device=device)
+        selector_loss, accepted = selector_objective(
+            selector, config.selector_top_k, hidden[:, :, 1:], self.lm_head.weight, labels, label_valid,
+            selector_predecessor_ids(input_ids, anchors, settings.block_size), selector_weights,
+            chunk_size=settings.loss_chunk_size, output_multiplier=config.output_multiplier,
+            final_logit_softcapping=config.final_logit_softcapping, valid_index=valid_index)
+        return loss + selector_loss, accepted
 
     def take_mean_anchor_slots(self) -> float | None:
         """Mean anchor slots per micro-batch of this rank since the last call (which it resets); None
@@ -523,7 +549,7 @@ def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> T
 def build_drafter(settings: TrainSettings, draft_config: DFlashConfig, parts: TargetParts, compute: Compute) -> DFlashDraftModel:
     """A freshly initialised drafter (seeded), borrowing the target's embedding and LM head."""
     torch.manual_seed(settings.seed)  # the drafter's init must not depend on what this rank loaded before
-    drafter = DFlashDraftModel(draft_config)
+    drafter = (DFlash2DraftModel if isinstance(draft_config, DFlash2Config) else DFlashDraftModel)(draft_config)
     drafter.attach_target(parts.embed_tokens, parts.lm_head)  # by reference, not registered
     drafter.compile_layers(compute.compile_drafter)
     return drafter

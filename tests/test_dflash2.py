@@ -401,6 +401,14 @@ def test_selector_objective_equals_a_plain_reference():
     # selector_loss alone is the weighted mean CE.
     scores, index, w = torch.randn(5, 3), torch.tensor([0, 2, 1, 1, 0]), torch.tensor([1.0, 0.5, 0.5, 0.25, 1.0])
     torch.testing.assert_close(selector_loss(scores, index, w), (F.cross_entropy(scores, index, reduction="none") * w).sum() / w.sum())
+    # A micro-batch with nothing valid (a filler step): zero, and still a gradient (zeros) for every
+    # selector parameter, as every drafter rank's ZeRO reduction needs.
+    loss, accepted = selector_objective(selector, selector.top_k, hidden, head, labels, torch.zeros_like(label_valid),
+                                        predecessors, weights)
+    drafter.zero_grad(set_to_none=True)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isnan(accepted).all()
+    assert all(p.grad is not None and not p.grad.any() for p in selector.parameters())
 
 
 def test_selector_accepted_is_the_walk_along_the_true_tokens():

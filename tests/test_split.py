@@ -46,12 +46,13 @@ def assert_same_weights(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
-# What every run compared with the split run shares: labels from the target's argmax and, for the LK
-# loss against the target's distribution, its last hidden state (both travel with the features), D-PACE
-# weights, and 32 anchors per sample, so that a drafter step (its LM head over 32 x 7 block positions)
-# costs clearly more than the target's forward (its head over <= 192 tokens) and --target_ranks auto's
-# choice of colocated here does not hinge on timing noise.
-SHARED = dict(label_source="target_argmax", num_anchors=32, loss="lk", loss_weighting="dpace")
+# What every run compared with the split run shares: a DFlash2 drafter (its selector's loss beside the
+# drafter's), labels from the target's argmax and, for the LK loss against the target's distribution,
+# its last hidden state (both travel with the features), D-PACE weights, and 32 anchors per sample, so
+# that a drafter step (its LM head over 32 x 7 block positions) costs clearly more than the target's
+# forward (its head over <= 192 tokens) and --target_ranks auto's choice of colocated here does not
+# hinge on timing noise. The default DFlash drafter with CE runs split in test_topology.py.
+SHARED = dict(drafter="dflash2", label_source="target_argmax", num_anchors=32, loss="lk", loss_weighting="dpace")
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,12 @@ def test_split_run_logs_both_sides_and_checkpoints(split_run):
     assert sorted(p.name for p in (out / "checkpoint-3").glob("rng_state_*")) == ["rng_state_0.pt", "rng_state_1.pt"]
     config = json.loads((out / "final" / "config.json").read_text())  # the lead (rank 1) exported
     assert config["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 16
+    from eval_dflash import load_drafter
+
+    reloaded = load_drafter(str(out / "final"), torch.float32, torch.device("cpu"))
+    assert type(reloaded).__name__ == "DFlash2DraftModel"
+    assert_same_weights(final_weights(out), {k: v for k, v in reloaded.state_dict().items() if k in final_weights(out)})
 
 
 def test_every_sample_once_per_epoch_and_identical_drafters(split_run):

@@ -27,6 +27,20 @@
 #                target's argmax (the config's target_argmax): -0.1 to -0.3. A sampled token differs
 #                from the argmax where the target was unsure; those labels teach what greedy
 #                verification rejects. On greedy replies the two label sources nearly agree.
+#   The objective, one lever at a time (predictions written 2026-12-04, before the runs):
+#   dpace        D-PACE position weights (alpha 0.5) instead of exp(-(k-1)/7), CE: +0.0 to +0.1. At
+#                tau ~2.3 the confidences are low, so D-PACE's weights fall faster than the fixed decay
+#                and put the short run's steps into the first positions, where acceptance is decided.
+#   kl           KL(p||q) against the target's whole distribution instead of CE on its argmax, exp
+#                weights: -0.05 to +0.1. More signal per position (the whole distribution), but
+#                greedy verification accepts the argmax only.
+#   tv           1 - sum min(p, q): -0.1 to 0. Its gradient is weak while q is far from p.
+#   nla          -log sum min(p, q): -0.05 to +0.05.
+#   lk           KL and TV blended by the acceptance (eta 3): 0 to +0.1.
+#   lk_dpace     lk with D-PACE weights (speculators' setting): +0.0 to +0.15.
+#   dflash2      a DFlash2 drafter (convolutions along the block, the candidate selector) at the same
+#                steps: +0.05 to +0.2 at T=0, at ~10-20% more time per step. The selector conditions
+#                each draft on the one before it, which DFlash's parallel argmax cannot.
 #
 #   bash tools/gpu/quality_ablations.sh OUT_DIR [RECIPE_DIR]        # every run
 #   RUNS="base epochs6" bash tools/gpu/quality_ablations.sh OUT_DIR # some of them
@@ -56,8 +70,15 @@ declare -A flags=(
   [sampled1]="--train_data $S1"
   [greedy+4]="--train_data $D/greedy.jsonl $D/sampled4.jsonl"
   [data_labels]="--train_data $D/greedy.jsonl $D/sampled4.jsonl --label_source data"
+  [dpace]="--loss_weighting dpace"
+  [kl]="--loss kl"
+  [tv]="--loss tv"
+  [nla]="--loss nla"
+  [lk]="--loss lk"
+  [lk_dpace]="--loss lk --loss_weighting dpace"
+  [dflash2]="--drafter dflash2"
 )
-order=(base epochs6 layers8 layers3 lr1.2e-3 block8 late_layers sampled1 greedy+4 data_labels)
+order=(base epochs6 layers8 layers3 lr1.2e-3 block8 late_layers sampled1 greedy+4 data_labels dpace kl tv nla lk lk_dpace dflash2)
 for name in ${RUNS:-${order[@]}}; do
   case $name in sampled1) need=$S1 ;; greedy+4 | data_labels) need=$D/sampled4.jsonl ;; *) need=$D/greedy.jsonl ;; esac
   if [[ ! -f $need ]]; then
