@@ -7,6 +7,7 @@
     python bench_dflash.py --quick --compile_target    # (b) also with the target's layers compiled
     python bench_dflash.py --quick --drafter_only --layer_types last_full --sliding_window 2048   # (a) only
     python bench_dflash.py --quick --drafter_only --objectives --budget_s 540   # every loss objective vs CE (< 10 min)
+    python bench_dflash.py --quick --drafter_only --drafter dflash2              # a DFlash2 drafter's step (its selector's loss included)
 
 On a machine whose working tree does not come back (the device tool), append to a copy:
     cp BENCHMARKS.md $OUT/ && python bench_dflash.py --quick --record-to $OUT/BENCHMARKS.md 2>&1 | tee $OUT/bench.log
@@ -112,13 +113,16 @@ import torch.nn as nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_model import (
+    DFlash2Config,
+    DFlash2DraftModel,
     DFlashConfig,
     DFlashDraftModel,
     block_labels,
     create_anchor_block_mask,
     sample_anchors,
+    selector_predecessor_ids,
 )
-from dflash_loss import LOSSES, block_target_hidden, dflash_loss, loss_weights
+from dflash_loss import LOSSES, block_target_hidden, dflash_loss, loss_weights, selector_objective
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
@@ -144,6 +148,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 300, full 500, tiny 50); (a) stops 75 s earlier to leave time for (b) and (c)")
     p.add_argument("--compile_target", action="store_true", help="(b) also with the target's layers compiled (TargetFeatureExtractor.compile_layers); (c) then uses the compiled target")
     p.add_argument("--drafter_only", action="store_true", help="(a) only: skip the target supply (b) and the colocated estimate (c)")
+    p.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"),
+                   help="the drafter: dflash, or dflash2 (its convolutions and candidate selector, and the selector's loss in each "
+                        "step as train_dflash.py adds it; the useful-FLOP count stays DFlash's, without them)")
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
     p.add_argument("--layer_types", default=None, help="drafter layer layout as train_dflash.py's --layer_types (all_full, last_full, ...)")
     p.add_argument("--sliding_window", type=int, default=None, help="window of the sliding layers (train_dflash.py's --sliding_window)")
@@ -501,6 +508,10 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     if variant.objective != "ce":
         objective["target_hidden"] = block_target_hidden(target_hidden, anchors, block_size)  # [batch, N, B-1, hidden]
     loss, _ = loss_fn(variant)(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size, **objective)
+    if isinstance(drafter.config, DFlash2Config):  # the selector's loss beside the drafter's, as train_dflash.py adds it
+        loss = loss + selector_objective(drafter.candidate_selector, drafter.config.selector_top_k, hidden[:, :, 1:], head_weight,
+                                         labels, label_valid, selector_predecessor_ids(input_ids, anchors, block_size),
+                                         loss_weights(block_size, device=hidden.device), chunk_size=variant.chunk_size)[0]
     clock.mark()
     loss.backward()
     clock.mark()
@@ -736,7 +747,7 @@ def drafter_context(args: argparse.Namespace, config: DFlashConfig, device: torc
     """The drafter and its optimizer, with standalone (frozen) embedding and head at the target's shapes:
     everything `bench_drafter_config` reads, as one dict."""
     with device:
-        drafter = DFlashDraftModel(config)
+        drafter = (DFlash2DraftModel if isinstance(config, DFlash2Config) else DFlashDraftModel)(config)
         for param in drafter.parameters():  # params only, like DeepSpeed's bf16 cast: RoPE's inv_freq buffer stays fp32
             param.data = param.data.to(dtype)
         embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype).requires_grad_(False)
@@ -861,9 +872,9 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(0)
     s = shapes(args)
     config = drafter_config_for_target(s["target"], mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
-                                             layer_types=args.layer_types, sliding_window=args.sliding_window)
+                                       layer_types=args.layer_types, sliding_window=args.sliding_window, drafter=args.drafter)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    progress(f"{gpu}, torch {torch.__version__}, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")
+    progress(f"{gpu}, torch {torch.__version__}, {args.drafter} drafter, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")
     matmul = matmul_rate(device, dtype)
     progress(matmul[1])
     ctx = drafter_context(args, config, device, dtype, progress)

@@ -51,8 +51,9 @@ def smoke_runs(tiny_qwen3_target, train_env, tmp_path_factory) -> dict:
         json.dumps(row) + "\n" for row in [{"step": 5, "loss": 9.0, "tau_estimate": 1.1}, {"step": 5, "eval_tau": 1.2},
                                            {"step": 10, "eval_tau": 1.4}]))
     commands = {
+        # A DFlash2 drafter: its step is DFlash's plus the selector's loss, so the run covers both.
         "bench_dflash.py": ["--device", "cpu", "--tiny", "--quick", "--variant", "baseline", "--objectives", "--steps", "1",
-                            "--warmup", "0", "--no_append"],
+                            "--warmup", "0", "--no_append", "--drafter", "dflash2"],
         # Dynamo off: the harness's threads, locks, warm-ups and loss run, without minutes of C++ compiles
         # (flex then runs eagerly, which the CPU allows).
         "bench_compile_race.py": ["race", "--device", "cpu", "--pattern", "ours", "--runs", "2", "--parallel", "2",
