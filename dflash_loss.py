@@ -128,6 +128,19 @@ def dpace_weights(confidence: torch.Tensor, label_valid: torch.Tensor, alpha: fl
 # The fused LM head + weighted cross-entropy, chunk by chunk
 
 
+def _scaled_and_capped(logits: torch.Tensor, multiplier: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """z = `dflash_model.scale_and_cap_logits(logits, multiplier, softcap)` on one fp32 copy of the
+    chunk, in place: (z [rows, vocab] float32, tanh(logits * multiplier / softcap), kept for the
+    chain rule, or None without a cap)."""
+    x = logits.float()
+    if multiplier != 1.0:
+        x.mul_(multiplier)
+    if not softcap:
+        return x, None
+    capped = x.div_(softcap).tanh_()
+    return capped * softcap, capped
+
+
 def weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                                 multiplier: float = 1.0, softcap: float | None = None):
     """One chunk of the loss: logits [rows, vocab] -> (sum w*CE fp32, dlogits in the logits dtype,
@@ -138,13 +151,7 @@ def weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weig
     engines sample from. dCE/dz = w * (softmax(z) - onehot), and the chain rule back to the raw logits
     multiplies by dz/dlogits = multiplier * (1 - tanh^2) (the tanh factor only with a cap).
     """
-    x = logits.float()  # [rows, vocab]
-    if multiplier != 1.0:
-        x.mul_(multiplier)
-    capped = None
-    if softcap:
-        capped = x.div_(softcap).tanh_()  # tanh(z / c), kept for the chain rule
-        x = capped * softcap
+    x, capped = _scaled_and_capped(logits, multiplier, softcap)  # z [rows, vocab] fp32, tanh(z / c) or None
     lse = torch.logsumexp(x, dim=-1)  # [rows]
     ce = lse - x.gather(1, targets[:, None]).squeeze(1)
     hit = x.argmax(dim=-1) == targets
@@ -311,13 +318,7 @@ def row_loss_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, target_
     Returns:
         (loss [rows] float32, confidence [rows] float32, dlogits [rows, vocab] in the logits dtype, hit [rows] bool).
     """
-    x = logits.float()  # z, [rows, vocab]
-    if multiplier != 1.0:
-        x.mul_(multiplier)
-    capped = None
-    if softcap:
-        capped = x.div_(softcap).tanh_()  # tanh(z / c), kept for the chain rule
-        x = capped * softcap
+    x, capped = _scaled_and_capped(logits, multiplier, softcap)  # z [rows, vocab] fp32, tanh(z / c) or None
     hit = x.argmax(dim=-1) == targets
     x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))  # log q
     if loss == "ce":
