@@ -481,8 +481,10 @@ class MicroBatchLoss:
         host or the device. Anchors are drawn afresh for every anchor_key = (seed, epoch, micro-step,
         drafter rank): re-sampled every epoch, reproducible on resume."""
         settings, config, device = self.settings, self.draft_config, input_ids.device
-        width = len(config.target_layer_ids) * config.hidden_size
-        context_features, target_hidden = context_features[..., :width], context_features[..., width:]  # views
+        target_hidden = None
+        if settings.loss != "ce":  # the target's last hidden state follows the context features (`target_features`)
+            width = len(config.target_layer_ids) * config.hidden_size
+            context_features, target_hidden = context_features[..., :width], context_features[..., width:]  # views
         generator = torch.Generator().manual_seed(hash(anchor_key) % 2**63)
         num_anchors = settings.num_anchors
         if settings.anchor_slots_multiple:

@@ -321,6 +321,16 @@ def test_evaluate_acceptance_restores_training_mode(qwen3_dirs):
     drafter.eval()
     assert evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12, block_size=3)["acceptance_rate_by_position"].__len__() == 2
     assert not drafter.training
+    # prompt_lookup: transformers' prompt lookup on the same prompts beside it, counted as the CLI counts it.
+    from eval_dflash import encode_prompt, eos_token_ids_of, prompt_lookup_generate, prompt_lookup_tau
+
+    with_baseline = evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12, prompt_lookup=True)
+    assert "prompt_lookup_acceptance_length" not in summary
+    eos = eos_token_ids_of(tokenizer, target)
+    lookup = [prompt_lookup_generate(target, encode_prompt(tokenizer, messages, None, "cpu"), 12, eos, tokenizer.pad_token_id)[1]
+              for messages in prompts]
+    assert with_baseline["prompt_lookup_acceptance_length"] == prompt_lookup_tau(lookup) is not None
+    assert with_baseline["acceptance_length"] == evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12)["acceptance_length"]
 
 
 def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path, monkeypatch):

@@ -102,7 +102,7 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     out = tmp_path / "ddp"
     args = tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=4, logging_steps=2, max_samples=32,
                      target_layer_ids="1 3", per_device_batch_size=2, save_steps=4,
-                     eval_data=gsm8k_path, eval_steps=2, eval_num_prompts=2, eval_max_new_tokens=12,
+                     eval_data=gsm8k_path, eval_steps=2, eval_num_prompts=2, eval_max_new_tokens=12, eval_prompt_lookup="true",
                      max_grad_norm=0)  # no clipping: DeepSpeed's ZeRO-2 step without the gradient norm
     result = run(args, train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -114,9 +114,14 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     # is accepted rarely, so tau sits at (or just above) 1.
     eval_rows = [row for row in log if "eval_tau" in row]
     assert [row["step"] for row in eval_rows] == [2, 4] and all(1.0 <= row["eval_tau"] <= 8 for row in eval_rows)
-    # Its log line goes with the progress bar (stderr), each on a line of its own.
+    # Its log line goes with the progress bar (stderr), each on a line of its own, with prompt lookup's
+    # tau on the same prompts beside it (--eval_prompt_lookup), which the model card records too.
     held_out = [line.split("\r")[-1] for line in result.stderr.split("\n") if "Held-out tau at step" in line]
     assert len(held_out) == 2 and all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in held_out), held_out
+    assert all("(prompt lookup on the same prompts: " in line for line in held_out), held_out
+    assert all(row["eval_prompt_lookup_tau"] >= 1.0 for row in eval_rows)
+    card = (out / "final" / "README.md").read_text()
+    assert f"transformers' prompt lookup reaches {eval_rows[-1]['eval_prompt_lookup_tau']:.2f} on the same prompts" in card
     assert "tau" not in result.stdout
     assert (out / "training_curves.png").stat().st_size > 1000
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
