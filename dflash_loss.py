@@ -513,10 +513,10 @@ def compiled_row_loss_chunk(logits: torch.Tensor, targets: torch.Tensor, target_
         _compiled_row_loss = torch.compile(row_loss_and_grad_chunk_functional, dynamic=True)
     key = ("row_loss_chunk", loss, str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1], multiplier, softcap, lk_eta)
     what = f"loss chunk ({loss} per row, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
-    run = lambda: _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta)  # noqa: E731
-    compile_once_locked(key, what, run, logits.device)
+    compile_once_locked(key, what, lambda: _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta),
+                        logits.device)
     with running_compiled():
-        return run()
+        return _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta)
 
 
 def dflash_loss(
