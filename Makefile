@@ -40,7 +40,8 @@ $(STAMP): requirements.txt Makefile
 demo: setup
 	$(PY) launch.py train_dflash.py
 
-# The suite, then the family and evaluation tests again on the oldest transformers allowed.
+# The suite, then the family and evaluation tests (the cache and decoding paths that follow
+# transformers' API) again on the oldest transformers allowed.
 test: setup
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadscope
 	$(MAKE) --no-print-directory test-lower
@@ -54,4 +55,4 @@ $(LOWER_VENV)/setup-python$(PY_VERSION).done: requirements.txt Makefile
 	@touch $@
 
 test-lower: $(LOWER_VENV)/setup-python$(PY_VERSION).done
-	$(TEST_ENV) $(LOWER_VENV)/bin/python -m pytest -q -n 2 --dist loadscope tests/test_families.py tests/test_eval.py tests/test_sampling.py
+	$(TEST_ENV) $(LOWER_VENV)/bin/python -m pytest -q -n 2 --dist loadscope tests/test_families.py tests/test_eval.py

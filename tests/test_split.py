@@ -48,11 +48,12 @@ def assert_same_weights(a, b):
 
 # What every run compared with the split run shares: a DFlash2 drafter (its selector's loss beside the
 # drafter's), labels from the target's argmax and, for the LK loss against the target's distribution,
-# its last hidden state (both travel with the features), D-PACE weights, and 32 anchors per sample, so
-# that a drafter step (its LM head over 32 x 7 block positions) costs clearly more than the target's
-# forward (its head over <= 192 tokens) and --target_ranks auto's choice of colocated here does not
-# hinge on timing noise. The default DFlash drafter with CE runs split in test_topology.py.
-SHARED = dict(drafter="dflash2", label_source="target_argmax", num_anchors=32, loss="lk", loss_weighting="dpace")
+# its last hidden state (both travel with the features), D-PACE weights, and 16 anchors per sample, so
+# that a drafter step (its LM head, the target's head for LK and the selector's top-k, over 16 x 7
+# block positions) costs clearly more than the target's forward (its head over <= 192 tokens) and
+# --target_ranks auto's choice of colocated here does not hinge on timing noise. The default DFlash
+# drafter with CE runs split in test_topology.py.
+SHARED = dict(drafter="dflash2", label_source="target_argmax", num_anchors=16, loss="lk", loss_weighting="dpace")
 
 
 @pytest.fixture(scope="module")
