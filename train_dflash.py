@@ -497,6 +497,8 @@ class MicroBatchLoss:
         loss_mask, anchors, anchor_valid, valid_index = (to_device(t, device) for t in (loss_mask, anchors, anchor_valid, valid_index))
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend)
         labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, settings.block_size)
+        dflash2 = isinstance(config, DFlash2Config)  # its selector trains on the true previous tokens (teacher forcing)
+        predecessor_ids = selector_predecessor_ids(input_ids, anchors, settings.block_size) if dflash2 else None
         # The target's distribution over label k of a block comes from its logits one position earlier.
         target_rows = block_target_hidden(target_hidden, anchors, settings.block_size) if settings.loss != "ce" else None
         loss, accepted = dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
@@ -505,15 +507,14 @@ class MicroBatchLoss:
                                      valid_index=valid_index, loss=settings.loss, target_hidden=target_rows,
                                      loss_weighting=settings.loss_weighting, dpace_alpha=settings.dpace_alpha,
                                      normalize=settings.loss_normalize, lk_eta=settings.lk_eta)
-        if not isinstance(config, DFlash2Config):
+        if not dflash2:
             return loss, accepted
         # DFlash2 drafts through its candidate selector: its K-way loss joins with weight 1.0 (the
         # fixed exp weights, also under D-PACE), and its path's hits are what the log's tau estimate counts.
         selector = getattr(model, "module", model).candidate_selector  # the DeepSpeed engine wraps the drafter
         selector_weights = self.weights if self.weights is not None else loss_weights(settings.block_size, device=device)
         selector_loss, accepted = selector_objective(
-            selector, config.selector_top_k, hidden[:, :, 1:], self.lm_head.weight, labels, label_valid,
-            selector_predecessor_ids(input_ids, anchors, settings.block_size), selector_weights,
+            selector, config.selector_top_k, hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, predecessor_ids, selector_weights,
             chunk_size=settings.loss_chunk_size, output_multiplier=config.output_multiplier,
             final_logit_softcapping=config.final_logit_softcapping, valid_index=valid_index)
         return loss + selector_loss, accepted
