@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# speculators' DFlash trainer (0.9.0) against ours on one GPU: the same target (SmolLM2-135M-Instruct, the
+# recipe's GGUF), the same replies (the recipe's 6,973 greedy ones; regenerated when missing), the same
+# number of optimizer steps over them (6 epochs at batch 64: 654), each drafter then measured by
+# eval_dflash.py on the recipe's held-out questions at T=0 and T=0.8 (top_p 1.0, seed 0). Every step is
+# resumable: a step whose output exists is skipped, so rerun the script after a crash or a capped call.
+#
+# Rows (ROWS, in this order by default):
+#   spec_default  speculators' defaults: 5 layers, block 16, D-PACE weights, CE on the target's argmax,
+#                 Muon (lr 1e-3, linear decay, 1% warmup), every layer sliding-window 2048 and causal
+#                 inside the block (its default for DFlash)
+#   spec_paper    speculators with the paper's objective: --per-position-loss-weight fixed-exp-decay
+#                 --dflash-decay-gamma 7 --loss-fn ce, every layer full attention (bidirectional block)
+#   ours_recipe   configs/smollm2-gsm8k-gpu.yaml as shipped (8 layers, AdamW 8e-4 cosine, target-argmax labels)
+#   ours_best     the recipe plus BEST_ARGS (default --loss_weighting dpace: +0.26 held-out tau in the
+#                 654-step runs of BENCHMARKS.md, at no cost per step)
+# What is shared: the replies, tokenized by our data code (same tokens, same loss mask); the target's
+# layer outputs (speculators reads them from files that OUR feature extractor writes: layers 1 8 14 20 27
+# plus the last layer before the final norm, tools/speculators_compare.py); the mask token (16); the
+# labels (both train on the target's argmax); the steps. A speculators step packs replies into one row
+# of ~64 replies' tokens with 64 x 128 anchors, our step's replies and anchors; speculators' own batch
+# shape (8,192 tokens, 512 anchors) would train 1/16 of our anchors per step. Its optimizer, learning
+# rate, schedule and model defaults stay its own.
+#
+#   bash tools/gpu/speculators_compare.sh [OUT_DIR] [RECIPE_DIR]   # defaults outputs/speculators-compare,
+#                                                                  # outputs/smollm2-gsm8k-gpu (its data/)
+#   ROWS="spec_default ours_recipe" bash tools/gpu/speculators_compare.sh OUT   # some rows
+#   EVAL_PROMPTS=50 TEMPS="0" BEST_ARGS="--drafter dflash2 --loss_weighting dpace" bash ... OUT
+#   TINY=1 bash tools/gpu/speculators_compare.sh /tmp/trial   # the CPU trial: 24 demo replies, 3 steps,
+#                                                             # 1-layer drafters, 2 prompts at T=0
+# Writes OUT/table.md and OUT/results.json (every row's numbers: bring back these two), OUT/eval_ROW_tT.json,
+# a log per step (OUT/ROW.log, OUT/eval_ROW_tT.log) and OUT/timings.tsv.
+#
+# Cost on one H200 (estimates, not measured): regeneration 1 min (skipped when the recipe's
+# greedy.jsonl exists), the target's hidden states 1-3 min (6 slots x 576 x 2 bytes per token: ~14 GB
+# on disk, in OUT/features), ours_recipe ~4 min (654 steps at ~235 ms plus start-up), ours_best the
+# same, each speculators row 3-6 min (unmeasured), evaluation ~1.5 min per row for 64 questions at
+# both temperatures at once. Over the 10 minutes of one device call, run the rows over several
+# calls of one machine (the features live on its disk): ROWS="spec_default" first, and so on.
+#
+# speculators is not on the GPU image. Fetch its wheels here (a machine with pip and internet), into
+# .whl/speculators, and carry .whl (tools/gpu/setup.sh installs only .whl/*.whl; this script installs
+# .whl/speculators/*.whl into $ROOT/speculators-site, used by the speculators steps alone, so its pins,
+# datasets<=5.1 among them, never reach our trainer). The versions are those of a tested CPU set; the
+# image has torch 2.11, transformers 5.17, typer, rich, click, httpx, aiohttp, psutil and protobuf:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl/speculators speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 pydantic==2.14.4 \
+#     pydantic-core==2.50.5 annotated-types typing-inspection pydantic-settings==2.16.3 python-dotenv \
+#     openai==3.63.0 distro jiter sniffio datasets==5.1.0 dill multiprocess
+# (not torchvision or torchaudio: the image's match its torch).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=$(realpath -m "${1:-outputs/speculators-compare}")
+RECIPE=$(realpath -m "${2:-outputs/smollm2-gsm8k-gpu}")
+source tools/gpu/setup.sh
+mkdir -p "$OUT"
+timed() {  # name, command...: run it, append "name<TAB>seconds<TAB>exit code" to timings.tsv
+  local name=$1 start ms rc=0
+  shift
+  start=$(date +%s%N)
+  "$@" || rc=$?
+  ms=$((($(date +%s%N) - start) / 1000000))
+  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/timings.tsv"
+  return $rc
+}
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+ROWS=${ROWS:-spec_default spec_paper ours_recipe ours_best}
+TEMPS=${TEMPS:-0 0.8}
+BEST_ARGS=${BEST_ARGS:---loss_weighting dpace}
+TINY=${TINY:-0}
+CONFIG=configs/smollm2-gsm8k-gpu.yaml
+# The recipe's settings that both trainers share.
+eval "$(python3 - "$CONFIG" <<'EOF'
+import sys, yaml
+c = yaml.safe_load(open(sys.argv[1]))
+print(f"BATCH={c['per_device_batch_size']} ANCHORS={c['num_anchors']} EPOCHS={c['num_train_epochs']} MASK={c['mask_token_id']} "
+      f"MAXLEN={c['max_seq_length']} BLOCK={c['block_size']} LAYER_IDS='{' '.join(map(str, c['target_layer_ids']))}'")
+EOF
+)"
+SPEC_IDS=$(for i in $LAYER_IDS; do printf '%d ' $((i + 1)); done)  # speculators indexes HF hidden states: our id + 1
+SPEC_LAYERS=5               # speculators' default depth
+EVAL_PROMPTS=${EVAL_PROMPTS:-64}
+EVAL_MAX_NEW=${EVAL_MAX_NEW:-256}
+D=$RECIPE/data
+REPLIES=${REPLIES:-$D/greedy.jsonl}
+HELDOUT=${HELDOUT:-$D/heldout_questions.jsonl}
+MAX_SAMPLES=""
+SPEC_EXTRA=()   # speculators flags the CPU needs
+OURS_EXTRA=()
+OURS_LAUNCH=(accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py)
+if [[ $TINY == 1 ]]; then  # the CPU trial: the demo's replies and prompts, everything tiny
+  REPLIES=${REPLIES_TINY:-data/demo_conversations.jsonl}
+  HELDOUT=${HELDOUT_TINY:-data/demo_prompts.jsonl}
+  MAX_SAMPLES=24 BATCH=4 ANCHORS=8 SPEC_LAYERS=1 EVAL_PROMPTS=2 EVAL_MAX_NEW=24 TEMPS=${TEMPS_TINY:-0}
+  SPEC_EXTRA=(--draft-attn-impl sdpa --loss-implementation eager --num-workers 0)  # no flex backward, no Triton on CPU
+  OURS_EXTRA=(--num_draft_layers 1 --target_cuda_graphs false --pad_to_multiple_of 1 --num_proc 1 --logging_steps 1)
+  OURS_LAUNCH=(python3 train_dflash.py)
+fi
+
+# 1. The replies: the recipe's greedy ones (tools/gpu/smollm2_gsm8k.sh, step 1), regenerated here when missing.
+if [[ ! -f $HELDOUT || ! -f $REPLIES ]]; then
+  if [[ $REPLIES != "$D/greedy.jsonl" || $HELDOUT != "$D/heldout_questions.jsonl" ]]; then
+    echo "speculators_compare.sh: no $REPLIES or $HELDOUT" >&2; exit 2
+  fi
+  mkdir -p "$D"
+  head -n -500 "$DATA_DIR/gsm8k/train.jsonl" > "$D/train_questions.jsonl"
+  tail -n 500 "$DATA_DIR/gsm8k/train.jsonl" > "$HELDOUT"
+  timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
+    --output "$REPLIES" --temperature 0 --max_new_tokens 320 --batch_size 1024 || exit 1
+fi
+rows=$(grep -c . "$REPLIES")
+[[ -n $MAX_SAMPLES ]] && ((rows > MAX_SAMPLES)) && rows=$MAX_SAMPLES
+STEPS=${STEPS:-$([[ $TINY == 1 ]] && echo 3 || echo $((EPOCHS * ((rows + BATCH - 1) / BATCH))))}
+echo "speculators_compare: $rows replies ($REPLIES), $STEPS steps at batch $BATCH x $ANCHORS anchors; rows: $ROWS; T: $TEMPS; $EVAL_PROMPTS prompts"
+
+# 2. speculators (its rows only), from the carried wheels unless it is importable already.
+SPEC_SITE=$ROOT/speculators-site
+spec_python() { PYTHONPATH=$SPEC_SITE${PYTHONPATH:+:$PYTHONPATH} python3 "$@"; }
+if [[ $ROWS == *spec_* ]] && ! spec_python -c "import speculators" 2>/dev/null; then
+  if ls .whl/speculators/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SPEC_SITE" .whl/speculators/*.whl
+  fi
+  spec_python -c "import speculators; print('speculators', speculators.__version__)" ||
+    { echo "speculators_compare.sh: speculators is not importable: fetch its wheels into .whl/speculators (this script's header)" >&2; exit 2; }
+fi
+
+# 3. The target's hidden states of every reply, once, for the speculators rows.
+FEAT=$OUT/features
+if [[ $ROWS == *spec_* && ! -f $FEAT/meta.json ]]; then
+  timed features python3 tools/speculators_compare.py features --target_model "$SMOLLM2" --train_data "$REPLIES" \
+    --target_layer_ids $LAYER_IDS --max_seq_length "$MAXLEN" --batch_size 64 ${MAX_SAMPLES:+--max_samples $MAX_SAMPLES} \
+    --output "$FEAT" > "$OUT/features.log" 2>&1 || { tail -n 20 "$OUT/features.log"; exit 1; }
+fi
+
+# 4. Each row: train, (speculators) convert to our export's layout, evaluate at each temperature.
+SPEC_COMMON=(--speculator-type dflash --verifier-name-or-path "$SMOLLM2" --target-layer-ids $SPEC_IDS
+             --mask-token-id "$MASK" --block-size "$BLOCK" --num-layers "$SPEC_LAYERS" --max-anchors $((BATCH * ANCHORS))
+             "${SPEC_EXTRA[@]}" ${SPEC_ARGS:-})
+for row in $ROWS; do
+  case $row in
+    spec_default) flags=() ;;
+    spec_paper) flags=(--per-position-loss-weight fixed-exp-decay --dflash-decay-gamma 7 --loss-fn ce
+                       --full-attention-indices $(seq 0 $((SPEC_LAYERS - 1)))) ;;
+    ours_recipe) flags=() ;;
+    ours_best) read -ra flags <<< "$BEST_ARGS" ;;
+    *) echo "speculators_compare.sh: unknown row $row (spec_default spec_paper ours_recipe ours_best)" >&2; exit 2 ;;
+  esac
+  if [[ $row == spec_* ]]; then
+    if [[ ! -f $OUT/$row/summary.json ]]; then
+      timed "train_$row" spec_python tools/speculators_compare.py train "$OUT/$row" --data "$FEAT" --steps "$STEPS" \
+        --batch_samples "$BATCH" -- "${SPEC_COMMON[@]}" "${flags[@]}" > "$OUT/$row.log" 2>&1 ||
+        { tail -n 30 "$OUT/$row.log"; continue; }
+    fi
+    drafter=$OUT/$row/zlab
+    if [[ ! -f $drafter/model.safetensors ]]; then
+      checkpoint=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['checkpoint'])" "$OUT/$row/summary.json")
+      # --max_seq_len: the held-out prompts plus EVAL_MAX_NEW tokens stay far inside the 2,048 window, where
+      # speculators' window (per block) and the engines' (per query) agree (convert_dflash.py).
+      python3 convert_dflash.py "$checkpoint" "$drafter" --to zlab --target "$SMOLLM2" --max_seq_len 1024 --overwrite \
+        > "$OUT/convert_$row.log" 2>&1 || { tail -n 20 "$OUT/convert_$row.log"; continue; }
+    fi
+  else
+    if [[ ! -f $OUT/$row/final/model.safetensors ]]; then
+      # shellcheck disable=SC2086  # MAX_SAMPLES: a flag and its value, or nothing
+      timed "train_$row" "${OURS_LAUNCH[@]}" --config "$CONFIG" --target_model "$SMOLLM2" --train_data "$REPLIES" \
+        --eval_data "" --eval_steps 0 --save_steps 0 --per_device_batch_size "$BATCH" --num_anchors "$ANCHORS" \
+        --max_steps "$STEPS" ${MAX_SAMPLES:+--max_samples $MAX_SAMPLES} --output_dir "$OUT/$row" --overwrite_output_dir \
+        "${OURS_EXTRA[@]}" "${flags[@]}" > "$OUT/$row.log" 2>&1 || { tail -n 30 "$OUT/$row.log"; continue; }
+    fi
+    drafter=$OUT/$row/final
+  fi
+  # The temperatures side by side: a 135M target's decode leaves the GPU mostly idle (tau is unaffected;
+  # the tokens/s in the JSON are then not speeds).
+  for t in $TEMPS; do
+    [[ -f $OUT/eval_${row}_t$t.json ]] && continue
+    timed "eval_${row}_t$t" python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$drafter" --data "$HELDOUT" \
+      --num_prompts "$EVAL_PROMPTS" --max_new_tokens "$EVAL_MAX_NEW" --block_size "$BLOCK" --baseline none \
+      --temperature "$t" --top_p 1.0 --seed 0 --output "$OUT/eval_${row}_t$t.json" > "$OUT/eval_${row}_t$t.log" 2>&1 &
+  done
+  wait
+  for t in $TEMPS; do [[ -f $OUT/eval_${row}_t$t.json ]] || tail -n 20 "$OUT/eval_${row}_t$t.log"; done
+done
+
+# shellcheck disable=SC2086  # the row and temperature lists are words
+python3 tools/speculators_compare.py table "$OUT" --rows $ROWS --temperatures $TEMPS | tee "$OUT/table.md"
