@@ -1081,6 +1081,11 @@ def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashD
         raise ValueError(f"--draft_model {path!r} has no config.json; pass the folder of a DFlash drafter checkpoint")
     with open(config_path) as f:
         config = json.load(f)
+    if "speculators_model_type" in config:
+        raise ValueError(
+            f"--draft_model {path!r} is a speculators checkpoint; convert it to our export first: "
+            f"python convert_dflash.py {path} {path.rstrip('/')}-zlab --to zlab"
+        )
     if "dflash_config" not in config:
         raise ValueError(
             f"--draft_model {path!r} is not a DFlash drafter: its config.json has no 'dflash_config' "
