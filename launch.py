@@ -17,9 +17,12 @@ error. A rank that died without a word (a signal: out of memory, killed) is name
 """
 
 import logging
+import os
 import subprocess
 import sys
 
+import torch
+from accelerate.commands.config import default_config_file
 from accelerate.commands.launch import launch_command, launch_command_parser
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -43,8 +46,23 @@ def first_error(error: ChildFailedError) -> tuple[str, int]:
     return f"error: rank {rank} exited with status {failure.exitcode} (its output is above)", failure.exitcode
 
 
+def fill_launch_defaults(args) -> None:
+    """With no accelerate config (no --config_file, no `accelerate config` file), the values accelerate
+    would take anyway: one process per GPU (one on a CPU), one machine, no mixed precision, no dynamo.
+    Set here, they spare every such launch (the demo's among them) accelerate's five-line warning that
+    each was not passed; a multi-GPU warning, and any value given, stay as they are."""
+    if args.config_file is not None or os.path.isfile(default_config_file):
+        return
+    defaults = {"num_processes": max(0 if args.cpu else torch.cuda.device_count(), 1), "num_machines": 1,
+                "mixed_precision": "no", "dynamo_backend": "no"}
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
 def main(argv: list[str]) -> int:
     args = launch_command_parser().parse_args(argv)
+    fill_launch_defaults(args)
     args.quiet = False  # quiet turns every failure into status 1; this file reports failures itself
     # The agent logs each failed and stopped rank as it handles the failure; the summary below is enough.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -74,7 +74,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_checkpoint import check_hub_access, find_resume_point, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
-from dflash_cli import SettingsParser, HelpFormatter, did_you_mean, yaml_error_line
+from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
 from dflash_features import FeatureSupply, to_device
@@ -279,8 +279,6 @@ class TrainSettings:
             raise ValueError(f"--anchor_slots_multiple must be >= 0 (0 = always --num_anchors slots), got {self.anchor_slots_multiple}")
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (an anchor plus at least one drafted token), got {self.block_size}")
-        if isinstance(self.layer_types, (list, tuple)):  # a YAML list
-            self.layer_types = ",".join(str(t) for t in self.layer_types)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"--sliding_window must be >= 1 (a query always sees itself), got {self.sliding_window}")
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
@@ -338,7 +336,7 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
             # A config file is reused with other output dirs; deleting a finished drafter must be asked for each time.
             raise ValueError(f"{config_path}: overwrite_output_dir deletes the earlier run in the output dir, so it is "
                              "a command-line flag only: remove it from the file and pass --overwrite_output_dir where you mean it")
-        parser.set_defaults(**values)  # the YAML replaces the defaults; flags still win
+        parser.set_defaults(**check_yaml_values(values, TrainSettings, config_path))  # the YAML replaces the defaults; flags still win
     settings, unknown_flags = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown_flags:
         hint = did_you_mean([a for a in unknown_flags if a.startswith("-")], known, prefix="--")
@@ -732,6 +730,10 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
                           location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
         save_export(drafter, final_dir, settings, card)
         logger.info("Exported the drafter to %s with a model card (README.md; serve it with SGLang or vLLM)", final_dir)
+        gguf = f" --target_gguf_file {settings.target_gguf_file}" if settings.target_gguf_file else ""
+        logger.info("Measure it on more prompts: python eval_dflash.py --target_model %s%s --draft_model %s --data %s "
+                    "--num_prompts 20 --max_new_tokens %d --output %s", settings.target_model, gguf, final_dir,
+                    settings.eval_data or "PROMPTS.jsonl", settings.eval_max_new_tokens, Path(settings.output_dir) / "eval.json")
         if settings.push_to_hub:
             url = push_to_hub(final_dir, settings, progress.global_step)
             logger.info("Pushed %s to the Hub as %s (%s)", final_dir, settings.hub_model_id, url)

@@ -445,6 +445,10 @@ def test_demo_prompts_load(repo_root, smollm2_tokenizer):
     prompts = load_prompts(str(repo_root / "data" / "demo_prompts.jsonl"), smollm2_tokenizer)
     assert 150 <= len(prompts) <= 300
     assert len({p[0]["content"] for p in prompts}) == len(prompts)  # no duplicates
+    # The demo measures tau on prompts that none of its training conversations contains.
+    held_out = {p[0]["content"] for p in load_prompts(str(repo_root / "data" / "demo_heldout_prompts.jsonl"), smollm2_tokenizer)}
+    trained = {json.loads(line)["messages"][0]["content"] for line in open(repo_root / "data" / "demo_conversations.jsonl")}
+    assert len(held_out) == 10 and not held_out & trained and trained == {p[0]["content"] for p in prompts}
 
 
 # ----------------------------------------------------------------------------------------

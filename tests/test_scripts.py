@@ -153,6 +153,7 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
                                          + json.dumps({"step": 10, "tau_estimate": 2.5, "elapsed_s": 31.0}) + "\n"
                                          + json.dumps({"step": 10, "eval_tau": 2.5, "elapsed_s": 40.0}) + "\n")
     (run / "final" / "training_settings.json").write_text(json.dumps({"eval_num_prompts": 8}))
+    (tmp_path / "eval_sliding_w64_t0.8.json").write_text(json.dumps({"acceptance_length": 1.875}))  # HELD_OUT's sampled evaluation
     runs = {
         "tools/gpu/drafter_rank_memory.py": ["--out", str(tmp_path / "rank"), "--device", "cpu", "--tiny", "--steps", "2"],
         "tools/gpu/random_target.py": [str(files), str(tmp_path / "random")],
@@ -173,7 +174,7 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     assert (tmp_path / "random" / "model.safetensors").is_file() and (tmp_path / "random" / "drafter" / "config.json").is_file()
     assert (tmp_path / "shaped" / "q8b" / "config.json").is_file() and (tmp_path / "shaped" / "conv8.jsonl").is_file()
     assert out["tools/gpu/ablation_table.py"].startswith("| run | held-out tau |")
-    assert "| sliding_w64 | 2.50 | 8 | 2.25 | 10 | 31 |" in out["tools/gpu/ablation_table.py"]
+    assert "| sliding_w64 | 2.50 | 8 | 1.88 | 2.25 | 10 | 31 |" in out["tools/gpu/ablation_table.py"]
     assert any((tmp_path / "tp").glob("*.safetensors"))
     decode = json.loads((tmp_path / "decode" / "results.json").read_text())
     assert set(decode) == {"eager_step_2_rows_ms", "pick_greedy_2_rows_ms", "pick_sampled_2_rows_ms"} and min(decode.values()) > 0

@@ -123,6 +123,9 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     card = (out / "final" / "README.md").read_text()
     assert f"transformers' prompt lookup reaches {eval_rows[-1]['eval_prompt_lookup_tau']:.2f} on the same prompts" in card
     assert "tau" not in result.stdout
+    # The run ends with the command that measures the export on more prompts.
+    assert f"Measure it on more prompts: python eval_dflash.py --target_model {tiny_qwen3_target} --draft_model {out / 'final'} --data {gsm8k_path} " \
+        f"--num_prompts 20 --max_new_tokens 12 --output {out / 'eval.json'}" in result.stderr
     assert (out / "training_curves.png").stat().st_size > 1000
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
@@ -176,6 +179,7 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
         last = stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and "chats.jsonl:2: invalid JSON at column 16" in last, (nproc, stderr[-3000:])
         assert "Traceback" not in stderr and "ChildFailedError" not in stderr and "CalledProcessError" not in stderr, stderr[-3000:]
+        assert "were not passed to `accelerate launch`" not in stderr  # launch.py passes accelerate's defaults itself
         assert stderr.count("chats.jsonl:2: invalid JSON") == 1 + (nproc == 2) * 2, stderr[-3000:]  # live; rank 1's line; the summary
     # Rank 1 learns it from its watchdog or from its own failing barrier, whichever comes first.
     assert re.search(r"stopping rank 1( after an earlier failure)?: rank 0 failed: DataFormatError", stderr), stderr[-3000:]
@@ -276,6 +280,18 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
     config.write_text("target_model: x\ntrain_data: [a]\nlearning_rat: 0.1\n")
     with pytest.raises(ValueError, match=r"unknown settings \['learning_rat'\]; learning_rat: did you mean learning_rate\?"):
         parse_settings(["--config", str(config)])
+    # A YAML value of the wrong type names the file and the key, lists included (argparse would pass them unchecked).
+    for line, message in [("block_size: [16]", "block_size expects an integer, got [16]"),
+                          ("num_draft_layers: five", "num_draft_layers expects an integer, got 'five'"),
+                          ("target_layer_ids: [1, x]", "target_layer_ids expects a list of integers, got 'x'"),
+                          ("push_to_hub: maybe", "push_to_hub expects true or false, got 'maybe'")]:
+        config.write_text(f"target_model: x\ntrain_data: [a]\n{line}\n")
+        with pytest.raises(ValueError) as error:
+            parse_settings(["--config", str(config)])
+        assert str(error.value) == f"{config}: {message}"
+    config.write_text("target_model: x\ntrain_data: a\nlearning_rate: 1\n")  # a scalar for a list; an integer for a number
+    settings, _ = parse_settings(["--config", str(config)])
+    assert settings.train_data == ["a"] and settings.learning_rate == 1.0 and isinstance(settings.learning_rate, float)
     # --help lists --config, and says "default" once per flag.
     with pytest.raises(SystemExit):
         parse_settings(["--help"])

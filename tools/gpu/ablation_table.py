@@ -1,6 +1,7 @@
 """The table of tools/gpu/quality_ablations.sh and sliding_window.sh: per run, held-out tau
 (OUT_DIR/eval_<run>.json, or else the last held-out evaluation in the run's own train_log.jsonl, whose
-prompt count is the run's --eval_num_prompts) and the tau estimate from training (`tau_estimate`), the mean of
+prompt count is the run's --eval_num_prompts), held-out tau at temperature 0.8 where
+OUT_DIR/eval_<run>_t0.8.json exists, and the tau estimate from training (`tau_estimate`), the mean of
 the last 5 logged steps (OUT_DIR/<run>/train_log.jsonl; runs with one seed log the same batches,
 so their estimates compare on the same samples).
 
@@ -14,8 +15,8 @@ from pathlib import Path
 
 def main() -> None:
     out = Path(sys.argv[1])
-    print("| run | held-out tau | prompts | tau estimate from training (last 5 logs) | steps | training wall time (s) |\n"
-          "|---|---|---|---|---|---|")
+    print("| run | held-out tau | prompts | held-out tau, T=0.8 | tau estimate from training (last 5 logs) | steps | training wall time (s) |\n"
+          "|---|---|---|---|---|---|---|")
     for run in sorted(p for p in out.iterdir() if (p / "train_log.jsonl").is_file()):
         rows = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
         logged = [r for r in rows if "tau_estimate" in r]
@@ -29,7 +30,9 @@ def main() -> None:
             settings = run / "final" / "training_settings.json"
             if tau is not None and settings.is_file():
                 prompts = json.loads(settings.read_text()).get("eval_num_prompts", "-")
-        print(f"| {run.name} | {'-' if tau is None else f'{tau:.2f}'} | {prompts} | "
+        sampled = out / f"eval_{run.name}_t0.8.json"
+        tau_sampled = json.loads(sampled.read_text()).get("acceptance_length") if sampled.is_file() else None
+        print(f"| {run.name} | {'-' if tau is None else f'{tau:.2f}'} | {prompts} | {'-' if tau_sampled is None else f'{tau_sampled:.2f}'} | "
               f"{estimate:.2f} | {last.get('step', '-')} | {last.get('elapsed_s', float('nan')):.0f} |")
 
 

@@ -44,6 +44,8 @@
 #
 #   bash tools/gpu/quality_ablations.sh OUT_DIR [RECIPE_DIR]        # every run
 #   RUNS="base epochs6" bash tools/gpu/quality_ablations.sh OUT_DIR # some of them
+#   HELD_OUT="dpace dflash2" ...   # then these runs on the recipe's 100 held-out questions at T=0 and
+#                                  # at T=0.8 (top_p 1.0, seed 0), one evaluation at a time
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); RECIPE=${2:-outputs/smollm2-gsm8k-gpu}
@@ -94,4 +96,15 @@ for name in ${RUNS:-${order[@]}}; do
   while (($(jobs -rp | wc -l) >= ${RUNS_AT_ONCE:-2})); do sleep 2; done
 done
 wait
+# The runs named in HELD_OUT on the recipe's held-out questions (as tools/gpu/smollm2_gsm8k.sh step 3),
+# greedy and sampled; the table reads OUT_DIR/eval_<run>.json and eval_<run>_t0.8.json.
+for name in ${HELD_OUT:-}; do
+  for t in 0 0.8; do
+    result=$OUT/eval_$name$([[ $t == 0 ]] || echo "_t$t").json
+    [[ -f $result || ! -f $OUT/$name/final/model.safetensors ]] && continue
+    python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$OUT/$name/final" --data "$D/heldout_questions.jsonl" \
+      --num_prompts 100 --max_new_tokens 256 --block_size 16 --baseline none --temperature $t --top_p 1.0 --seed 0 \
+      --output "$result" > "${result%.json}.log" 2>&1
+  done
+done
 python3 tools/gpu/ablation_table.py "$OUT" | tee "$OUT/table.md"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2 GSM8K quality recipe on one GPU: regenerate -> train -> evaluate, each step resumable
+# The SmolLM2 GSM8K quality recipe on one GPU: regenerate -> train -> evaluate (greedy, then sampled), each step resumable
 # (rerun the script after a crash: finished steps are skipped, unfinished ones continue).
 #
 #   bash tools/gpu/smollm2_gsm8k.sh [OUT_DIR]        # default outputs/smollm2-gsm8k-gpu
@@ -52,5 +52,11 @@ if [[ ! -f $OUT/eval.json ]]; then
   timed evaluate python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$OUT/train/final" \
     --data "$D/heldout_questions.jsonl" --num_prompts 100 --max_new_tokens 256 --block_size 16 --baseline none \
     --output "$OUT/eval.json"
+fi
+# 4. The same questions sampled: temperature 0.8, top_p 1.0, seed 0 (lossless in distribution).
+if [[ ! -f $OUT/eval_t0.8.json ]]; then
+  timed evaluate_t0.8 python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$OUT/train/final" \
+    --data "$D/heldout_questions.jsonl" --num_prompts 100 --max_new_tokens 256 --block_size 16 --baseline none \
+    --temperature 0.8 --top_p 1.0 --seed 0 --output "$OUT/eval_t0.8.json"
 fi
 cat "$OUT/timings.tsv"

