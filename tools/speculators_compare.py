@@ -206,8 +206,9 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> None:
     if (run / "summary.json").is_file():
         print(f"{run}: already trained")
         return
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir(parents=True)
+    # A run cut short (a capped device call) continues from its last epoch checkpoint: speculators resumes
+    # from save_path by default. Its step times then add up in timings.tsv.
+    run.mkdir(parents=True, exist_ok=True)
     # A packed row of about batch_samples replies: the replies (and anchors) one of our steps trains on.
     total_seq_len = max(meta["max_tokens"], math.ceil(args.batch_samples * meta["mean_tokens"] / 128) * 128)
     per_epoch = packed_batches_per_epoch(_train_lengths(data, meta), total_seq_len, args.seed)
@@ -216,7 +217,7 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> None:
         "--data-path", str(data), "--save-path", str(run / "checkpoints"), "--log-dir", str(run / "logs"),
         "--on-missing", "raise", "--train-data-ratio", repr(meta["train_data_ratio"]),
         "--total-seq-len", str(total_seq_len), "--max-steps", str(args.steps), "--epochs", str(epochs),
-        "--seed", str(args.seed), "--no-resume-from-checkpoint",
+        "--seed", str(args.seed),
         *flags,
     ]
     (run / "argv.json").write_text(json.dumps(argv, indent=2))
@@ -235,7 +236,8 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> None:
     start = time.perf_counter()
     spec_cli.main(TrainConfig.resolve(argv))
     wall = time.perf_counter() - start
-    steps = [r["global_step"] for r in records.rows]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]  # earlier attempts too
+    steps = [r["global_step"] for r in logged]
     rates = [r["profile"]["tokens_per_s"] for r in records.rows if r.get("profile")]
     warm = rates[len(rates) // 5 :] or rates  # past the compiles of the first steps
     tokens_per_s = statistics.median(warm) if warm else None
@@ -250,7 +252,7 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> None:
         "tokens_per_s": tokens_per_s,
         "samples_per_s": tokens_per_s / meta["mean_tokens"] if tokens_per_s else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        "last_train": records.rows[-1]["train"] if records.rows else None,
+        "last_train": logged[-1]["train"] if logged else None,
         "checkpoint": str(checkpoints[-1]) if checkpoints else None,
     }
     (run / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
@@ -336,6 +338,7 @@ def table_main(args: argparse.Namespace) -> None:
     out = Path(args.out_dir)
     timings = _timings(out)
     rows = [row_result(out, row, args.temperatures, timings) for row in args.rows]
+    rows = [r for r in rows if r["steps"] is not None or any(r[f"tau_t{t}"] is not None for t in args.temperatures)]
     temps = args.temperatures
     header = ["row", *[f"tau T={t}" for t in temps], "steps", "samples/s", "H200-minutes", "peak GB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

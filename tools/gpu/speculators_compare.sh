@@ -34,21 +34,28 @@
 # Cost on one H200 (estimates, not measured): regeneration 1 min (skipped when the recipe's
 # greedy.jsonl exists), the target's hidden states 1-3 min (6 slots x 576 x 2 bytes per token: ~14 GB
 # on disk, in OUT/features), ours_recipe ~4 min (654 steps at ~235 ms plus start-up), ours_best the
-# same, each speculators row 3-6 min (unmeasured), evaluation ~1.5 min per row for 64 questions at
-# both temperatures at once. Over the 10 minutes of one device call, run the rows over several
-# calls of one machine (the features live on its disk): ROWS="spec_default" first, and so on.
+# same, each speculators row 3-6 min (unmeasured: its step at 8,192 anchors), evaluation ~2.5 min per
+# row (100 questions, both temperatures side by side). ~35 minutes in all, more than one session's 30
+# minutes of device time: set EVAL_PROMPTS=50 (~1.3 min per row), and spread the rows over calls of
+# at most 10 minutes on one machine (OUT/features lives on its disk), e.g. ROWS="spec_default", then
+# ROWS="spec_paper", ROWS="ours_recipe ours_best"; a speculators row cut short resumes from its last
+# epoch checkpoint, ours starts over (--save_steps 0). The table takes every row with results so far.
 #
 # speculators is not on the GPU image. Fetch its wheels here (a machine with pip and internet), into
 # .whl/speculators, and carry .whl (tools/gpu/setup.sh installs only .whl/*.whl; this script installs
 # .whl/speculators/*.whl into $ROOT/speculators-site, used by the speculators steps alone, so its pins,
 # datasets<=5.1 among them, never reach our trainer). The versions are those of a tested CPU set; the
-# image has torch 2.11, transformers 5.17, typer, rich, click, httpx, aiohttp, psutil and protobuf:
+# image has torch 2.11, transformers 5.17 (speculators wants <= 5.19), typer, rich, click, aiohttp,
+# psutil and protobuf. openai 3 imports httpx2, not httpx. 7 MB:
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl/speculators speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 pydantic==2.14.4 \
-#     pydantic-core==2.50.5 annotated-types typing-inspection pydantic-settings==2.16.3 python-dotenv \
-#     openai==3.63.0 distro jiter sniffio datasets==5.1.0 dill multiprocess
-# (not torchvision or torchaudio: the image's match its torch).
+#     pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions pydantic-settings==2.16.3 \
+#     python-dotenv openai==3.63.0 httpx2==2.17.0 httpcore2==2.17.0 truststore anyio==4.16.0 jiter sniffio \
+#     'idna>=3.18' 'h11>=0.16' datasets==5.1.0 'dill<0.4.2' 'multiprocess<0.70.20'
+# (not torchvision or torchaudio: the image's match its torch). Check them in the first call:
+#   PYTHONPATH=$HOME/.cache/dflash-gpu/speculators-site python3 -c "import speculators.train.cli"
+# after a run of this script with ROWS naming a speculators row (it installs them first).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:-outputs/speculators-compare}")
@@ -81,7 +88,7 @@ EOF
 )"
 SPEC_IDS=$(for i in $LAYER_IDS; do printf '%d ' $((i + 1)); done)  # speculators indexes HF hidden states: our id + 1
 SPEC_LAYERS=5               # speculators' default depth
-EVAL_PROMPTS=${EVAL_PROMPTS:-64}
+EVAL_PROMPTS=${EVAL_PROMPTS:-100}  # the recipe's evaluation (tools/gpu/smollm2_gsm8k.sh)
 EVAL_MAX_NEW=${EVAL_MAX_NEW:-256}
 D=$RECIPE/data
 REPLIES=${REPLIES:-$D/greedy.jsonl}
@@ -92,7 +99,7 @@ OURS_EXTRA=()
 OURS_LAUNCH=(accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py)
 if [[ $TINY == 1 ]]; then  # the CPU trial: the demo's replies and prompts, everything tiny
   REPLIES=${REPLIES_TINY:-data/demo_conversations.jsonl}
-  HELDOUT=${HELDOUT_TINY:-data/demo_prompts.jsonl}
+  HELDOUT=${HELDOUT_TINY:-data/demo_heldout_prompts.jsonl}
   MAX_SAMPLES=24 BATCH=4 ANCHORS=8 SPEC_LAYERS=1 EVAL_PROMPTS=2 EVAL_MAX_NEW=24 TEMPS=${TEMPS_TINY:-0}
   SPEC_EXTRA=(--draft-attn-impl sdpa --loss-implementation eager --num-workers 0)  # no flex backward, no Triton on CPU
   OURS_EXTRA=(--num_draft_layers 1 --target_cuda_graphs false --pad_to_multiple_of 1 --num_proc 1 --logging_steps 1)
@@ -183,5 +190,6 @@ for row in $ROWS; do
   for t in $TEMPS; do [[ -f $OUT/eval_${row}_t$t.json ]] || tail -n 20 "$OUT/eval_${row}_t$t.log"; done
 done
 
-# shellcheck disable=SC2086  # the row and temperature lists are words
-python3 tools/speculators_compare.py table "$OUT" --rows $ROWS --temperatures $TEMPS | tee "$OUT/table.md"
+# Every row with results so far, whichever ROWS this call ran.
+# shellcheck disable=SC2086  # the temperatures are words
+python3 tools/speculators_compare.py table "$OUT" --temperatures $TEMPS | tee "$OUT/table.md"
