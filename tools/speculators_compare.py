@@ -236,7 +236,8 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> None:
     start = time.perf_counter()
     spec_cli.main(TrainConfig.resolve(argv))
     wall = time.perf_counter() - start
-    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]  # earlier attempts too
+    log = run / "metrics.jsonl"  # this attempt's steps and those of earlier ones
+    logged = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     steps = [r["global_step"] for r in logged]
     rates = [r["profile"]["tokens_per_s"] for r in records.rows if r.get("profile")]
     warm = rates[len(rates) // 5 :] or rates  # past the compiles of the first steps
