@@ -52,3 +52,15 @@ step() {  # name, seconds cap, command...: log to OUT/name.log, "name seconds rc
   ms=$((($(date +%s%N) - start) / 1000000))
   printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/steps.tsv"
 }
+
+# For the pipelines: run a step (its output where it goes), print and append "NAME<TAB>seconds<TAB>exit
+# code" to $OUT/timings.tsv, and return its exit code.
+timed() {  # name, command...
+  local name=$1 start ms rc=0
+  shift
+  start=$(date +%s%N)
+  "$@" || rc=$?
+  ms=$((($(date +%s%N) - start) / 1000000))
+  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/timings.tsv"
+  return $rc
+}

@@ -15,15 +15,6 @@ OUT=${1:-outputs/smollm2-gsm8k-gpu}
 source tools/gpu/setup.sh
 D=$OUT/data
 mkdir -p "$D"
-timed() {  # name, command...: run it, append "name<TAB>seconds<TAB>exit code" to timings.tsv
-  local name=$1 start ms rc=0
-  shift
-  start=$(date +%s%N)
-  "$@" || rc=$?
-  ms=$((($(date +%s%N) - start) / 1000000))
-  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" >> "$OUT/timings.tsv"
-  return $rc
-}
 
 questions=$DATA_DIR/gsm8k/train.jsonl
 head -n -500 "$questions" > "$D/train_questions.jsonl"    # 6,973 questions to answer and train on

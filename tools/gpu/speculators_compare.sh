@@ -62,15 +62,6 @@ OUT=$(realpath -m "${1:-outputs/speculators-compare}")
 RECIPE=$(realpath -m "${2:-outputs/smollm2-gsm8k-gpu}")
 source tools/gpu/setup.sh
 mkdir -p "$OUT"
-timed() {  # name, command...: run it, append "name<TAB>seconds<TAB>exit code" to timings.tsv
-  local name=$1 start ms rc=0
-  shift
-  start=$(date +%s%N)
-  "$@" || rc=$?
-  ms=$((($(date +%s%N) - start) / 1000000))
-  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/timings.tsv"
-  return $rc
-}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 ROWS=${ROWS:-spec_default spec_paper ours_recipe ours_best}
