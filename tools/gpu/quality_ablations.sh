@@ -41,6 +41,13 @@
 #   dflash2      a DFlash2 drafter (convolutions along the block, the candidate selector) at the same
 #                steps: +0.05 to +0.2 at T=0, at ~10-20% more time per step. The selector conditions
 #                each draft on the one before it, which DFlash's parallel argmax cannot.
+#   DFlash2 against the best DFlash objective at equal H200-minutes (predictions written 2026-12-05,
+#   before the runs; the step ratio 1.6 was measured with two runs sharing the GPU):
+#   dflash2_dpace          DFlash2 with D-PACE weights, 654 steps: +0.1 to +0.3 over dpace (DFlash2 gave
+#                          +0.54 over base with CE; the two levers overlap, both weight the early positions).
+#   dflash2_dpace_minutes  the same at 410 steps (654 / 1.6, dpace's H200-minutes): -0.1 to +0.15 over dpace.
+#                          Fewer steps cost (654 -> 1,308 steps gave +0.59, so 654 -> 410 about -0.3) and
+#                          the selector's gain may not cover it.
 #
 #   bash tools/gpu/quality_ablations.sh OUT_DIR [RECIPE_DIR]        # every run
 #   RUNS="base epochs6" bash tools/gpu/quality_ablations.sh OUT_DIR # some of them
@@ -79,8 +86,11 @@ declare -A flags=(
   [lk]="--loss lk"
   [lk_dpace]="--loss lk --loss_weighting dpace"
   [dflash2]="--drafter dflash2"
+  [dflash2_dpace]="--drafter dflash2 --loss_weighting dpace"
+  [dflash2_dpace_minutes]="--drafter dflash2 --loss_weighting dpace --max_steps 410"
 )
-order=(base epochs6 layers8 layers3 lr1.2e-3 block8 late_layers sampled1 greedy+4 data_labels dpace kl tv nla lk lk_dpace dflash2)
+order=(base epochs6 layers8 layers3 lr1.2e-3 block8 late_layers sampled1 greedy+4 data_labels dpace kl tv nla lk lk_dpace dflash2
+       dflash2_dpace dflash2_dpace_minutes)
 for name in ${RUNS:-${order[@]}}; do
   case $name in sampled1) need=$S1 ;; greedy+4 | data_labels) need=$D/sampled4.jsonl ;; *) need=$D/greedy.jsonl ;; esac
   if [[ ! -f $need ]]; then
