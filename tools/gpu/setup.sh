@@ -64,3 +64,17 @@ timed() {  # name, command...
   printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/timings.tsv"
   return $rc
 }
+
+# The recipe's questions and greedy replies in folder $1: the GSM8K training split less its last 500
+# questions (train_questions.jsonl, answered by SmolLM2 into greedy.jsonl; regenerate_data.py skips
+# replies already written) and those 500 (heldout_questions.jsonl: never regenerated or trained on).
+# 1024 rows decode together (each takes the next question when its reply ends): more rows spread a
+# decode step's fixed cost (the kernels of a 135M target are small, BENCHMARKS.md) over more replies.
+recipe_greedy_replies() {  # data folder
+  local d=$1 questions=$DATA_DIR/gsm8k/train.jsonl
+  mkdir -p "$d"
+  head -n -500 "$questions" > "$d/train_questions.jsonl"  # 6,973 questions
+  tail -n 500 "$questions" > "$d/heldout_questions.jsonl"
+  timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$d/train_questions.jsonl" \
+    --output "$d/greedy.jsonl" --temperature 0 --max_new_tokens 320 --batch_size 1024
+}

@@ -14,19 +14,11 @@ cd "$(dirname "$0")/../.."
 OUT=${1:-outputs/smollm2-gsm8k-gpu}
 source tools/gpu/setup.sh
 D=$OUT/data
-mkdir -p "$D"
-
-questions=$DATA_DIR/gsm8k/train.jsonl
-head -n -500 "$questions" > "$D/train_questions.jsonl"    # 6,973 questions to answer and train on
-tail -n 500 "$questions" > "$D/heldout_questions.jsonl"   # held out: never regenerated or trained on
-
 SAMPLES=${SAMPLES:-4}  # sampled replies per question (sample k has the same seed whatever SAMPLES is)
 
-# 1. SmolLM2 answers every training question: once greedily, $SAMPLES times sampled. 1024 rows decode
-# together (each takes the next question when its reply ends): more rows spread a decode step's
-# fixed cost (the kernels of a 135M target are small, BENCHMARKS.md) over more replies.
-timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
-  --output "$D/greedy.jsonl" --temperature 0 --max_new_tokens 320 --batch_size 1024
+# 1. SmolLM2 answers every training question: once greedily (recipe_greedy_replies, tools/gpu/setup.sh),
+# $SAMPLES times sampled, 1024 rows decoding together.
+recipe_greedy_replies "$D"
 timed regenerate_sampled python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
   --output "$D/sampled$SAMPLES.jsonl" --num_samples_per_prompt "$SAMPLES" --temperature 0.8 --top_p 0.95 --max_new_tokens 320 --batch_size 1024
 

@@ -102,11 +102,7 @@ if [[ ! -f $HELDOUT || ! -f $REPLIES ]]; then
   if [[ $REPLIES != "$D/greedy.jsonl" || $HELDOUT != "$D/heldout_questions.jsonl" ]]; then
     echo "speculators_compare.sh: no $REPLIES or $HELDOUT" >&2; exit 2
   fi
-  mkdir -p "$D"
-  head -n -500 "$DATA_DIR/gsm8k/train.jsonl" > "$D/train_questions.jsonl"
-  tail -n 500 "$DATA_DIR/gsm8k/train.jsonl" > "$HELDOUT"
-  timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \
-    --output "$REPLIES" --temperature 0 --max_new_tokens 320 --batch_size 1024 || exit 1
+  recipe_greedy_replies "$D" || exit 1
 fi
 rows=$(grep -c . "$REPLIES")
 [[ -n $MAX_SAMPLES ]] && ((rows > MAX_SAMPLES)) && rows=$MAX_SAMPLES
