@@ -507,11 +507,13 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     objective = dict(loss=variant.objective, loss_weighting=variant.weighting)
     if variant.objective != "ce":
         objective["target_hidden"] = block_target_hidden(target_hidden, anchors, block_size)  # [batch, N, B-1, hidden]
-    loss, _ = loss_fn(variant)(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size, **objective)
-    if isinstance(drafter.config, DFlash2Config):  # the selector's loss beside the drafter's, as train_dflash.py adds it
+    dflash2 = isinstance(drafter.config, DFlash2Config)
+    loss, _, *row_weights = loss_fn(variant)(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size,
+                                             return_row_weights=dflash2, **objective)
+    if dflash2:  # the selector's loss beside the drafter's, with its weights, as train_dflash.py adds it
         loss = loss + selector_objective(drafter.candidate_selector, drafter.config.selector_top_k, hidden[:, :, 1:], head_weight,
                                          labels, label_valid, selector_predecessor_ids(input_ids, anchors, block_size),
-                                         loss_weights(block_size, device=hidden.device), chunk_size=variant.chunk_size)[0]
+                                         row_weights[0], chunk_size=variant.chunk_size)[0]
     clock.mark()
     loss.backward()
     clock.mark()

@@ -537,7 +537,8 @@ def dflash_loss(
     dpace_alpha: float = DEFAULT_DPACE_ALPHA,
     normalize: str = "weights",
     lk_eta: float = DEFAULT_LK_ETA,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_row_weights: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Position-weighted loss through the target's LM head, in chunks (arXiv 2602.06036): by default
     the paper's cross-entropy with exp(-(k-1)/gamma) weights.
 
@@ -593,12 +594,16 @@ def dflash_loss(
         dpace_alpha: D-PACE's confidence smoothing, in [0, 1].
         normalize: "weights" or "count", see above.
         lk_eta: eta of the LK hybrid, >= 0 (0 gives plain KL).
+        return_row_weights: also return w_i, so that DFlash2's selector (`selector_objective`) is
+            weighted exactly as the drafter's loss is.
     Returns:
         loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
         accepted: [B-1] float32; at block position k = 1..B-1, the share of blocks with a label at k
             whose argmax is right at every position 1..k (NaN where no block has a label at k). Entry
             0 is the first position's accuracy; `estimate_acceptance_length` turns it into tau. Labels
             and argmax only, whatever the loss.
+        row_weights (only with return_row_weights): [T] float32, w_i of each valid position in
+            `label_valid.nonzero()` order, detached.
     Raises:
         ValueError: on an unknown loss, weighting or normaliser, a distribution loss without
             target_hidden (or with the wrong shape), exp weighting without weights, lk_eta < 0, or
@@ -627,7 +632,8 @@ def dflash_loss(
     rows = hidden[b_index, n_index, k_index]  # [T, hidden]
     targets = labels[b_index, n_index, k_index]  # [T]
     if rows.shape[0] == 0:
-        return hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device)
+        nothing = (hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device))
+        return (*nothing, rows.new_zeros(0, dtype=torch.float32)) if return_row_weights else nothing
     if loss == "ce" and loss_weighting == "exp":
         row_weights = weights.to(rows.device)[k_index]  # [T]
         ce_grad_chunk = compiled_ce_grad_chunk if compiled else weighted_ce_and_grad_chunk
@@ -651,7 +657,8 @@ def dflash_loss(
     correct = torch.zeros_like(label_valid)  # [batch, N, B-1] bool
     correct[b_index, n_index, k_index] = hit
     accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [B-1]
-    return mean_loss, accepted / label_valid.sum(dim=(0, 1)).float()
+    accepted = accepted / label_valid.sum(dim=(0, 1)).float()
+    return (mean_loss, accepted, row_weights.detach().float()) if return_row_weights else (mean_loss, accepted)
 
 
 def estimate_acceptance_length(accepted: torch.Tensor) -> float:
@@ -698,18 +705,20 @@ def selector_training_candidates(candidate_ids: torch.Tensor, targets: torch.Ten
     return injected, target_index, contains
 
 
-def selector_loss(scores: torch.Tensor, target_index: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-    """Position-weighted K-way cross-entropy of the selector: sum_i w_i * CE(scores_i, index_i) / sum_i w_i.
+def selector_loss(scores: torch.Tensor, target_index: torch.Tensor, row_weights: torch.Tensor, normalize: str = "weights") -> torch.Tensor:
+    """Position-weighted K-way cross-entropy of the selector: sum_i w_i * CE(scores_i, index_i) / Z,
+    with Z = sum_i w_i (normalize="weights") or T (normalize="count"), as `dflash_loss` normalises.
 
     Args:
         scores: [T, K] float, the `CandidateSelector`'s scores of the training candidates.
         target_index: [T] int64 (`selector_training_candidates`).
-        row_weights: [T] float32, each row's position weight (as in `dflash_loss`).
+        row_weights: [T] float32, each row's position weight (the drafter loss's, `dflash_loss`).
+        normalize: "weights" or "count".
     Returns:
         scalar float32.
     """
     ce = F.cross_entropy(scores.float(), target_index, reduction="none")  # [T]
-    return (ce * row_weights).sum() / row_weights.sum()
+    return (ce * row_weights).sum() / (row_weights.sum() if normalize == "weights" else ce.shape[0])
 
 
 class _CandidateLogits(torch.autograd.Function):
@@ -756,19 +765,21 @@ def selector_objective(
     labels: torch.Tensor,
     label_valid: torch.Tensor,
     predecessor_ids: torch.Tensor,
-    weights: torch.Tensor,
+    row_weights: torch.Tensor,
     chunk_size: int = 4096,
     output_multiplier: float = 1.0,
     final_logit_softcapping: float | None = None,
     valid_index: torch.Tensor | None = None,
+    normalize: str = "weights",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DFlash2's selector loss, to be added with weight 1.0 to the drafter's own loss (`dflash_loss`).
 
     At each valid label position: take the drafter's top-K logits, put the label
     in slot K when it is missing (`selector_training_candidates`), score the K candidates with the
     selector given the true previous token (teacher forcing: `predecessor_ids`, the anchor at k = 1),
-    and take the hard K-way cross-entropy against the label, position-weighted and normalised as
-    `dflash_loss` is. Gradients reach the selector and, through the unary logits and the hidden
+    and take the hard K-way cross-entropy against the label, with the drafter loss's own position
+    weights (`dflash_loss(..., return_row_weights=True)`: the fixed decay, or D-PACE from the
+    drafter's confidences) and its normaliser. Gradients reach the selector and, through the unary logits and the hidden
     projection, the drafter's hidden states (as in speculators).
 
     Why this objective (speculators' DFlash2 objective, speculators/models/dflash2/metrics.py
@@ -793,11 +804,14 @@ def selector_objective(
         head_weight: [vocab, hidden], the target's LM head (frozen).
         labels, label_valid: [batch, N, B-1] from `block_labels`.
         predecessor_ids: [batch, N, B-1] int64 from `dflash_model.selector_predecessor_ids`.
-        weights: [B-1] float32 from `loss_weights`.
+        row_weights: [T] float32, the weight of each valid position in `label_valid.nonzero()` order:
+            `dflash_loss`'s third output with return_row_weights=True (speculators, too, weights the
+            selector as the drafter), or `loss_weights(B)[k]` of each row.
         chunk_size: rows per chunk of the top-K head matmul (one extra matmul of the head, no backward).
         output_multiplier, final_logit_softcapping: the drafter's logit scaling and cap, applied to
             the unary logits as the draft pass applies them (`dflash_model.scale_and_cap_logits`).
         valid_index: [T, 3] int64, `label_valid.nonzero()` found ahead, or None.
+        normalize: "weights" or "count", as the drafter's loss (`selector_loss`).
     Returns:
         loss: scalar float32 (0 with a graph if nothing is valid).
         accepted: [B-1] float32, as `dflash_loss`'s, for the selector's path (a hit needs the label
@@ -820,7 +834,7 @@ def selector_objective(
     if final_logit_softcapping:
         unary = torch.tanh(unary / final_logit_softcapping) * final_logit_softcapping
     scores = candidate_scores(rows, predecessor_ids[b_index, n_index, k_index], candidate_ids, unary)
-    loss = selector_loss(scores, target_index, weights.to(rows.device)[k_index])
+    loss = selector_loss(scores, target_index, row_weights.to(rows.device), normalize)
     hit = contains & (scores.detach().argmax(dim=1) == target_index)
     correct = torch.zeros_like(label_valid)  # [batch, N, B-1] bool
     correct[b_index, n_index, k_index] = hit

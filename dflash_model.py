@@ -246,9 +246,11 @@ class DFlash2Config(DFlashConfig):
     only there), and writes them there; `block_size` stays at the top level too, where the DFlash
     loaders read it.
 
-    `is_causal` defaults to False: DFlash2 drafters with sliding layers are bidirectional inside
-    the window (z-lab's fixture says `"is_causal": false`; speculators defaults
-    `sliding_window_non_causal` to True for DFlash2). It changes nothing for full layers.
+    `is_causal` is read as `DFlashConfig` reads it: a config.json without the key has causal
+    sliding layers, as z-lab's loader reads it. The drafters we train write `"is_causal": false`
+    (`dflash_target.drafter_config_for_target`): bidirectional inside the window, as z-lab's
+    released DFlash2 config says and as speculators defaults (`sliding_window_non_causal` True for
+    DFlash2). It changes nothing for full layers.
 
     Raises:
         ValueError: as `DFlashConfig`, or on a kernel longer than the block, a group size that does
@@ -262,7 +264,6 @@ class DFlash2Config(DFlashConfig):
     conv_group_size: int = 16  # channels that share one per-token kernel weight
     selector_rank: int = 256  # width of the selector's codebooks
     selector_top_k: int = 16  # draft-logit candidates the selector rescores per position
-    is_causal: bool | None = False  # z-lab's fixture; speculators' sliding_window_non_causal = True
 
     def __post_init__(self, **kwargs):
         if self.dflash_config is not None:

@@ -646,8 +646,9 @@ def drafter_config_for_target(
         layer_types, sliding_window, is_causal: the drafter's attention layout (`resolve_layer_types`,
             `DFlashConfig.attention_rule`); default all full attention.
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim: override the derived sizes.
-        drafter: "dflash" (a `DFlashConfig`) or "dflash2" (a `DFlash2Config`, whose is_causal
-            defaults to False).
+        drafter: "dflash" (a `DFlashConfig`) or "dflash2" (a `DFlash2Config`; unless is_causal is
+            given, a DFlash2 drafter is written with is_causal false: two-sided windows, as z-lab's
+            released DFlash2 config and speculators' DFlash2 default have them).
         conv_kernel_size, conv_group_size, selector_rank, selector_top_k: DFlash2's sizes; None
             keeps `DFlash2Config`'s defaults.
     Raises:
@@ -688,7 +689,9 @@ def drafter_config_for_target(
         )
     derived_intermediate = 3 * hidden if _is_moe(text_config) or not getattr(text_config, "intermediate_size", None) else text_config.intermediate_size
     config_class = DFlash2Config if drafter == "dflash2" else DFlashConfig
-    if is_causal is not None:  # else the class's default: None for DFlash, False for DFlash2
+    if drafter == "dflash2" and is_causal is None:
+        is_causal = False  # written out: a DFlash2 config.json without the key reads as causal sliding layers
+    if is_causal is not None:
         extra["is_causal"] = is_causal
     return config_class(
         architectures=["DFlash2DraftModel" if drafter == "dflash2" else "DFlashDraftModel"],

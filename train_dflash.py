@@ -499,22 +499,23 @@ class MicroBatchLoss:
         predecessor_ids = selector_predecessor_ids(input_ids, anchors, settings.block_size) if dflash2 else None
         # The target's distribution over label k of a block comes from its logits one position earlier.
         target_rows = block_target_hidden(target_hidden, anchors, settings.block_size) if settings.loss != "ce" else None
-        loss, accepted = dflash_loss(hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
-                                     chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
-                                     output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
-                                     valid_index=valid_index, loss=settings.loss, target_hidden=target_rows,
-                                     loss_weighting=settings.loss_weighting, dpace_alpha=settings.dpace_alpha,
-                                     normalize=settings.loss_normalize, lk_eta=settings.lk_eta)
+        loss, accepted, *row_weights = dflash_loss(
+            hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
+            chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
+            output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
+            valid_index=valid_index, loss=settings.loss, target_hidden=target_rows,
+            loss_weighting=settings.loss_weighting, dpace_alpha=settings.dpace_alpha,
+            normalize=settings.loss_normalize, lk_eta=settings.lk_eta, return_row_weights=dflash2)
         if not dflash2:
             return loss, accepted
-        # DFlash2 drafts through its candidate selector: its K-way loss joins with weight 1.0 (the
-        # fixed exp weights, also under D-PACE), and its path's hits are what the log's tau estimate counts.
+        # DFlash2 drafts through its candidate selector: its K-way loss joins with weight 1.0, weighted
+        # and normalised as the drafter's loss (D-PACE from the drafter's confidences, as speculators
+        # does), and its path's hits are what the log's tau estimate counts.
         selector = getattr(model, "module", model).candidate_selector  # the DeepSpeed engine wraps the drafter
-        selector_weights = self.weights if self.weights is not None else loss_weights(settings.block_size, device=device)
         selector_loss, accepted = selector_objective(
-            selector, config.selector_top_k, hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, predecessor_ids, selector_weights,
+            selector, config.selector_top_k, hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, predecessor_ids, row_weights[0],
             chunk_size=settings.loss_chunk_size, output_multiplier=config.output_multiplier,
-            final_logit_softcapping=config.final_logit_softcapping, valid_index=valid_index)
+            final_logit_softcapping=config.final_logit_softcapping, valid_index=valid_index, normalize=settings.loss_normalize)
         return loss + selector_loss, accepted
 
     def take_mean_anchor_slots(self) -> float | None:

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
-from dflash_loss import loss_weights, selector_loss, selector_objective, selector_training_candidates
+from dflash_loss import dflash_loss, dpace_weights, loss_weights, selector_loss, selector_objective, selector_training_candidates
 from dflash_model import (
     DFlash2Config,
     DFlash2DraftModel,
@@ -308,8 +308,10 @@ def scattered(rows, candidates, vocab):
 def test_draft_pass_and_selector_equal_the_reference_arithmetic(is_causal):
     """1 sliding (window 3 < B) + 1 full layer, kernel 3, embedding and logit scale and cap set:
     hidden states, logits and the greedy path at T=0, and the q rows at T=0.7 along our sampled path,
-    equal the float64 reference at several context lengths."""
-    drafter = tiny_dflash2(block_size=5, layer_types="last_full", sliding_window=3, is_causal=is_causal, conv_kernel_size=3)
+    equal the float64 reference at several context lengths. is_causal None: a config without the key
+    (causal sliding layer)."""
+    drafter = tiny_dflash2(block_size=5, layer_types="last_full", sliding_window=3, conv_kernel_size=3)
+    drafter.config.is_causal = is_causal
     drafter.config.dflash_config.update(input_embedding_scale=1.7, output_multiplier=0.6, final_logit_softcapping=4.0)
     embed, head = drafter.target_embed_tokens.weight, drafter.target_lm_head.weight
     features = torch.randn(12, 2 * HIDDEN)
@@ -389,7 +391,7 @@ def test_selector_objective_equals_a_plain_reference():
 
     def ours(chunk_size):
         return selector_objective(selector, selector.top_k, hidden, head, labels, label_valid, predecessors,
-                                  weights, chunk_size=chunk_size, output_multiplier=0.7, final_logit_softcapping=3.0)[0]
+                                  weights[label_valid.nonzero()[:, 2]], chunk_size=chunk_size, output_multiplier=0.7, final_logit_softcapping=3.0)[0]
 
     expected = run(reference)
     for chunk_size in (4096, 3):
@@ -404,11 +406,41 @@ def test_selector_objective_equals_a_plain_reference():
     # A micro-batch with nothing valid (a filler step): zero, and still a gradient (zeros) for every
     # selector parameter, as every drafter rank's ZeRO reduction needs.
     loss, accepted = selector_objective(selector, selector.top_k, hidden, head, labels, torch.zeros_like(label_valid),
-                                        predecessors, weights)
+                                        predecessors, weights[:0])
     drafter.zero_grad(set_to_none=True)
     loss.backward()
     assert loss.item() == 0.0 and torch.isnan(accepted).all()
     assert all(p.grad is not None and not p.grad.any() for p in selector.parameters())
+
+
+@pytest.mark.parametrize("normalize", ["weights", "count"])
+def test_selector_is_weighted_and_normalised_as_the_drafter_loss(normalize):
+    """Under D-PACE the selector's rows carry the drafter's D-PACE weights, from the drafter's own
+    confidences exp(-CE) (as speculators weights its selector), and the drafter's normaliser."""
+    drafter = tiny_dflash2(block_size=4, scale=0.5)
+    selector, head = drafter.candidate_selector, drafter.target_lm_head.weight
+    input_ids, loss_mask = _batch(seq_len=16)
+    anchors, valid = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(3))
+    labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
+    predecessors = selector_predecessor_ids(input_ids, anchors, 4)
+    hidden = torch.randn(2, 4, 3, HIDDEN)
+    _, _, row_weights = dflash_loss(hidden, head, labels, label_valid, None, loss_weighting="dpace", normalize=normalize,
+                                    return_row_weights=True)
+    confidence = torch.exp(-F.cross_entropy(drafter.compute_logits(hidden).flatten(0, 2), labels.flatten(), reduction="none"))
+    expected_weights = dpace_weights(confidence.view_as(labels), label_valid)[label_valid]
+    torch.testing.assert_close(row_weights, expected_weights)
+    assert not torch.allclose(row_weights, loss_weights(4)[label_valid.nonzero()[:, 2]])  # not the fixed decay
+    loss, _ = selector_objective(selector, selector.top_k, hidden, head, labels, label_valid, predecessors, row_weights,
+                                 normalize=normalize)
+    # The same rows' K-way CE, weighted by hand.
+    plain, _ = selector_objective(selector, selector.top_k, hidden, head, labels, label_valid, predecessors,
+                                  torch.ones_like(row_weights), normalize="count")
+    count = int(label_valid.sum())
+    ce = torch.stack([selector_objective(selector, selector.top_k, hidden, head, labels, label_valid & (torch.arange(label_valid.numel())
+                                         .view_as(label_valid) == i), predecessors, torch.ones(1))[0]
+                      for i in label_valid.flatten().nonzero()[:, 0].tolist()])  # [T], one row at a time
+    torch.testing.assert_close(plain, ce.mean())
+    torch.testing.assert_close(loss, (ce * expected_weights).sum() / (expected_weights.sum() if normalize == "weights" else count))
 
 
 def test_selector_accepted_is_the_walk_along_the_true_tokens():
@@ -432,7 +464,7 @@ def test_selector_accepted_is_the_walk_along_the_true_tokens():
                     input_ids[b, anchors[b, n] + k + 1] = labels[b, n, k]
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
     _, accepted = selector_objective(selector, selector.top_k, hidden, head, labels, label_valid,
-                                     selector_predecessor_ids(input_ids, anchors, 4), loss_weights(4, 2.0))
+                                     selector_predecessor_ids(input_ids, anchors, 4), loss_weights(4, 2.0)[label_valid.nonzero()[:, 2]])
     with torch.no_grad():
         walk = selector.walk(hidden.flatten(0, 1), drafter.compute_logits(hidden.flatten(0, 1)), input_ids.gather(1, anchors).flatten())[0]
     runs = ((walk.view_as(labels) == labels) & label_valid).int().cumprod(-1).bool()  # [batch, N, B-1]
@@ -499,6 +531,29 @@ def test_export_round_trip(tmp_path):
     assert type(reloaded) is DFlash2DraftModel and reloaded.config.selector_top_k == 5 and reloaded.config.is_causal is False
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_a_config_without_is_causal_reads_sliding_layers_as_causal(tmp_path):
+    """A DFlash2 config.json with sliding layers and no is_causal key (as another trainer may write
+    it) drafts as z-lab's loader reads it, sliding layers causal and full layers bidirectional; the
+    drafters we train write is_causal false, so their windows stay two-sided."""
+    drafter = tiny_dflash2(block_size=4, layer_types="last_full", sliding_window=3)
+    drafter.save_pretrained(tmp_path)
+    config_file = tmp_path / "config.json"
+    saved = json.loads(config_file.read_text())
+    assert saved["is_causal"] is False
+    del saved["is_causal"]
+    config_file.write_text(json.dumps(saved))
+    reloaded = eval_dflash.load_drafter(str(tmp_path), torch.float32, torch.device("cpu"))
+    assert reloaded.config.is_causal is None
+    assert [reloaded.config.attention_rule(i) for i in range(2)] == [(True, 3), (False, None)]
+    reloaded.attach_target(drafter.target_embed_tokens, drafter.target_lm_head)
+    features, token = torch.randn(1, 9, 2 * HIDDEN), torch.tensor([3])
+    causal = drafter.draft_logits(drafter.extend_context(None, features), token)
+    drafter.config.is_causal = None
+    expected = drafter.draft_logits(drafter.extend_context(None, features), token)
+    assert not torch.allclose(causal, expected)  # the window's direction matters at this anchor
+    torch.testing.assert_close(reloaded.draft_logits(reloaded.extend_context(None, features), token), expected)
 
 
 def test_config_errors():
