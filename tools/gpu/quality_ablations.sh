@@ -48,6 +48,9 @@
 #   dflash2_dpace_minutes  the same at 410 steps (654 / 1.6, dpace's H200-minutes): -0.1 to +0.15 over dpace.
 #                          Fewer steps cost (654 -> 1,308 steps gave +0.59, so 654 -> 410 about -0.3) and
 #                          the selector's gain may not cover it.
+#   Since 2026-12-06 the selector's loss takes the drafter loss's weights (D-PACE here) instead of the
+#   fixed decay. Prediction (written before the runs): dflash2_dpace +0.05 over its value with fixed
+#   selector weights; the ranking above unchanged.
 #
 #   bash tools/gpu/quality_ablations.sh OUT_DIR [RECIPE_DIR]        # every run
 #   RUNS="base epochs6" bash tools/gpu/quality_ablations.sh OUT_DIR # some of them
