@@ -37,9 +37,13 @@ def epoch_batches(lengths: list[int], settings, epoch: int, drafter_ranks: int) 
     Every sample appears exactly once. All drafter ranks must take the same number of steps
     (gradients are all-reduced), so the list is padded with None to a multiple of
     drafter_ranks x gradient_accumulation_steps; a rank given None runs a zero-loss filler step.
+    With --sequence_parallel_size P, each micro-batch appears P times in a row: the P consecutive
+    drafter ranks of a sequence-parallel group train it together.
     """
+    sp = settings.sequence_parallel_size
     batches = length_grouped_batches(lengths, settings.per_device_batch_size, settings.seed, epoch)
-    return batches + [None] * (-len(batches) % (drafter_ranks * settings.gradient_accumulation_steps))
+    batches += [None] * (-len(batches) % (drafter_ranks // sp * settings.gradient_accumulation_steps))
+    return [batch for batch in batches for _ in range(sp)]
 
 
 def train_plan(lengths: list[int], settings, start_epoch: int, skip_micro: int, micro_steps: int,
@@ -70,7 +74,7 @@ def real_micro_batches(num_samples: int, settings, micro_step: int, drafter_rank
     drafter_ranks x gradient_accumulation_steps are fillers. An epoch holds ceil(num_samples /
     per_device_batch_size) real micro-batches, then its fillers (epoch_batches)."""
     per_step = drafter_ranks * settings.gradient_accumulation_steps
-    real = -(-num_samples // settings.per_device_batch_size)
+    real = -(-num_samples // settings.per_device_batch_size) * settings.sequence_parallel_size  # each once per rank of its group
     first = (micro_step // settings.gradient_accumulation_steps) * per_step
     return max(0, min(per_step, real - first))
 

@@ -53,7 +53,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -123,6 +123,7 @@ from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
     load_target_parts,
+    make_sequence_parallel_groups,
     plan_rank_roles,
     run_target_rank,
     settle_split,
@@ -730,13 +731,16 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
     the log line, the checkpoint and the held-out evaluation when they are due."""
     dp_rank, drafters = layout.dp_rank, layout.dp_world
     micro_batches_per_step = drafters * settings.gradient_accumulation_steps
+    # A sequence-parallel group trains one micro-batch together: the same anchors on all of its ranks
+    # (drawn with the group's index), and its samples and tokens counted once, by its first rank.
+    sample_rank, counts = dp_rank // settings.sequence_parallel_size, dp_rank % settings.sequence_parallel_size == 0
     progress.new_window(supply, settings.block_size, device)
     progress.loop_start, profiler = time.perf_counter(), None
     for epoch, micro_step, batches, *collated in supply.steps:
         indices, trains = batches[dp_rank]
         progress.epoch = epoch
         input_ids, loss_mask, label_ids, context_features, num_tokens = supply.next(collated, indices, trains)
-        loss, accepted = loss_fn(engine, context_features, input_ids, loss_mask, label_ids, (settings.seed, epoch, micro_step, dp_rank))
+        loss, accepted = loss_fn(engine, context_features, input_ids, loss_mask, label_ids, (settings.seed, epoch, micro_step, sample_rank))
         # Asked before step(), which advances DeepSpeed's micro-step counter: afterwards the answer
         # would be about the next micro-batch.
         boundary = engine.is_gradient_accumulation_boundary()
@@ -750,7 +754,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
             debug_log(layout.rank, {"epoch": epoch, "ids": list(indices), "loss": loss.item(),
                                     "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
                                     "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else layout.rank})
-        progress.add(loss, accepted, trains, num_tokens, len(indices))
+        progress.add(loss, accepted, trains, num_tokens if counts else 0, len(indices) if counts else 0)
         if not boundary:
             continue
         progress.global_step += 1
@@ -831,6 +835,8 @@ def main(argv: list[str]) -> None:
     speed_up_target(parts.extractor, settings, compute)  # before the timing: it times the target as it will run
     layout = roles.layout or time_rank_split(settings, cluster, roles, data, tokenizer, parts, drafter, loss_fn, compute)
     settle_split(layout, settings, draft_config, parts, drafter, compute, cluster.rank)
+    sequence_parallel = make_sequence_parallel_groups(layout, settings.sequence_parallel_size, draft_config)  # collective
+    loss_fn = replace(loss_fn, sequence_parallel=sequence_parallel)
     schedule = make_schedule(settings, data, resume, layout.dp_world)
 
     if layout.is_target:  # context features for the drafter ranks, and nothing else

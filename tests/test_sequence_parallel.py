@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from test_split import accelerate_launch, final_weights
+from test_split import accelerate_launch, final_weights, read_jsonl
 from conftest import run_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,3 +121,32 @@ def test_a_step_at_sp2_gives_the_loss_and_gradients_of_sp1(tmp_path):
         torch.testing.assert_close(accepted2, accepted1, equal_nan=True)
         assert worst < 1e-5, case
         assert max(g.abs().max().item() for g in grads1.values()) > 1e-3, "gradients that are not all ~0"
+
+
+def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
+    """3 optimizer steps on the tiny Qwen3 target (2 samples of <= 192 tokens per step, 16 anchors,
+    2 drafter layers), once on one rank and once on 2 ranks launched with
+    accelerate_configs/cpu_sp2.yaml (one sequence-parallel group, SP=2 from the accelerate config):
+    the same loss log and the same exported drafter, up to float32 summation order.
+    Measured max abs weight difference: ~1e-7 (the tolerance is 1e-5). ~40 s."""
+    args = dict(max_samples=6, max_steps=3, num_train_epochs=1, logging_steps=1)
+    started = time.time()
+    one = subprocess.run([sys.executable, "train_dflash.py", *run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp1", **args)],
+                         cwd=REPO, env=train_env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-4000:]
+    two = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp2", **args), train_env, nproc=2,
+                            config="accelerate_configs/cpu_sp2.yaml")
+    print(f"two runs: {time.time() - started:.0f} s")
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "Sequence parallelism: drafter ranks in groups of 2 ([0, 1]), each group one sample at a time" in two.stderr
+    log1, log2 = (read_jsonl(tmp_path / run / "train_log.jsonl") for run in ("sp1", "sp2"))
+    assert [row["step"] for row in log1] == [row["step"] for row in log2] == [1, 2, 3]
+    for row1, row2 in zip(log1, log2):
+        assert row1["loss"] == pytest.approx(row2["loss"], abs=1e-5)
+        assert row1["tau_estimate"] == pytest.approx(row2["tau_estimate"], abs=1e-5)
+        assert row1["tokens_per_s"] > 0 and row2["tokens_per_s"] > 0
+    weights1, weights2 = final_weights(tmp_path / "sp1"), final_weights(tmp_path / "sp2")
+    assert set(weights1) == set(weights2)
+    worst = max((weights1[k] - weights2[k]).abs().max().item() for k in weights1)
+    print(f"max abs weight difference SP=1 vs SP=2: {worst:.1e}")
+    assert worst < 1e-5
