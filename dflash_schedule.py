@@ -95,7 +95,7 @@ class Schedule:
 
 def make_schedule(settings, data, resume: ResumePoint, drafters: int) -> Schedule:
     """Steps per epoch and in all (--max_steps or --num_train_epochs); a checkpoint resumes only with
-    the number of drafter ranks that wrote it."""
+    the number of drafter ranks and the --sequence_parallel_size that wrote it."""
     micro_steps_per_epoch = len(epoch_batches(data.lengths, settings, 0, drafters)) // drafters
     steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps
     total_steps = settings.max_steps if settings.max_steps > 0 else steps_per_epoch * settings.num_train_epochs
@@ -103,6 +103,12 @@ def make_schedule(settings, data, resume: ResumePoint, drafters: int) -> Schedul
         raise ValueError(
             f"--resume_from_checkpoint {resume.path} was written by {resume.state['drafter_ranks']} drafter ranks, this run has "
             f"{drafters}: resume with the same number of processes and --target_ranks {resume.state.get('target_ranks', 0)}"
+        )
+    if resume.state.get("sequence_parallel_size", 1) != settings.sequence_parallel_size:
+        raise ValueError(
+            f"--resume_from_checkpoint {resume.path} was written with --sequence_parallel_size "
+            f"{resume.state.get('sequence_parallel_size', 1)}, this run has {settings.sequence_parallel_size}: the order of "
+            f"micro-batches depends on it; resume with the same size"
         )
     micro_steps_left = max(0, total_steps - resume.global_step) * settings.gradient_accumulation_steps
     return Schedule(total_steps, steps_per_epoch, math.ceil(total_steps / steps_per_epoch), micro_steps_left)

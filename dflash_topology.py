@@ -114,6 +114,11 @@ def setup_distributed(settings) -> Cluster:
     check_shared_output_dir(settings.output_dir, nodes, rank, device)
     if settings.target_ranks != "auto":
         check_split(int(settings.target_ranks), settings.target_tp_size, len(nodes[0]), len(nodes))
+        drafter_ranks = world - int(settings.target_ranks) * len(nodes)
+        if drafter_ranks % settings.sequence_parallel_size:  # now, not after the target's weights load
+            raise ValueError(f"--sequence_parallel_size {settings.sequence_parallel_size}: the {drafter_ranks} drafter ranks do not "
+                             f"divide into groups of {settings.sequence_parallel_size}; launch a multiple of "
+                             f"{settings.sequence_parallel_size} drafter ranks, or change --target_ranks")
     elif settings.target_tp_size > 1:  # auto picks N among the multiples of --target_tp_size
         check_split(settings.target_tp_size, settings.target_tp_size, len(nodes[0]), len(nodes))
     return Cluster(accelerator, rank, world, device, nodes, liveness)
@@ -315,13 +320,11 @@ def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig)
     sample's features as before, once for every rank of its group.
 
     Returns this rank's `SequenceParallel`, or None with size 1 or on a target rank.
-    Raises ValueError when the drafter ranks, the drafter's heads or KV heads are not multiples of size.
+    Raises ValueError when the drafter's heads or KV heads are not multiples of size (the drafter
+    ranks are, `setup_distributed` checked it).
     """
     if size == 1:
         return None
-    if layout.dp_world % size:
-        raise ValueError(f"--sequence_parallel_size {size}: the {layout.dp_world} drafter ranks do not divide into groups of {size}; "
-                         f"launch a multiple of {size} drafter ranks, or change --target_ranks")
     heads, kv_heads = draft_config.num_attention_heads, draft_config.num_key_value_heads
     if heads % size or kv_heads % size:
         raise ValueError(f"--sequence_parallel_size {size}: Ulysses gives each rank 1/{size} of the drafter's heads, but it has "

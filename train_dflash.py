@@ -285,9 +285,10 @@ class TrainSettings:
             if self.target_ranks == "auto":
                 raise ValueError(f"--target_ranks auto times a drafter rank alone; with --sequence_parallel_size {sp} "
                                  "pass a number of target ranks (0 = colocated)")
-            if self.num_anchors % sp or self.anchor_slots_multiple % sp:
-                raise ValueError(f"--num_anchors {self.num_anchors} and --anchor_slots_multiple {self.anchor_slots_multiple} must be "
-                                 f"multiples of --sequence_parallel_size {sp}: each rank of a group trains 1/{sp} of the anchors")
+            for name in ("num_anchors", "anchor_slots_multiple"):
+                if getattr(self, name) % sp:
+                    raise ValueError(f"--{name} {getattr(self, name)} must be a multiple of --sequence_parallel_size {sp}: "
+                                     f"each rank of a group trains 1/{sp} of a sample's anchor slots")
         if self.target_tp_size < 1:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
