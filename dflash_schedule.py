@@ -104,7 +104,7 @@ def make_schedule(settings, data, resume: ResumePoint, drafters: int) -> Schedul
             f"--resume_from_checkpoint {resume.path} was written by {resume.state['drafter_ranks']} drafter ranks, this run has "
             f"{drafters}: resume with the same number of processes and --target_ranks {resume.state.get('target_ranks', 0)}"
         )
-    if resume.state.get("sequence_parallel_size", 1) != settings.sequence_parallel_size:
+    if resume.path and resume.state.get("sequence_parallel_size", 1) != settings.sequence_parallel_size:
         raise ValueError(
             f"--resume_from_checkpoint {resume.path} was written with --sequence_parallel_size "
             f"{resume.state.get('sequence_parallel_size', 1)}, this run has {settings.sequence_parallel_size}: the order of "
