@@ -769,7 +769,9 @@ def _whole_sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     batch, _, kv_heads, head_dim = k.shape
     k, v = (t.view(batch, size, -1, kv_heads, head_dim) for t in (k, v))  # [batch, P, S/P + N*B/P, kv_heads/P, head_dim]
     k, v = (torch.cat([t[:, :, :context_len].flatten(1, 2), t[:, :, context_len:].flatten(1, 2)], dim=1) for t in (k, v))  # [batch, S + N*B, ...]
-    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [batch, heads/P, N*B, head_dim]
+    # Contiguous [batch, kv_heads/P, S + N*B, head_dim], as the unsharded forward's (a warmed flex graph fits).
+    k, v = (t.transpose(1, 2).contiguous() for t in (k, v))
+    out = attention(q.transpose(1, 2), k, v, mask)  # [batch, heads/P, N*B, head_dim]
     return out.transpose(1, 2)
 
 

@@ -686,13 +686,15 @@ def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: Trai
                  compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
     """Compile flex for the first batch's shape, in the main thread, under the compile lock, before
     the feature receiver thread starts (docs/compile-safety.md). Compiled drafter layers trace flex
-    into their own (locked) compiles, so then nothing is done here."""
-    if compute.backend != "flex" or compute.compile_drafter:
+    into their own (locked) compiles, so then nothing is done here. Under sequence parallelism the
+    layers run eagerly and flex sees every position for 1/P of the heads: that shape is warmed."""
+    sp = settings.sequence_parallel_size
+    if compute.backend != "flex" or (compute.compile_drafter and sp == 1):
         return
     first_batch = epoch_batches(data.lengths, settings, resume.epoch, layout.dp_world)[layout.dp_rank] or [0]
     seconds = warm_up_flex_attention(
-        device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads,
-        kv_heads=draft_config.num_key_value_heads, head_dim=draft_config.head_dim,
+        device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads // sp,
+        kv_heads=draft_config.num_key_value_heads // sp, head_dim=draft_config.head_dim,
         context_len=-(-max(data.lengths[i] for i in first_batch) // compute.pad_multiple) * compute.pad_multiple,
         num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=dtype,
         rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),
