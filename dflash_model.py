@@ -752,6 +752,8 @@ class SequenceParallelMask:
 def sequence_parallel_masks(masks: list, sequence_parallel: SequenceParallel) -> list:
     """`training_masks`' masks wrapped for Ulysses attention over `sequence_parallel.group`."""
     # Imported here: deepspeed picks its accelerator at import, and the trainer sets it up first.
+    # DistributedAttention, not ALST's UlyssesSPAttentionHF: that one asserts queries and keys of one
+    # length (a causal LM's), and here the queries are the blocks, the keys the context and the blocks.
     from deepspeed.sequence.layer import DistributedAttention
 
     # Inputs [batch, T, heads, head_dim]: scatter the heads (dim 2), gather the sequence (dim 1).
