@@ -117,6 +117,8 @@ def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micr
     if layout.is_lead:
         state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch,
                  "target_ranks": layout.target_ranks_per_node, "drafter_ranks": layout.dp_world}
+        if settings.sequence_parallel_size > 1:  # the schedule depends on it (dflash_schedule.make_schedule)
+            state["sequence_parallel_size"] = settings.sequence_parallel_size
         (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
         (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
         shutil.rmtree(final_dir, ignore_errors=True)

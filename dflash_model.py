@@ -700,16 +700,96 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     Args:
         q: [batch, heads, Q, head_dim]; k, v: [batch, kv_heads, KV, head_dim].
         mask: a `BlockMask` (flex_attention, compiled; the first call at a new shape compiles under
-            the compile locks), a [batch, 1, Q, KV] bool tensor (SDPA), or None (every query sees
-            every key, as in a draft pass at inference).
+            the compile locks), a [batch, 1, Q, KV] bool tensor (SDPA), None (every query sees
+            every key, as in a draft pass at inference), or a `SequenceParallelMask` (one rank's
+            shard under sequence parallelism: `ulysses_attention`).
     Returns:
         [batch, heads, Q, head_dim].
     """
+    if isinstance(mask, SequenceParallelMask):
+        return ulysses_attention(q, k, v, mask)
     if isinstance(mask, BlockMask):
         if torch.compiler.is_dynamo_compiling():  # inside a compiled drafter layer: traced into its graph
             return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
         return get_compiled_flex_attention(q.device)(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence parallelism (DeepSpeed Ulysses): one sample's step sharded over a group of drafter ranks
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """A drafter rank's sequence-parallel group: `size` ranks that train one sample together, each on
+    its shard (`shard`) of the context positions and of the anchors' blocks (contiguous, in rank
+    order). Made by `dflash_topology.make_sequence_parallel_groups`."""
+
+    group: object  # torch.distributed.ProcessGroup of the `size` ranks
+    rank: int  # this rank's place in the group: which shard it holds
+    size: int
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's contiguous 1/size of `x` along `dim` (a view).
+        Raises ValueError when the length is not a multiple of the group size."""
+        length = x.shape[dim]
+        if length % self.size:
+            raise ValueError(f"sequence parallelism over {self.size} ranks needs lengths divisible by {self.size}; "
+                             f"got {length} along dim {dim} of a {list(x.shape)} tensor")
+        return x.narrow(dim, self.rank * (length // self.size), length // self.size)
+
+
+@dataclass(frozen=True)
+class SequenceParallelMask:
+    """The whole sample's training mask (`training_masks`) with the DeepSpeed Ulysses attention
+    (`deepspeed.sequence.layer.DistributedAttention`) of the group; `attention` dispatches on it."""
+
+    mask: BlockMask | torch.Tensor  # over every query and key of the sample: [batch, 1, N*B, S + N*B] or a BlockMask
+    ulysses: nn.Module  # DistributedAttention over the group, whose local attention is `_whole_sample_attention`
+    size: int  # ranks in the group
+
+
+def sequence_parallel_masks(masks: list, sequence_parallel: SequenceParallel) -> list:
+    """`training_masks`' masks wrapped for Ulysses attention over `sequence_parallel.group`."""
+    # Imported here: deepspeed picks its accelerator at import, and the trainer sets it up first.
+    # DistributedAttention, not ALST's UlyssesSPAttentionHF: that one asserts queries and keys of one
+    # length (a causal LM's), and here the queries are the blocks, the keys the context and the blocks.
+    from deepspeed.sequence.layer import DistributedAttention
+
+    # Inputs [batch, T, heads, head_dim]: scatter the heads (dim 2), gather the sequence (dim 1).
+    ulysses = DistributedAttention(_whole_sample_attention, sequence_parallel.group, scatter_idx=2, gather_idx=1)
+    return [SequenceParallelMask(mask, ulysses, sequence_parallel.size) for mask in masks]
+
+
+def _whole_sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, context_len: int, size: int) -> torch.Tensor:
+    """The local attention of Ulysses, after its all-to-all: every position of the sample, heads/P of
+    the heads. q: [batch, N*B, heads/P, head_dim], blocks in rank order = the anchors' order; k, v:
+    [batch, P * (S/P + N*B/P), kv_heads/P, head_dim], rank by rank its context shard (context_len =
+    S/P positions) then its blocks. The keys are put back in the unsharded layout
+    [context 0..S-1 | block 0..N-1], so the whole sample's mask applies as it is.
+    Returns [batch, N*B, heads/P, head_dim]."""
+    batch, _, kv_heads, head_dim = k.shape
+    k, v = (t.view(batch, size, -1, kv_heads, head_dim) for t in (k, v))  # [batch, P, S/P + N*B/P, kv_heads/P, head_dim]
+    k, v = (torch.cat([t[:, :, :context_len].flatten(1, 2), t[:, :, context_len:].flatten(1, 2)], dim=1) for t in (k, v))  # [batch, S + N*B, ...]
+    # Contiguous [batch, kv_heads/P, S + N*B, head_dim], as the unsharded forward's (a warmed flex graph fits).
+    k, v = (t.transpose(1, 2).contiguous() for t in (k, v))
+    out = attention(q.transpose(1, 2), k, v, mask)  # [batch, heads/P, N*B, head_dim]
+    return out.transpose(1, 2)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SequenceParallelMask) -> torch.Tensor:
+    """`attention` of one rank's shard under sequence parallelism (DeepSpeed Ulysses): all-to-all to
+    every position for heads/P of the heads, the whole sample's mask, all-to-all back.
+
+    Args:
+        q: [batch, heads, N*B/P, head_dim], this rank's blocks' queries.
+        k, v: [batch, kv_heads, S/P + N*B/P, head_dim], this rank's context shard, then its blocks.
+    Returns:
+        [batch, heads, N*B/P, head_dim].
+    """
+    context_len = k.shape[2] - q.shape[2]  # S/P: the keys are this rank's context shard, then its blocks (as many as q)
+    out = mask.ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, mask.mask, context_len, mask.size)
+    return out.transpose(1, 2)  # [batch, heads, N*B/P, head_dim]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -1096,9 +1176,16 @@ class DFlashDraftModel(PreTrainedModel):
         anchors: torch.Tensor,
         anchor_valid: torch.Tensor,
         attention_backend: str = "sdpa",
+        sequence_parallel: SequenceParallel | None = None,
     ) -> torch.Tensor:
         """Training forward: every anchor's block in one pass, under the training mask (`anchor_block_mask_mod`,
         with each layer's `attention_rule`; `training_masks` builds one mask per distinct rule).
+
+        With `sequence_parallel`, every rank of the group passes the same whole sample and anchors;
+        each computes its shard (`SequenceParallel.shard`) of the context positions (their fc,
+        K/V) and of the anchors' blocks, and attention runs through DeepSpeed Ulysses
+        (`ulysses_attention`) under the whole sample's mask. Decoder layers then run eagerly
+        (flex_attention stays compiled): the all-to-alls are not traced into a compiled layer.
 
         Args:
             context_features: [batch, S, len(target_layer_ids) * hidden], the target's layer
@@ -1107,22 +1194,27 @@ class DFlashDraftModel(PreTrainedModel):
             anchors, anchor_valid: [batch, N] from `sample_anchors`.
             attention_backend: "flex" (compiled flex_attention with a BlockMask; GPU) or "sdpa"
                 (a dense bool mask; CPU and small sizes). Both compute the same function.
+            sequence_parallel: the rank's group (`SequenceParallel`), or None for the whole sample here.
         Returns:
             [batch, N, B, hidden]: final hidden states (after `norm`) at every block position;
-            position 0 holds the anchor, positions 1..B-1 are the drafted tokens.
+            position 0 holds the anchor, positions 1..B-1 are the drafted tokens. With
+            sequence_parallel: [batch, N/P, B, hidden], this rank's shard of the anchors.
         """
         block_size = self.config.block_size
         batch, seq_len = input_ids.shape
+        masks = training_masks(self.config, anchors, anchor_valid, seq_len, attention_backend)  # one per layer, whole sample
+        context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
+        if sequence_parallel is not None:  # this rank's shard: S/P context positions, N/P anchors
+            context_features, context_positions, anchors = (sequence_parallel.shard(t) for t in (context_features, context_positions, anchors))
+            masks = sequence_parallel_masks(masks, sequence_parallel)
         num_anchors = anchors.shape[1]
         context = self.fuse_context(context_features)  # [batch, S, hidden]
         x = self.embed_block(block_input_ids(input_ids, anchors, self.config.mask_token_id, block_size))  # [batch, N*B, hidden]
-        context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
         context_cos, context_sin = self._rope(context, context_positions)  # [batch, S, head_dim]
         cos, sin = self._rope(x, block_position_ids(anchors, block_size))  # [batch, N*B, head_dim]
-        masks = training_masks(self.config, anchors, anchor_valid, seq_len, attention_backend)  # one per layer
         for i, layer in enumerate(self.layers):
             context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
-            if self._compiled_layers:
+            if self._compiled_layers and sequence_parallel is None:
                 x = _run_compiled_layer(self._compiled_layers[i], i, x, cos, sin, context_k, context_v, masks[i])
             else:
                 x = layer(x, cos, sin, context_k, context_v, masks[i])

@@ -37,9 +37,13 @@ def epoch_batches(lengths: list[int], settings, epoch: int, drafter_ranks: int) 
     Every sample appears exactly once. All drafter ranks must take the same number of steps
     (gradients are all-reduced), so the list is padded with None to a multiple of
     drafter_ranks x gradient_accumulation_steps; a rank given None runs a zero-loss filler step.
+    With --sequence_parallel_size P, each micro-batch appears P times in a row: the P consecutive
+    drafter ranks of a sequence-parallel group train it together.
     """
+    sp = settings.sequence_parallel_size
     batches = length_grouped_batches(lengths, settings.per_device_batch_size, settings.seed, epoch)
-    return batches + [None] * (-len(batches) % (drafter_ranks * settings.gradient_accumulation_steps))
+    batches += [None] * (-len(batches) % (drafter_ranks // sp * settings.gradient_accumulation_steps))
+    return [batch for batch in batches for _ in range(sp)]
 
 
 def train_plan(lengths: list[int], settings, start_epoch: int, skip_micro: int, micro_steps: int,
@@ -70,7 +74,7 @@ def real_micro_batches(num_samples: int, settings, micro_step: int, drafter_rank
     drafter_ranks x gradient_accumulation_steps are fillers. An epoch holds ceil(num_samples /
     per_device_batch_size) real micro-batches, then its fillers (epoch_batches)."""
     per_step = drafter_ranks * settings.gradient_accumulation_steps
-    real = -(-num_samples // settings.per_device_batch_size)
+    real = -(-num_samples // settings.per_device_batch_size) * settings.sequence_parallel_size  # each once per rank of its group
     first = (micro_step // settings.gradient_accumulation_steps) * per_step
     return max(0, min(per_step, real - first))
 
@@ -91,7 +95,7 @@ class Schedule:
 
 def make_schedule(settings, data, resume: ResumePoint, drafters: int) -> Schedule:
     """Steps per epoch and in all (--max_steps or --num_train_epochs); a checkpoint resumes only with
-    the number of drafter ranks that wrote it."""
+    the number of drafter ranks and the --sequence_parallel_size that wrote it."""
     micro_steps_per_epoch = len(epoch_batches(data.lengths, settings, 0, drafters)) // drafters
     steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps
     total_steps = settings.max_steps if settings.max_steps > 0 else steps_per_epoch * settings.num_train_epochs
@@ -99,6 +103,12 @@ def make_schedule(settings, data, resume: ResumePoint, drafters: int) -> Schedul
         raise ValueError(
             f"--resume_from_checkpoint {resume.path} was written by {resume.state['drafter_ranks']} drafter ranks, this run has "
             f"{drafters}: resume with the same number of processes and --target_ranks {resume.state.get('target_ranks', 0)}"
+        )
+    if resume.path and resume.state.get("sequence_parallel_size", 1) != settings.sequence_parallel_size:
+        raise ValueError(
+            f"--resume_from_checkpoint {resume.path} was written with --sequence_parallel_size "
+            f"{resume.state.get('sequence_parallel_size', 1)}, this run has {settings.sequence_parallel_size}: the order of "
+            f"micro-batches depends on it; resume with the same size"
         )
     micro_steps_left = max(0, total_steps - resume.global_step) * settings.gradient_accumulation_steps
     return Schedule(total_steps, steps_per_epoch, math.ceil(total_steps / steps_per_epoch), micro_steps_left)

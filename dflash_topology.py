@@ -21,7 +21,7 @@ from accelerate.utils import set_seed
 from dflash_compile import setup_compile_cache
 from dflash_data import collate_batch
 from dflash_features import serve_context_features, target_features
-from dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
 from dflash_progress import debug_log, setup_logging, weights_digest
 from dflash_schedule import ResumePoint, epoch_batches
 from dflash_split import (
@@ -85,6 +85,11 @@ def init_distributed(on_cuda: bool) -> Accelerator:
     # Collectives may wait long for a legitimate reason (the lead's held-out evaluation keeps the
     # other drafter ranks in a barrier); a dead or frozen rank is caught by the liveness check.
     PartialState(cpu=not on_cuda, backend=backend, timeout=datetime.timedelta(minutes=COLLECTIVE_TIMEOUT_MIN))
+    # An accelerate config's parallelism_config (sp size) has been read into --sequence_parallel_size;
+    # the drafter's sequence-parallel groups are made here (`make_sequence_parallel_groups`), over the
+    # drafter ranks only. The Accelerator must not build its own mesh over the whole world from it
+    # (and on CPU it refuses the config).
+    os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     return Accelerator(cpu=not on_cuda)
 
 
@@ -109,6 +114,11 @@ def setup_distributed(settings) -> Cluster:
     check_shared_output_dir(settings.output_dir, nodes, rank, device)
     if settings.target_ranks != "auto":
         check_split(int(settings.target_ranks), settings.target_tp_size, len(nodes[0]), len(nodes))
+        drafter_ranks = world - int(settings.target_ranks) * len(nodes)
+        if drafter_ranks % settings.sequence_parallel_size:  # now, not after the target's weights load
+            raise ValueError(f"--sequence_parallel_size {settings.sequence_parallel_size}: the {drafter_ranks} drafter ranks do not "
+                             f"divide into groups of {settings.sequence_parallel_size}; launch a multiple of "
+                             f"{settings.sequence_parallel_size} drafter ranks, or change --target_ranks")
     elif settings.target_tp_size > 1:  # auto picks N among the multiples of --target_tp_size
         check_split(settings.target_tp_size, settings.target_tp_size, len(nodes[0]), len(nodes))
     return Cluster(accelerator, rank, world, device, nodes, liveness)
@@ -295,6 +305,42 @@ def settle_split(layout, settings, draft_config: DFlashConfig, parts: TargetPart
             " (tied to the embedding)" if tied else "", parameter_bytes(drafter),
             "no target decoder layer" if parts.target is None else "the target without its decoder layers (timed by --target_ranks auto)",
         )
+
+
+def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig) -> SequenceParallel | None:
+    """Sequence-parallel groups (DeepSpeed Ulysses) of `size` consecutive drafter ranks; collective
+    (every rank, target ranks too, creates every group in the same order).
+
+    A group trains one sample together: the schedule gives its ranks the same micro-batches
+    (`dflash_schedule.epoch_batches`), each computes 1/size of its context positions and anchors'
+    blocks, and the loss is summed over the group (`train_dflash.sequence_parallel_share`). Across
+    groups it is data parallelism: ZeRO-2 still shards optimizer state and reduces gradients over
+    all drafter ranks (DeepSpeed's data-parallel group, `DrafterGroupMPU`), and a group's ranks hold
+    the same weights. Target ranks (and their tensor-parallel groups) are untouched: they make each
+    sample's features as before, once for every rank of its group.
+
+    Returns this rank's `SequenceParallel`, or None with size 1 or on a target rank.
+    Raises ValueError when the drafter's heads or KV heads are not multiples of size (the drafter
+    ranks are, `setup_distributed` checked it).
+    """
+    if size == 1:
+        return None
+    heads, kv_heads = draft_config.num_attention_heads, draft_config.num_key_value_heads
+    if heads % size or kv_heads % size:
+        raise ValueError(f"--sequence_parallel_size {size}: Ulysses gives each rank 1/{size} of the drafter's heads, but it has "
+                         f"{heads} attention heads and {kv_heads} KV heads; pick a size that divides both")
+    mine = None
+    for start in range(0, layout.dp_world, size):
+        ranks = layout.drafter_ranks[start : start + size]
+        group = torch.distributed.new_group(ranks)
+        if layout.rank in ranks:
+            mine = SequenceParallel(group, ranks.index(layout.rank), size)
+    if layout.is_lead:
+        logger.info("Sequence parallelism: drafter ranks in groups of %d (%s), each group one sample at a time; "
+                    "data parallelism over %d groups", size, ", ".join(str(layout.drafter_ranks[i : i + size])
+                                                                        for i in range(0, layout.dp_world, size)),
+                    layout.dp_world // size)
+    return mine
 
 
 # What a held-out evaluation sends back in split mode, in this order (NaN for a missing value).

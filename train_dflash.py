@@ -17,6 +17,9 @@ A target too large for one GPU: target ranks in tensor-parallel groups of 2 (Dee
     python launch.py --config_file accelerate_configs/8gpu.yaml train_dflash.py --target_model Qwen/Qwen3-32B \
         --train_data my_chats.jsonl --target_ranks 4 --target_tp_size 2
 
+Long samples sharded over drafter ranks: sequence-parallel groups of 4 (DeepSpeed Ulysses; docs/training.md):
+    python launch.py --config_file accelerate_configs/8gpu_sp4.yaml train_dflash.py --config configs/qwen3-8b.yaml --max_seq_length 32768
+
 Two nodes (the same command on each, with its --machine_rank; --output_dir on a shared filesystem):
     python launch.py --config_file accelerate_configs/2x8gpu.yaml --machine_rank 0 --main_process_ip NODE0 \
         train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 2 --output_dir /shared/outputs/qwen3-8b
@@ -53,7 +56,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -69,6 +72,7 @@ if not torch.cuda.is_available():
     # only its inference path uses; mark it unavailable so training never builds it.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 from accelerate import Accelerator
+from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -94,6 +98,7 @@ from dflash_model import (
     DFlash2DraftModel,
     DFlashConfig,
     DFlashDraftModel,
+    SequenceParallel,
     anchor_slots,
     block_label_valid,
     block_labels,
@@ -121,6 +126,7 @@ from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
     load_target_parts,
+    make_sequence_parallel_groups,
     plan_rank_roles,
     run_target_rank,
     settle_split,
@@ -166,6 +172,7 @@ class TrainSettings:
     selector_top_k: int | None = field(default=None, metadata={"help": "--drafter dflash2: draft-logit candidates the selector rescores per position (default 16)"})
     # topology (docs/topology.md)
     target_ranks: str = field(default="0", metadata={"help": "On every node, local ranks [0, N) only run the target and send context features to the node's other ranks, which train the drafter: 0 = colocated (every rank does both), N (per node), or auto (time both sides on a few batches, pick N)"})
+    sequence_parallel_size: int | None = field(default=None, metadata={"help": "Drafter ranks that train one sample together (DeepSpeed Ulysses sequence parallelism): each holds 1/P of its context positions and of its anchors' blocks, and attention sees every position for 1/P of the heads. Default: the accelerate config's parallelism_config_sp_size (accelerate_configs/cpu_sp2.yaml), else 1. The drafter ranks must be a multiple of it, and so must the drafter's attention and KV heads and --num_anchors"})
     target_tp_size: int = field(default=1, metadata={"help": "Target ranks form groups of this many ranks of one node that share one copy of the target, split by DeepSpeed AutoTP (tensor parallelism), for a target too large for one device; --target_ranks must be a multiple of it. 1 = every target rank holds a whole copy"})
     prefetch_batches: int = field(default=2, metadata={"help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
     liveness_timeout_s: float = field(default=40.0, metadata={"help": "Seconds without a heartbeat from a rank before the others stop the run as failed (more than one process)"})
@@ -268,6 +275,23 @@ class TrainSettings:
             raise ValueError(f"--cache_target_outputs keeps the target's outputs on the rank that trains on them: it needs "
                              f"colocated ranks (--target_ranks 0), got --target_ranks {self.target_ranks}; "
                              f"use --target_ranks 0, or leave --cache_target_outputs off")
+        if self.sequence_parallel_size is None:  # accelerate's ParallelismConfig reads the launch config's sp size
+            config = ParallelismConfig()
+            if config.sp_size > 1 and config.sp_backend != "deepspeed":
+                raise ValueError(f"the accelerate config's parallelism_config_sp_backend is {config.sp_backend!r}: sequence "
+                                 "parallelism here is DeepSpeed's Ulysses; set it to deepspeed")
+            self.sequence_parallel_size = config.sp_size
+        if self.sequence_parallel_size < 1:
+            raise ValueError(f"--sequence_parallel_size must be >= 1 (1 = each drafter rank trains its own samples), got {self.sequence_parallel_size}")
+        if self.sequence_parallel_size > 1:
+            sp = self.sequence_parallel_size
+            if self.target_ranks == "auto":
+                raise ValueError(f"--target_ranks auto times a drafter rank alone; with --sequence_parallel_size {sp} "
+                                 "pass a number of target ranks (0 = colocated)")
+            for name in ("num_anchors", "anchor_slots_multiple"):
+                if getattr(self, name) % sp:
+                    raise ValueError(f"--{name} {getattr(self, name)} must be a multiple of --sequence_parallel_size {sp}: "
+                                     f"each rank of a group trains 1/{sp} of a sample's anchor slots")
         if self.target_tp_size < 1:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
@@ -391,7 +415,8 @@ def resolve_compute(settings: TrainSettings, device: torch.device) -> Compute:
         backend = "flex" if device.type == "cuda" else "sdpa"
     return Compute(
         backend=backend,
-        pad_multiple=settings.pad_to_multiple_of or (128 if backend == "flex" else 8),
+        # Sequence parallelism shards the padded length: a multiple of the group size.
+        pad_multiple=math.lcm(settings.pad_to_multiple_of or (128 if backend == "flex" else 8), settings.sequence_parallel_size),
         compile_drafter=settings.compile_drafter == "on" or (settings.compile_drafter == "auto" and backend == "flex"),
         compile_target=settings.compile_target == "on" or (settings.compile_target == "auto" and backend == "flex"),
         dtype={"auto": torch.bfloat16 if on_cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype],
@@ -459,6 +484,37 @@ def loss_weights_for(settings: TrainSettings, device: torch.device) -> torch.Ten
     return loss_weights(settings.block_size, gamma, device=device)
 
 
+def sequence_parallel_share(loss: torch.Tensor, accepted: torch.Tensor, row_weights: torch.Tensor, label_valid: torch.Tensor,
+                            normalize: str, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's (loss, accepted) of its shard of a sample turned into its share of the whole
+    sample's: the loss over the sample's normaliser instead of the shard's, times the group size;
+    accepted, the sample's. One all-reduce over the group (of detached figures).
+
+    DeepSpeed averages gradients over all drafter ranks, so each rank's loss is
+    P * (shard's weighted sum) / (sample's normaliser): the mean over the P ranks of a group is the
+    sample's loss (what SP=1 gives), its gradient the sample's gradient, and the run's logged
+    loss, a mean over drafter ranks, the mean over samples.
+
+    Args:
+        loss: scalar float32, `dflash_loss`'s over this rank's rows (normalised by them).
+        accepted: [B-1] float32, its share of blocks accepted through each position (NaN: none).
+        row_weights: [T] float32, its rows' weights (`dflash_loss(..., return_row_weights=True)`).
+        label_valid: [batch, N/P, B-1] bool, this rank's valid labels.
+        normalize: "weights" (the sum of weights) or "count" (valid rows), as `dflash_loss`'s.
+    Returns:
+        (loss: scalar, accepted: [B-1]), the same accepted on every rank of the group.
+    """
+    own_norm = row_weights.sum() if normalize == "weights" else torch.tensor(float(row_weights.numel()), device=loss.device)
+    blocks = label_valid.sum(dim=(0, 1)).float()  # [B-1], blocks with a label at each position
+    stats = torch.cat([own_norm.reshape(1).float(), torch.nan_to_num(accepted) * blocks, blocks])  # [1 + 2 (B-1)]
+    torch.distributed.all_reduce(stats, group=sp.group)
+    positions = accepted.shape[0]
+    total_norm, hits, all_blocks = stats[0], stats[1 : 1 + positions], stats[1 + positions :]
+    # A shard (or sample) without a valid row has loss 0 and norm 0: it stays 0.
+    share = loss * (sp.size * own_norm / total_norm.clamp(min=torch.finfo(torch.float32).tiny))
+    return share, hits / all_blocks
+
+
 @dataclass(frozen=True)
 class MicroBatchLoss:
     """The loss of one micro-batch: anchors, the drafter forward, labels, the weighted CE (`dflash_loss`).
@@ -470,6 +526,7 @@ class MicroBatchLoss:
     weights: torch.Tensor | None  # [B-1] float32, `loss_weights_for`; None with D-PACE
     lm_head: torch.nn.Module | None  # the target's (frozen); None on a rank that trains nothing
     slots_used: list[int] = field(default_factory=list)  # anchor slots per micro-batch since the last log (--anchor_slots_multiple)
+    sequence_parallel: SequenceParallel | None = None  # this rank's group with --sequence_parallel_size > 1
 
     def __call__(self, model, context_features, input_ids, loss_mask, label_ids, anchor_key: tuple):
         """(loss, accepted [B-1]: `dflash_loss`'s share of blocks right through each position) of one
@@ -477,8 +534,12 @@ class MicroBatchLoss:
         n*hidden], followed by the target's last hidden state [batch, S, hidden] for a distribution
         loss; input_ids and label_ids [batch, S] (`target_features`); loss_mask [batch, S] on the
         host or the device. Anchors are drawn afresh for every anchor_key = (seed, epoch, micro-step,
-        drafter rank): re-sampled every epoch, reproducible on resume."""
-        settings, config, device = self.settings, self.draft_config, input_ids.device
+        drafter rank): re-sampled every epoch, reproducible on resume.
+
+        With sequence parallelism every rank of the group passes the same micro-batch and anchor_key
+        (the group's): the anchors are drawn for the whole sample, the drafter computes this rank's
+        shard of them, and the loss is this rank's share (`sequence_parallel_share`)."""
+        settings, config, device, sp = self.settings, self.draft_config, input_ids.device, self.sequence_parallel
         target_hidden = None
         if settings.loss != "ce":  # the target's last hidden state follows the context features (`target_features`)
             width = len(config.target_layer_ids) * config.hidden_size
@@ -491,9 +552,13 @@ class MicroBatchLoss:
         # Anchors and the valid label rows are found where the loss mask is: colocated on a GPU that is
         # the host, so the step never waits for the GPU to learn how many rows its loss has.
         anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
-        valid_index = block_label_valid(loss_mask, anchors, anchor_valid, settings.block_size).nonzero()  # [T, 3]
+        own = (anchors, anchor_valid) if sp is None else (sp.shard(anchors), sp.shard(anchor_valid))  # the anchors this rank trains
+        valid_index = block_label_valid(loss_mask, *own, settings.block_size).nonzero()  # [T, 3]
         loss_mask, anchors, anchor_valid, valid_index = (to_device(t, device) for t in (loss_mask, anchors, anchor_valid, valid_index))
-        hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend)
+        hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend,
+                       sequence_parallel=sp)  # [batch, N, B, hidden], or [batch, N/P, B, hidden]: this rank's anchors
+        if sp is not None:
+            anchors, anchor_valid = sp.shard(anchors), sp.shard(anchor_valid)
         labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, settings.block_size)
         dflash2 = isinstance(config, DFlash2Config)  # its selector trains on the true previous tokens (teacher forcing)
         predecessor_ids = selector_predecessor_ids(input_ids, anchors, settings.block_size) if dflash2 else None
@@ -505,9 +570,9 @@ class MicroBatchLoss:
             output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
             valid_index=valid_index, loss=settings.loss, target_hidden=target_rows,
             loss_weighting=settings.loss_weighting, dpace_alpha=settings.dpace_alpha,
-            normalize=settings.loss_normalize, lk_eta=settings.lk_eta, return_row_weights=dflash2)
+            normalize=settings.loss_normalize, lk_eta=settings.lk_eta, return_row_weights=dflash2 or sp is not None)
         if not dflash2:
-            return loss, accepted
+            return sequence_parallel_share(loss, accepted, row_weights[0], label_valid, settings.loss_normalize, sp) if sp else (loss, accepted)
         # DFlash2 drafts through its candidate selector: its K-way loss joins with weight 1.0, weighted
         # and normalised as the drafter's loss (D-PACE from the drafter's confidences, as speculators
         # does), and its path's hits are what the log's tau estimate counts.
@@ -516,6 +581,8 @@ class MicroBatchLoss:
             selector, config.selector_top_k, hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, predecessor_ids, row_weights[0],
             chunk_size=settings.loss_chunk_size, output_multiplier=config.output_multiplier,
             final_logit_softcapping=config.final_logit_softcapping, valid_index=valid_index, normalize=settings.loss_normalize)
+        if sp is not None:  # both losses have the same normaliser
+            return sequence_parallel_share(loss + selector_loss, accepted, row_weights[0], label_valid, settings.loss_normalize, sp)
         return loss + selector_loss, accepted
 
     def take_mean_anchor_slots(self) -> float | None:
@@ -619,13 +686,15 @@ def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: Trai
                  compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
     """Compile flex for the first batch's shape, in the main thread, under the compile lock, before
     the feature receiver thread starts (docs/compile-safety.md). Compiled drafter layers trace flex
-    into their own (locked) compiles, so then nothing is done here."""
-    if compute.backend != "flex" or compute.compile_drafter:
+    into their own (locked) compiles, so then nothing is done here. Under sequence parallelism the
+    layers run eagerly and flex sees every position for 1/P of the heads: that shape is warmed."""
+    sp = settings.sequence_parallel_size
+    if compute.backend != "flex" or (compute.compile_drafter and sp == 1):
         return
     first_batch = epoch_batches(data.lengths, settings, resume.epoch, layout.dp_world)[layout.dp_rank] or [0]
     seconds = warm_up_flex_attention(
-        device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads,
-        kv_heads=draft_config.num_key_value_heads, head_dim=draft_config.head_dim,
+        device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads // sp,
+        kv_heads=draft_config.num_key_value_heads // sp, head_dim=draft_config.head_dim,
         context_len=-(-max(data.lengths[i] for i in first_batch) // compute.pad_multiple) * compute.pad_multiple,
         num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=dtype,
         rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),
@@ -668,13 +737,16 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
     the log line, the checkpoint and the held-out evaluation when they are due."""
     dp_rank, drafters = layout.dp_rank, layout.dp_world
     micro_batches_per_step = drafters * settings.gradient_accumulation_steps
+    # A sequence-parallel group trains one micro-batch together: the same anchors on all of its ranks
+    # (drawn with the group's index), and its samples and tokens counted once, by its first rank.
+    sample_rank, counts = dp_rank // settings.sequence_parallel_size, dp_rank % settings.sequence_parallel_size == 0
     progress.new_window(supply, settings.block_size, device)
     progress.loop_start, profiler = time.perf_counter(), None
     for epoch, micro_step, batches, *collated in supply.steps:
         indices, trains = batches[dp_rank]
         progress.epoch = epoch
         input_ids, loss_mask, label_ids, context_features, num_tokens = supply.next(collated, indices, trains)
-        loss, accepted = loss_fn(engine, context_features, input_ids, loss_mask, label_ids, (settings.seed, epoch, micro_step, dp_rank))
+        loss, accepted = loss_fn(engine, context_features, input_ids, loss_mask, label_ids, (settings.seed, epoch, micro_step, sample_rank))
         # Asked before step(), which advances DeepSpeed's micro-step counter: afterwards the answer
         # would be about the next micro-batch.
         boundary = engine.is_gradient_accumulation_boundary()
@@ -688,7 +760,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
             debug_log(layout.rank, {"epoch": epoch, "ids": list(indices), "loss": loss.item(),
                                     "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
                                     "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else layout.rank})
-        progress.add(loss, accepted, trains, num_tokens, len(indices))
+        progress.add(loss, accepted, trains, num_tokens if counts else 0, len(indices) if counts else 0)
         if not boundary:
             continue
         progress.global_step += 1
@@ -769,6 +841,8 @@ def main(argv: list[str]) -> None:
     speed_up_target(parts.extractor, settings, compute)  # before the timing: it times the target as it will run
     layout = roles.layout or time_rank_split(settings, cluster, roles, data, tokenizer, parts, drafter, loss_fn, compute)
     settle_split(layout, settings, draft_config, parts, drafter, compute, cluster.rank)
+    sequence_parallel = make_sequence_parallel_groups(layout, settings.sequence_parallel_size, draft_config)  # collective
+    loss_fn = replace(loss_fn, sequence_parallel=sequence_parallel)
     schedule = make_schedule(settings, data, resume, layout.dp_world)
 
     if layout.is_target:  # context features for the drafter ranks, and nothing else

@@ -26,8 +26,8 @@ from conftest import launch_ranks, run_args
 REPO = Path(__file__).resolve().parents[1]
 
 
-def accelerate_launch(args, env, nproc, timeout=300):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu.yaml",
+def accelerate_launch(args, env, nproc, timeout=300, config="accelerate_configs/cpu.yaml"):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
                "--num_processes", str(nproc), "train_dflash.py", *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -718,7 +718,7 @@ def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
     loss_fn = MicroBatchLoss(settings, SimpleNamespace(output_multiplier=1.0, final_logit_softcapping=None), compute, weights, head)
     seen = {}
 
-    def drafter(features, input_ids, anchors, anchor_valid, attention_backend):  # [batch, N, B, hidden]
+    def drafter(features, input_ids, anchors, anchor_valid, attention_backend, sequence_parallel=None):  # [batch, N, B, hidden]
         seen.update(input_ids=input_ids, anchors=anchors, valid=anchor_valid)
         return torch.randn(*anchors.shape, block_size, hidden_size, generator=torch.Generator().manual_seed(0))
 

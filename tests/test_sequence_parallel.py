@@ -1,0 +1,154 @@
+"""Sequence parallelism (DeepSpeed Ulysses, --sequence_parallel_size) on CPU over gloo: one sample
+sharded over 2 ranks gives the loss and gradients of the unsharded step, and a short training run at
+SP=2 exports the drafter of the same run at SP=1."""
+
+import copy
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from test_split import accelerate_launch, final_weights, read_jsonl
+from conftest import run_args
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, MASK_ID, HIDDEN, BLOCK, ANCHORS, SEQ = 64, 63, 32, 4, 8, 24
+
+# (drafter, loss_weighting, loss_normalize) of each case: the fixed weights and the paper's
+# normaliser, D-PACE's confidence weights with the count normaliser, and DFlash2 (its convolutions
+# along each block and its selector's loss beside the drafter's).
+CASES = [("dflash", "exp", "weights"), ("dflash", "dpace", "count"), ("dflash2", "exp", "weights")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_case(case, sp):
+    """The drafter, its loss function (SP=1) and one micro-batch of 2 rows, the same on every rank."""
+    from transformers import Qwen3Config
+
+    from dflash_loss import loss_weights
+    from dflash_model import DFlash2DraftModel, DFlashDraftModel, sample_anchors
+    from dflash_target import drafter_config_for_target
+    from train_dflash import Compute, MicroBatchLoss, TrainSettings
+
+    drafter_kind, weighting, normalize = case
+    torch.manual_seed(0)
+    target_config = Qwen3Config(hidden_size=HIDDEN, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=8, intermediate_size=64, vocab_size=VOCAB)
+    config = drafter_config_for_target(target_config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=BLOCK, drafter=drafter_kind)
+    drafter = (DFlash2DraftModel if drafter_kind == "dflash2" else DFlashDraftModel)(config)
+    head = nn.Linear(HIDDEN, VOCAB, bias=False)
+    nn.init.normal_(head.weight, std=0.5)  # logits that are not all ~0
+    drafter.attach_target(nn.Embedding(VOCAB, HIDDEN), head)
+    settings = TrainSettings(target_model="x", train_data=["x"], num_anchors=ANCHORS, block_size=BLOCK, drafter=drafter_kind,
+                             loss_weighting=weighting, loss_normalize=normalize, sequence_parallel_size=sp)
+    compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
+    loss_fn = MicroBatchLoss(settings, config, compute, loss_weights(BLOCK, 2.0) if weighting == "exp" else None, head)
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, MASK_ID, (2, SEQ), generator=g)
+    loss_mask = torch.ones(2, SEQ, dtype=torch.bool)
+    loss_mask[:, :5] = False  # the prompt
+    loss_mask[1, SEQ - 14 :] = False  # a right-padded row: fewer eligible anchors than slots, so padded slots too
+    features = torch.randn(2, SEQ, 2 * HIDDEN, generator=g)
+    assert not sample_anchors(loss_mask, ANCHORS, torch.Generator().manual_seed(0))[1].all()
+    return drafter, loss_fn, (features, input_ids, loss_mask, input_ids)
+
+
+def loss_and_grads(drafter, loss_fn, batch):
+    loss, accepted = loss_fn(drafter, *batch, (0, 0, 0, 0))
+    loss.backward()
+    return loss.detach(), accepted, {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+
+
+def sharded_step_worker(rank, world, port, out_dir):
+    """Rank `rank` of 2: every case at SP=1 (on rank 0, alone) and at SP=2 (both ranks); the SP=2
+    loss and gradients averaged over the ranks, as DeepSpeed averages them over drafter ranks."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    sys.path.insert(0, str(REPO))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    import deepspeed
+
+    import train_dflash  # noqa: F401  (first: it marks DeepSpeed's CPU shared-memory op unbuilt, minutes of g++ otherwise)
+
+    deepspeed.comm.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)  # Ulysses' all-to-alls go through deepspeed.comm
+    from dflash_model import SequenceParallel
+
+    sp = SequenceParallel(torch.distributed.new_group([0, 1]), rank, world)
+    results = []
+    for case in CASES:
+        drafter, loss_fn, batch = one_case(case, sp=world)
+        reference = loss_and_grads(copy.deepcopy(drafter), dataclasses.replace(loss_fn, sequence_parallel=None), batch) if rank == 0 else None
+        loss, accepted, grads = loss_and_grads(drafter, dataclasses.replace(loss_fn, sequence_parallel=sp), batch)
+        torch.distributed.all_reduce(loss)
+        for grad in grads.values():
+            torch.distributed.all_reduce(grad)
+        results.append((reference, (loss / world, accepted, {k: g / world for k, g in grads.items()})))
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "results.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_a_step_at_sp2_gives_the_loss_and_gradients_of_sp1(tmp_path):
+    """One micro-batch (2 rows of 24 tokens, 8 anchor slots of 4, some padded) through a 2-layer
+    drafter with 4 heads / 2 KV heads: sharded over 2 ranks with DeepSpeed's Ulysses attention
+    (each rank 12 context positions and 4 anchors' blocks, every position for 2 of the heads inside
+    attention), the loss, the accepted shares and every parameter's gradient (averaged over the ranks,
+    as DeepSpeed averages them) equal the unsharded step's. Measured max abs differences (float32
+    summation order): loss 0 / 2.4e-7 / 9.5e-7 (of 7.0 / 3.3 / 10.4), gradients 3e-8 / 3e-8 / 1.2e-7,
+    for the three CASES. ~35 s on 2 busy cores, most of it the two processes' imports."""
+    mp.spawn(sharded_step_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    results = torch.load(tmp_path / "results.pt")
+    for case, (reference, sharded) in zip(CASES, results):
+        (loss1, accepted1, grads1), (loss2, accepted2, grads2) = reference, sharded
+        assert loss1.item() > 0.1, case
+        assert set(grads1) == set(grads2) and len(grads1) >= 10, case
+        worst = max((grads1[k] - grads2[k]).abs().max().item() for k in grads1)
+        print(f"{case}: loss {loss1.item():.6f} vs {loss2.item():.6f} (diff {abs(loss1 - loss2).item():.1e}); max grad diff {worst:.1e}")
+        assert abs(loss1 - loss2).item() < 1e-5, case
+        torch.testing.assert_close(accepted2, accepted1, equal_nan=True)
+        assert worst < 1e-5, case
+        assert max(g.abs().max().item() for g in grads1.values()) > 1e-3, "gradients that are not all ~0"
+
+
+def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
+    """3 optimizer steps on the tiny Qwen3 target (2 samples of <= 192 tokens per step, 16 anchors,
+    2 drafter layers), once on one rank and once on 2 ranks launched with
+    accelerate_configs/cpu_sp2.yaml (one sequence-parallel group, SP=2 from the accelerate config):
+    the same loss log and the same exported drafter, up to float32 summation order.
+    Measured max abs weight difference: 4.7e-7 (the tolerance is 1e-5); the same with 1 target rank
+    feeding the 2 (--target_ranks 1, run by hand). ~55 s on 2 busy cores."""
+    args = dict(max_samples=6, max_steps=3, num_train_epochs=1, logging_steps=1)
+    started = time.time()
+    one = subprocess.run([sys.executable, "train_dflash.py", *run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp1", **args)],
+                         cwd=REPO, env=train_env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-4000:]
+    two = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp2", **args), train_env, nproc=2,
+                            config="accelerate_configs/cpu_sp2.yaml")
+    print(f"two runs: {time.time() - started:.0f} s")
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "Sequence parallelism: drafter ranks in groups of 2 ([0, 1]), each group one sample at a time" in two.stderr
+    log1, log2 = (read_jsonl(tmp_path / run / "train_log.jsonl") for run in ("sp1", "sp2"))
+    assert [row["step"] for row in log1] == [row["step"] for row in log2] == [1, 2, 3]
+    for row1, row2 in zip(log1, log2):
+        assert row1["loss"] == pytest.approx(row2["loss"], abs=1e-5)
+        assert row1["tau_estimate"] == pytest.approx(row2["tau_estimate"], abs=1e-5)
+        assert row1["tokens_per_s"] > 0 and row2["tokens_per_s"] > 0
+    weights1, weights2 = final_weights(tmp_path / "sp1"), final_weights(tmp_path / "sp2")
+    assert set(weights1) == set(weights2)
+    worst = max((weights1[k] - weights2[k]).abs().max().item() for k in weights1)
+    print(f"max abs weight difference SP=1 vs SP=2: {worst:.1e}")
+    assert worst < 1e-5
