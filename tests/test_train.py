@@ -769,6 +769,30 @@ def test_target_output_cache_reads_back_what_the_target_made_and_zeros_elsewhere
         TargetOutputCache([2**40], feature_dim=4, dtype=torch.float32, device=torch.device("cpu"), with_labels=False)
 
 
+def test_target_output_cache_fits_its_need_and_margin_into_available_memory(monkeypatch):
+    """The check compares the buffer plus its stated margin (2 GiB of the host) with the memory
+    available (free plus reclaimable page cache), whatever share of the machine that is: the busy
+    machine of a report (3.5 GiB free of 23.6, 21.6 available) takes a small cache."""
+    import dflash_features
+    from dflash_features import TargetOutputCache
+
+    gib, cpu = 2**30, torch.device("cpu")
+    assert dflash_features.available_memory(cpu)[0] > 0  # the real reader answers on this machine
+    available = {"bytes": int(21.6 * gib)}
+    monkeypatch.setattr(dflash_features, "available_memory", lambda device: (available["bytes"], int(23.6 * gib)))
+    TargetOutputCache([10], feature_dim=4, dtype=torch.float32, device=cpu, with_labels=True)  # 0 GiB: fits
+    per_token = 1024 * 4  # feature_dim 1024, float32, no labels
+    TargetOutputCache([int(19.5 * gib) // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"),
+                      with_labels=False)  # 19.5 + 2 <= 21.6 (meta: the check, no allocation)
+    with pytest.raises(ValueError, match=r"needs 19\.7 GiB on meta .* plus 2\.0 GiB kept for training, and 21\.6 GiB of 23\.6 are available"):
+        TargetOutputCache([int(19.7 * gib) // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"),
+                          with_labels=False)
+    available["bytes"] = int(2.5 * gib)  # a machine that is really full: only a small cache fits
+    TargetOutputCache([10], feature_dim=4, dtype=torch.float32, device=cpu, with_labels=True)
+    with pytest.raises(ValueError, match=r"needs 1\.0 GiB"):
+        TargetOutputCache([gib // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"), with_labels=False)
+
+
 def test_cached_target_outputs_train_the_same_drafter(tiny_qwen3_target, train_env, tmp_path):
     """Three epochs with labels from the target's argmax, once with the target run on every batch and
     once with epochs 2 and 3 read from the cache: the same losses and the same weights."""
