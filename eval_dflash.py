@@ -1092,7 +1092,35 @@ def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashD
             f"(mask_token_id, target_layer_ids). Pass a checkpoint written by train_dflash.py or a released DFlash drafter."
         )
     model_class = DFlash2DraftModel if "DFlash2DraftModel" in (config.get("architectures") or []) else DFlashDraftModel
+    check_weights_fit_config(path, model_class)
     return model_class.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def check_weights_fit_config(path: str, model_class) -> None:
+    """Raise ValueError, before any weight loads, when the tensors of `path`/model.safetensors are not
+    those its config.json describes (names and shapes, from the file's header and a drafter built on
+    the meta device): transformers would print its load report and fail with a traceback, or start
+    from random weights where names are missing."""
+    from safetensors import safe_open
+
+    weights_file = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(weights_file):
+        raise ValueError(f"--draft_model {path!r} has no model.safetensors; pass the folder of a DFlash drafter checkpoint")
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            in_file = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as error:  # a damaged header, named in one line
+        raise ValueError(f"--draft_model {path!r}: {weights_file} does not open ({type(error).__name__}: {error})") from None
+    with torch.device("meta"):
+        expected = {name: list(t.shape) for name, t in model_class(model_class.config_class.from_pretrained(path)).state_dict().items()}
+    problems = [f"{name} is {in_file[name]} in the file, {shape} by config.json" for name, shape in expected.items()
+                if name in in_file and in_file[name] != shape]
+    problems += [f"{name} is missing from the file" for name in expected if name not in in_file]
+    problems += [f"{name} is in the file but not in a drafter of this config" for name in in_file if name not in expected]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"--draft_model {path!r}: model.safetensors does not fit its config.json: {'; '.join(problems[:3])}{more}; "
+                         f"the two files come from different drafters: copy the pair from one export")
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -1112,6 +1140,8 @@ def check_args(args: EvalArgs) -> dict:
         raise ValueError(f"--baseline must be 'prompt_lookup' or 'none', got {args.baseline!r}")
     if args.max_new_tokens < 1 or args.prompt_lookup_num_tokens < 1 or args.prompt_lookup_max_ngram_size < 1:
         raise ValueError("--max_new_tokens, --prompt_lookup_num_tokens and --prompt_lookup_max_ngram_size must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num_prompts must be >= 1 (or left out: every prompt of --data), got {args.num_prompts}")
     try:
         chat_template_kwargs = json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as error:
