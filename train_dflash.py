@@ -73,7 +73,7 @@ from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_checkpoint import check_hub_access, find_resume_point, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
+from dflash_checkpoint import check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
 from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
@@ -272,7 +272,8 @@ class TrainSettings:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
             raise ValueError(f"--liveness_timeout_s must be >= 5 (heartbeats come every 2 s), got {self.liveness_timeout_s}")
-        for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches"):
+        for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches",
+                     "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.anchor_slots_multiple < 0:
@@ -292,6 +293,14 @@ class TrainSettings:
             raise ValueError(f"--lk_eta must be >= 0 (0 gives plain KL), got {self.lk_eta}")
         if not 0 <= self.max_dropped_fraction <= 1:
             raise ValueError(f"--max_dropped_fraction must be between 0 and 1, got {self.max_dropped_fraction}")
+        # Checked here, not by AdamW after the target loaded (its message names no flag); nan fails every comparison.
+        if not (0 < self.learning_rate < math.inf):
+            raise ValueError(f"--learning_rate must be a number > 0, got {self.learning_rate}")
+        for name in ("weight_decay", "max_grad_norm"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"--{name} must be a number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"--warmup_ratio must be between 0 and 1, got {self.warmup_ratio}")
 
 
 def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
@@ -351,6 +360,11 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
             local = str(path).endswith((".jsonl", ".json", ".parquet")) or str(path).startswith((".", "/", "~"))
             if local and not os.path.exists(os.path.expanduser(path)) and not (REPO_DIR / path).exists():
                 raise ValueError(f"{flag} {path}: no such file or folder")
+    # The output folder (or the nearest part of its path that exists) must be a folder: made later, it would fail late.
+    existing = next(p for p in [Path(settings.output_dir).expanduser().absolute(), *Path(settings.output_dir).expanduser().absolute().parents]
+                    if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--output_dir {settings.output_dir}: {existing} is a file, not a folder; pass a folder (it is made if missing)")
     return settings, config_path
 
 
@@ -381,6 +395,7 @@ class TrainData:
     lengths: list[int]  # what batches are grouped by: tokens per sample, or assistant tokens with --anchor_slots_multiple
     eval_prompts: list | None  # --eval_data, tokenized; None without it
     chat_kwargs: dict | None  # --chat_template_kwargs
+    eval_prompts_in_file: int = 0  # prompts --eval_data holds in all (eval_prompts keeps --eval_num_prompts of them)
 
 
 def resolve_compute(settings: TrainSettings, device: torch.device) -> Compute:
@@ -538,14 +553,15 @@ def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> T
             num_proc=settings.num_proc, seed=settings.seed, skip_bad_samples=settings.skip_bad_samples,
             max_samples=settings.max_samples, max_dropped_fraction=settings.max_dropped_fraction,
         )
-    eval_prompts = None
+    eval_prompts, eval_prompts_in_file = None, 0
     if settings.eval_data:
         eval_file = settings.eval_data if os.path.exists(settings.eval_data) else str(REPO_DIR / settings.eval_data)
         eval_prompts = load_prompts(eval_file, tokenizer, num_prompts=settings.eval_num_prompts)
+        eval_prompts_in_file = len(load_prompts(eval_file))  # for the closing command: no more prompts than the file has
     # Micro-batches group samples of similar length. With --anchor_slots_multiple, of similar assistant
     # length: that decides the anchor slots a micro-batch needs (the whole length only its padding).
     lengths = dataset["num_loss_tokens"] if settings.anchor_slots_multiple else dataset["num_tokens"]
-    return TrainData(dataset, lengths, eval_prompts, chat_kwargs)
+    return TrainData(dataset, lengths, eval_prompts, chat_kwargs, eval_prompts_in_file)
 
 
 def build_drafter(settings: TrainSettings, draft_config: DFlashConfig, parts: TargetParts, compute: Compute) -> DFlashDraftModel:
@@ -718,7 +734,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
 
 
 def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings: TrainSettings, draft_config: DFlashConfig,
-               num_samples: int, layout) -> None:
+               data: TrainData, layout) -> None:
     """The lead: held-out tau at the last step (if not just measured), curves, the export with its
     model card, the Hub push; then every drafter rank closes its trackers."""
     final_dir = Path(settings.output_dir) / "final"
@@ -726,15 +742,16 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         if evaluate is not None and not is_eval_step(progress.global_step, settings):
             log_eval(progress, evaluate, settings)
         plot_training_curves(Path(settings.output_dir))
-        card = model_card(settings, draft_config, steps=progress.global_step, num_samples=num_samples, eval_tau=progress.eval_tau,
+        card = model_card(settings, draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
                           prompt_lookup_tau=progress.prompt_lookup_tau,
                           location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
         save_export(drafter, final_dir, settings, card)
         logger.info("Exported the drafter to %s with a model card (README.md; serve it with SGLang or vLLM)", final_dir)
         gguf = f" --target_gguf_file {settings.target_gguf_file}" if settings.target_gguf_file else ""
         logger.info("Measure it on more prompts: python eval_dflash.py --target_model %s%s --draft_model %s --data %s "
-                    "--num_prompts 20 --max_new_tokens %d --output %s", settings.target_model, gguf, final_dir,
-                    settings.eval_data or "PROMPTS.jsonl", settings.eval_max_new_tokens, Path(settings.output_dir) / "eval.json")
+                    "--num_prompts %d --max_new_tokens %d --output %s", settings.target_model, gguf, final_dir,
+                    settings.eval_data or "PROMPTS.jsonl", min(20, data.eval_prompts_in_file or 20), settings.eval_max_new_tokens,
+                    Path(settings.output_dir) / "eval.json")
         if settings.push_to_hub:
             url = push_to_hub(final_dir, settings, progress.global_step)
             logger.info("Pushed %s to the Hub as %s (%s)", final_dir, settings.hub_model_id, url)
@@ -748,6 +765,14 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
 def main(argv: list[str]) -> None:
     settings, config_path = parse_settings(argv)
     cluster = setup_distributed(settings)
+    finished = finished_run(settings)
+    if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
+        if cluster.rank == 0:
+            logger.warning(finished)
+        if cluster.liveness:
+            cluster.liveness.finish()
+        cluster.accelerator.end_training()
+        return
     if config_path == str(DEMO_CONFIG):
         logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
     if settings.push_to_hub and cluster.rank == 0:
@@ -793,7 +818,7 @@ def main(argv: list[str]) -> None:
             supply.receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
         if DEBUG_LOG:
             debug_log(cluster.rank, {"step": progress.global_step, "weights_sha256": weights_digest(drafter)})
-        finish_run(drafter, progress, evaluate, settings, draft_config, len(data.dataset), layout)
+        finish_run(drafter, progress, evaluate, settings, draft_config, data, layout)
     if cluster.liveness:
         cluster.liveness.finish()  # every rank waits here for the others (the lead's export included), watched
     cluster.accelerator.end_training()

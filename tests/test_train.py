@@ -98,6 +98,58 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(tiny_qwen3_target, gsm8k_
     assert [row["step"] for row in read_log(out)] == [2, 4, 6]
 
 
+def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qwen3_target, train_env, tmp_path):
+    """A 4-step run with checkpoints at steps 2 and 4 and a held-out evaluation, then, on copies of its
+    folder: its step-4 model states cut to 1,000 bytes, resumed by name; its step-4 optimizer shard
+    cut in half after a crash (no final/), resumed with latest: each one `error:` line naming the
+    file and checkpoint-2, the newest intact one, and train_log.jsonl byte for byte as it was. The
+    finished run itself, resumed with latest: it says so and exits 0, with no evaluation and no
+    record appended."""
+    import shutil
+
+    data = REPO / "data" / "demo_conversations.jsonl"
+    common = dict(max_steps=4, save_steps=2, logging_steps=2, max_samples=16, target_layer_ids="1 3", per_device_batch_size=2,
+                  eval_data=REPO / "data" / "demo_heldout_prompts.jsonl", eval_num_prompts=1, eval_max_new_tokens=4)
+    out = tmp_path / "run"
+    result = run(tiny_args(tiny_qwen3_target, data, out, **common), train_env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = (out / "train_log.jsonl").read_text()
+    assert [(row["step"], "eval_tau" in row) for row in read_log(out)] == [(2, False), (4, False), (4, True)]
+    # The closing command asks for no more prompts than the held-out file has (10).
+    assert re.search(r"Measure it on more prompts: python eval_dflash.py .* --num_prompts 10 --max_new_tokens 4 ", result.stderr)
+    model_cut, optim_cut = tmp_path / "model_cut", tmp_path / "optim_cut"
+    shutil.copytree(out, model_cut)
+    shutil.copytree(out, optim_cut)
+    model_states = model_cut / "checkpoint-4" / "deepspeed" / "mp_rank_00_model_states.pt"
+    model_states.write_bytes(model_states.read_bytes()[:1000])
+    optimizer = optim_cut / "checkpoint-4" / "deepspeed" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    shutil.rmtree(optim_cut / "final")
+    commands = {
+        model_cut: tiny_args(tiny_qwen3_target, data, model_cut, resume_from_checkpoint=model_cut / "checkpoint-4", **common),
+        optim_cut: tiny_args(tiny_qwen3_target, data, optim_cut, resume_from_checkpoint="latest", **common),
+        out: tiny_args(tiny_qwen3_target, data, out, resume_from_checkpoint="latest", **common),
+    }
+    procs = {folder: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for folder, args in commands.items()}
+    stderr = {folder: proc.communicate(timeout=300)[1] for folder, proc in procs.items()}
+    for folder, damaged in ((model_cut, model_states), (optim_cut, optimizer)):
+        assert procs[folder].returncode == 2, stderr[folder][-3000:]
+        last = stderr[folder].strip().splitlines()[-1]
+        assert last.startswith(f"error: checkpoint {folder}/checkpoint-4 is damaged, nothing was changed: {damaged} ("), last
+        assert last.endswith(f"resume from the newest intact one with --resume_from_checkpoint {folder}/checkpoint-2"), last
+        assert "Traceback" not in stderr[folder]
+        assert (folder / "train_log.jsonl").read_text() == log
+    assert procs[out].returncode == 0, stderr[out][-3000:]
+    finished = [line for line in stderr[out].splitlines() if "has finished" in line]
+    assert len(finished) == 1 and "WARNING" in finished[0], stderr[out][-3000:]
+    assert (f"the run in {out} has finished (its export final/ was written after its last checkpoint), so there is nothing "
+            f"to resume; to train it further, name its last checkpoint with a larger --max_steps (--resume_from_checkpoint "
+            f"{out}/checkpoint-4); to train again, pass --overwrite_output_dir or a new --output_dir") in finished[0]
+    assert "Held-out tau" not in stderr[out] and "Resumed from" not in stderr[out]
+    assert (out / "train_log.jsonl").read_text() == log
+
+
 def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     out = tmp_path / "ddp"
     args = tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=4, logging_steps=2, max_samples=32,
@@ -198,6 +250,36 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
     assert "usage:" not in results["flag"][1]
 
 
+def test_errors_found_late_before_now_come_as_one_last_line_before_any_weight_loads(qwen3_tokenizer, train_env, tmp_path):
+    """--output_dir naming a file, --learning_rate nan and a target whose config.json is cut short:
+    each the run's last line on stderr, `error: ...` naming the flag or file, exit status 2, and no
+    weights read (the target's weights file is garbage)."""
+    data = REPO / "data" / "demo_conversations.jsonl"
+    target = weightless_target(tmp_path / "target", qwen3_tokenizer)
+    cut = weightless_target(tmp_path / "cut", qwen3_tokenizer)
+    text = (cut / "config.json").read_text()
+    (cut / "config.json").write_text(text[: len(text) // 2])
+    (tmp_path / "a_file").write_text("not a folder")
+    commands = {
+        "output_dir": tiny_args(target, data, tmp_path / "a_file", max_steps=1),
+        "learning_rate": tiny_args(target, data, tmp_path / "out", max_steps=1, learning_rate="nan"),
+        "config": tiny_args(cut, data, tmp_path / "out2", max_steps=1),
+    }
+    procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in commands.items()}
+    last = {}
+    for name, proc in procs.items():
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 2, (name, stderr[-3000:])
+        assert "Traceback" not in stderr and "Loading weights" not in stderr and "safetensors" not in stderr.lower(), stderr[-3000:]
+        last[name] = stderr.strip().splitlines()[-1]
+    assert last["output_dir"] == (f"error: --output_dir {tmp_path}/a_file: {tmp_path}/a_file is a file, not a folder; "
+                                  f"pass a folder (it is made if missing)")
+    assert last["learning_rate"] == "error: --learning_rate must be a number > 0, got nan"
+    assert last["config"].startswith(f"error: --target_model '{cut}': {cut}/config.json is not valid JSON (line "), last["config"]
+    assert last["config"].endswith("; the file is cut short or damaged: copy or download it again"), last["config"]
+
+
 def test_settings_yaml_cli_override_and_errors(tmp_path):
     sys.path.insert(0, str(REPO))
     from train_dflash import DEMO_CONFIG, parse_settings
@@ -264,6 +346,7 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
     from train_dflash import parse_settings
 
     base = ["--target_model", "x", "--train_data", "a"]
+    (tmp_path / "run.yaml").touch()  # a file where --output_dir names a folder inside it
     for argv, message in [
         (["--max_steps", "five"], "--max_steps expects an integer, got 'five'"),
         (["--learning_rate", "fast"], "--learning_rate expects a number, got 'fast'"),
@@ -272,6 +355,11 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
         (["--block_size", "1"], "--block_size must be >= 2"),
         (["--max_dropped_fraction", "1.5"], "--max_dropped_fraction must be between 0 and 1"),
         (["--anchor_slots_multiple", "-1"], "--anchor_slots_multiple must be >= 0"),
+        (["--learning_rate", "nan"], "--learning_rate must be a number > 0, got nan"),
+        (["--learning_rate", "-1"], "--learning_rate must be a number > 0, got -1.0"),
+        (["--weight_decay", "inf"], "--weight_decay must be a number >= 0, got inf"),
+        (["--eval_num_prompts", "0"], "--eval_num_prompts must be >= 1, got 0"),
+        (["--output_dir", str(tmp_path / "run.yaml" / "out")], f"--output_dir {tmp_path}/run.yaml/out: {tmp_path}/run.yaml is a file, not a folder"),
     ]:
         with pytest.raises(ValueError) as error:
             parse_settings(base + argv)
@@ -671,9 +759,12 @@ def test_anchor_slots_multiple_groups_batches_by_assistant_length(qwen3_tokenize
     assert trimmed.lengths == [sum(mask) for mask in trimmed.dataset["loss_mask"]] != plain.lengths
 
 
-def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(tmp_path):
+def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(tmp_path, caplog):
     """A recipe rerun after a crash before the first checkpoint: only the log is there, so it starts
-    over (the log goes); a finished run (final/) with no checkpoint is kept, with a clear error."""
+    over (the log goes); a finished run (final/) with no checkpoint is kept, with a clear error. A
+    mistyped or empty --output_dir has nothing to resume: the fresh start is a warning, not a note."""
+    import logging
+
     sys.path.insert(0, str(REPO))
     from dflash_checkpoint import find_resume_point
     from train_dflash import parse_settings
@@ -683,6 +774,13 @@ def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(
             pass
 
     out = tmp_path / "run"
+    for folder, what in ((out, "does not exist"), (tmp_path, "is empty")):
+        caplog.clear()
+        latest = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(folder), "--resume_from_checkpoint", "latest"])[0]
+        assert find_resume_point(latest, OneProcess(), 0).path is None
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "nothing to resume" in r.getMessage()]
+        assert len(warned) == 1 and f"--resume_from_checkpoint latest: {folder} {what}, so there is nothing to resume: starting a " \
+            f"fresh run there (is --output_dir the folder you meant?)" == warned[0].getMessage(), caplog.text
     out.mkdir()
     (out / "train_log.jsonl").write_text(json.dumps({"step": 50, "loss": 3.0}) + "\n")
     settings = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(out),
