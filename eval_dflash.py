@@ -73,6 +73,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig, HfArgumentParser
 from transformers.generation.streamers import BaseStreamer
 
+from dflash_cli import HelpFormatter
 from dflash_compile import CUDAGraphCall
 from dflash_data import load_prompts
 from dflash_model import DFlash2DraftModel, DFlashDraftModel, sampling_probs
@@ -92,7 +93,7 @@ class EvalArgs:
     temperature: float = field(default=0.0, metadata={"help": "0 (default): greedy, checked token for token against plain greedy decoding. > 0: the draft is sampled from the drafter's distribution and verified by rejection sampling (lossless in distribution, not per prompt)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1] at --temperature > 0, for the target and the drafter alike."})
     seed: int = field(default=0, metadata={"help": "Random seed when sampling (prompt i uses seed + i)."})
-    num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of --data."})
+    num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of --data (default: every prompt)."})
     baseline: str = field(default="prompt_lookup", metadata={"help": "'prompt_lookup' (transformers' prompt-lookup decoding on the same prompts) or 'none'."})
     prompt_lookup_num_tokens: int = field(default=10, metadata={"help": "Candidate tokens per prompt-lookup step (transformers' prompt_lookup_num_tokens)."})
     prompt_lookup_max_ngram_size: int = field(default=2, metadata={"help": "Longest n-gram prompt lookup matches (transformers' max_matching_ngram_size)."})
@@ -1409,7 +1410,12 @@ def write_results(results: dict, args: EvalArgs, plot_path: str, block_size: int
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the evaluation; returns the results dict (also written to --output)."""
-    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser(EvalArgs, formatter_class=HelpFormatter, description=(
+        "Evaluate a DFlash drafter by real speculative decoding on the target: acceptance length tau, acceptance by block "
+        "position, target-only and speculative tokens/s, the speedup, transformers' prompt lookup on the same prompts, and a "
+        "check that the output equals plain greedy decoding; written to --output as JSON, with a plot. "
+        "--target_model, --draft_model, --data, --max_new_tokens and --output are required. docs/evaluation.md"))
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
     chat_template_kwargs = check_args(args)
     plot_path = args.plot or (args.output[: -len(".json")] if args.output.endswith(".json") else args.output) + "_acceptance.png"
     run = prepare_run(args, chat_template_kwargs)

@@ -926,8 +926,36 @@ def test_every_shipped_config_parses(config):
     assert path and settings.target_model and settings.train_data == [demo]
 
 
-def test_help_renders_every_flag():
-    """argparse formats help strings with %: a stray percent sign breaks --help for every flag."""
+def test_help_renders_every_flag_in_its_group_with_its_default():
+    """argparse formats help strings with %: a stray percent sign breaks --help for every flag. The
+    flags come in groups, in the order of dflash_cli.SETTING_GROUPS, after --config; every flag
+    says its default once; every setting names its group. eval_dflash.py --help has a description
+    and no '(default: None)' for its required flags."""
+    from dataclasses import fields
+
+    from dflash_cli import SETTING_GROUPS
+    from train_dflash import TrainSettings
+
     result = subprocess.run([sys.executable, "train_dflash.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "option_strings" not in result.stdout and "--cache_target_outputs" in result.stdout and "--learning_rate" in result.stdout
+    text = result.stdout
+    assert "option_strings" not in text and "--cache_target_outputs" in text and "--learning_rate" in text
+    assert not [f.name for f in fields(TrainSettings) if f.metadata.get("group") not in SETTING_GROUPS]
+    sections = re.split(r"\n\n(?=\S[^\n]*:\n)", text)  # "title:\n" starts each group
+    titles = [section.split(":\n", 1)[0] for section in sections[1:]]
+    assert titles == ["options", *(title for title, _ in SETTING_GROUPS.values())], titles
+    options = sections[titles.index("options") + 1]
+    assert re.findall(r"^  (--?\w+)", options, re.M) == ["-h", "--config"]
+    for section in sections[2:]:
+        for entry in re.split(r"\n  (?=--)", section)[1:]:
+            assert " ".join(entry.split()).lower().count("default") == 1, entry
+    flat = " ".join(text.split())
+    assert "eta of --loss lk (3.0 is speculators' value too; 0 gives plain KL) (default: 3.0)" in flat
+    assert "speculators trains with unless told otherwise" in flat and "the drafter's detached confidence) (default: exp)" in flat
+    assert "where there is none, a warning and a fresh run; on a run that has finished, a note and nothing else" in flat
+    assert "(default: None)" not in flat and text.startswith("usage: train_dflash.py [--config FILE.yaml] [--SETTING VALUE ...]\n")
+    result = subprocess.run([sys.executable, "eval_dflash.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    flat = " ".join(result.stdout.split())
+    assert "Evaluate a DFlash drafter by real speculative decoding on the target" in flat and "(default: None)" not in flat
+    assert "--num_prompts NUM_PROMPTS, --num-prompts NUM_PROMPTS Use only the first N prompts of --data (default: every prompt)." in flat
