@@ -4,25 +4,25 @@ Offline CPU demo (no arguments: SmolLM2-135M-Instruct target, the repo's demo co
     python launch.py train_dflash.py
 
 A real run on 8 GPUs (settings in the YAML, any flag overrides them):
-    python launch.py --config_file accelerate_configs/8gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml
+    accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml
 
 Two GPUs, one running the target and one training the drafter:
-    python launch.py --config_file accelerate_configs/2gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 1
+    accelerate launch --config_file accelerate_configs/2gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 1
 
 One GPU, your own data:
-    python launch.py --config_file accelerate_configs/1gpu.yaml train_dflash.py \
+    accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py \
         --target_model Qwen/Qwen3-8B --train_data my_chats.jsonl --output_dir outputs/qwen3-8b
 
 A target too large for one GPU: target ranks in tensor-parallel groups of 2 (DeepSpeed AutoTP):
-    python launch.py --config_file accelerate_configs/8gpu.yaml train_dflash.py --target_model Qwen/Qwen3-32B \
+    accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --target_model Qwen/Qwen3-32B \
         --train_data my_chats.jsonl --target_ranks 4 --target_tp_size 2
 
 Two nodes (the same command on each, with its --machine_rank; --output_dir on a shared filesystem):
-    python launch.py --config_file accelerate_configs/2x8gpu.yaml --machine_rank 0 --main_process_ip NODE0 \
+    accelerate launch --config_file accelerate_configs/2x8gpu.yaml --machine_rank 0 --main_process_ip NODE0 \
         train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 2 --output_dir /shared/outputs/qwen3-8b
 
-launch.py takes `accelerate launch`'s arguments (and `accelerate launch` runs the same ranks); it
-ends a failed run with the first failing rank's error line and exit status.
+`python launch.py` in place of `accelerate launch` takes the same arguments and runs the same ranks;
+it ends a failed run with the first failing rank's error line and exit status.
 
 Colocated mode (--target_ranks 0, the default): every rank runs the frozen target (context features,
 no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ranks N or auto;

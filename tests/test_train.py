@@ -185,6 +185,32 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     assert (out / "final" / "model.safetensors").is_file()
 
 
+def test_the_readme_launches_both_train(tiny_qwen3_target, train_env, tmp_path):
+    """The README's two ways to run, on 2 CPU processes (accelerate_configs/cpu.yaml): `accelerate
+    launch --config_file ... train_dflash.py ...` and `python launch.py` with the same arguments.
+    Both train the same 2 steps on both ranks and export the same weights."""
+    import shutil
+
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))  # the command users type, beside this python
+    assert accelerate, "accelerate's command is installed with the package"
+    data = REPO / "data" / "demo_conversations.jsonl"
+    launchers = {"accelerate": [accelerate, "launch"], "launch.py": [sys.executable, "launch.py"]}
+    procs = {name: subprocess.Popen([*launcher, "--config_file", "accelerate_configs/cpu.yaml", "train_dflash.py",
+                                     *tiny_args(tiny_qwen3_target, data, tmp_path / name, max_steps=2, logging_steps=1, max_samples=8,
+                                                per_device_batch_size=2, num_anchors=8, target_layer_ids="1 3")],
+                                    cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, launcher in launchers.items()}
+    weights = {}
+    for name, proc in procs.items():
+        stderr = proc.communicate(timeout=600)[1]
+        assert proc.returncode == 0, (name, stderr[-4000:])
+        assert "2 ranks" in stderr and "Traceback" not in stderr, (name, stderr[-4000:])
+        assert [row["step"] for row in read_log(tmp_path / name)] == [1, 2]
+        weights[name] = load_file(tmp_path / name / "final" / "model.safetensors")
+    assert weights["accelerate"].keys() == weights["launch.py"].keys()
+    assert all(torch.equal(weights["accelerate"][k], weights["launch.py"][k]) for k in weights["accelerate"])
+
+
 def weightless_target(path, tokenizer, **config) -> Path:
     """A target directory whose config and tokenizer load but whose weights file is garbage: a run
     that gets as far as loading the weights fails on them."""
