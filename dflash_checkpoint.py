@@ -51,7 +51,9 @@ def damaged_file(checkpoint: Path) -> str | None:
         return f"{state_file} ({type(error).__name__}: {error})"
     shards = checkpoint / "deepspeed"
     files = [shards / "mp_rank_00_model_states.pt"]
-    files += [shards / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(state.get("drafter_ranks", 1))]
+    for r in range(state.get("drafter_ranks", 1)):  # DeepSpeed prefixes "bf16_" to a bf16 run's optimizer shards
+        shard = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        files += [next(iter(sorted(shards.glob(f"*{shard}"))), shards / shard)]
     files += sorted(checkpoint.glob("rng_state_*.pt"))
     for path in files:
         if not path.is_file():

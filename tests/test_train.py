@@ -150,6 +150,25 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
     assert (out / "train_log.jsonl").read_text() == log
 
 
+def test_checkpoint_check_reads_every_rank_shard_in_either_deepspeed_naming(tmp_path):
+    """damaged_file: each drafter rank's optimizer shard, named as DeepSpeed names it with or without
+    bf16 ("bf16_zero_pp_rank_..." on a GPU run), must be there and load; the RNG states too."""
+    from dflash_checkpoint import damaged_file
+
+    checkpoint = tmp_path / "checkpoint-2"
+    (checkpoint / "deepspeed").mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2, "drafter_ranks": 2}))
+    for name in ("deepspeed/mp_rank_00_model_states.pt", "deepspeed/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_state_0.pt"):
+        torch.save({"state": torch.zeros(3)}, checkpoint / name)
+    assert damaged_file(checkpoint) == f"{checkpoint}/deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt (missing)"
+    torch.save({"state": torch.zeros(3)}, checkpoint / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert damaged_file(checkpoint) is None
+    (checkpoint / "rng_state_0.pt").write_bytes((checkpoint / "rng_state_0.pt").read_bytes()[:100])
+    assert damaged_file(checkpoint).startswith(f"{checkpoint}/rng_state_0.pt (RuntimeError: ")
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 2, "drafter_')
+    assert damaged_file(checkpoint).startswith(f"{checkpoint}/trainer_state.json (JSONDecodeError: ")
+
+
 def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     out = tmp_path / "ddp"
     args = tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=4, logging_steps=2, max_samples=32,
