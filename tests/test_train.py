@@ -207,7 +207,8 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
 def test_the_readme_launches_both_train(tiny_qwen3_target, train_env, tmp_path):
     """The README's two ways to run, on 2 CPU processes (accelerate_configs/cpu.yaml): `accelerate
     launch --config_file ... train_dflash.py ...` and `python launch.py` with the same arguments.
-    Both train the same 2 steps on both ranks and export the same weights."""
+    Both train the same 2 steps on both ranks and export the same weights. Resumed with latest, the
+    finished run says so once and exits 0 on both ranks."""
     import shutil
 
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))  # the command users type, beside this python
@@ -228,6 +229,13 @@ def test_the_readme_launches_both_train(tiny_qwen3_target, train_env, tmp_path):
         weights[name] = load_file(tmp_path / name / "final" / "model.safetensors")
     assert weights["accelerate"].keys() == weights["launch.py"].keys()
     assert all(torch.equal(weights["accelerate"][k], weights["launch.py"][k]) for k in weights["accelerate"])
+    # Resumed with latest, the finished run ends on both ranks at once, successfully, and touches nothing.
+    log = (tmp_path / "accelerate" / "train_log.jsonl").read_text()
+    again = subprocess.run([sys.executable, "launch.py", "--config_file", "accelerate_configs/cpu.yaml", "train_dflash.py",
+                            *tiny_args(tiny_qwen3_target, data, tmp_path / "accelerate", max_steps=2, resume_from_checkpoint="latest")],
+                           cwd=REPO, env=train_env, text=True, capture_output=True, timeout=300)
+    assert again.returncode == 0 and again.stderr.count("has finished") == 1, again.stderr[-3000:]
+    assert (tmp_path / "accelerate" / "train_log.jsonl").read_text() == log
 
 
 def weightless_target(path, tokenizer, **config) -> Path:
