@@ -1098,20 +1098,27 @@ def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashD
 
 
 def check_weights_fit_config(path: str, model_class) -> None:
-    """Raise ValueError, before any weight loads, when the tensors of `path`/model.safetensors are not
-    those its config.json describes (names and shapes, from the file's header and a drafter built on
+    """Raise ValueError, before any weight loads, when the tensors of `path`/model.safetensors (or its
+    shards) are not those its config.json describes (names and shapes, from the file's header and a drafter built on
     the meta device): transformers would print its load report and fail with a traceback, or start
     from random weights where names are missing."""
     from safetensors import safe_open
 
-    weights_file = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(weights_file):
-        raise ValueError(f"--draft_model {path!r} has no model.safetensors; pass the folder of a DFlash drafter checkpoint")
-    try:
-        with safe_open(weights_file, framework="pt") as f:
-            in_file = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
-    except Exception as error:  # a damaged header, named in one line
-        raise ValueError(f"--draft_model {path!r}: {weights_file} does not open ({type(error).__name__}: {error})") from None
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):  # a sharded checkpoint
+        with open(index) as f:
+            weights_files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        weights_files = [os.path.join(path, "model.safetensors")]
+    in_file = {}
+    for weights_file in weights_files:
+        if not os.path.isfile(weights_file):
+            raise ValueError(f"--draft_model {path!r} has no {os.path.basename(weights_file)}; pass the folder of a DFlash drafter checkpoint")
+        try:
+            with safe_open(weights_file, framework="pt") as f:
+                in_file.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as error:  # a damaged header, named in one line
+            raise ValueError(f"--draft_model {path!r}: {weights_file} does not open ({type(error).__name__}: {error})") from None
     with torch.device("meta"):
         expected = {name: list(t.shape) for name, t in model_class(model_class.config_class.from_pretrained(path)).state_dict().items()}
     problems = [f"{name} is {in_file[name]} in the file, {shape} by config.json" for name, shape in expected.items()
@@ -1120,7 +1127,7 @@ def check_weights_fit_config(path: str, model_class) -> None:
     problems += [f"{name} is in the file but not in a drafter of this config" for name in in_file if name not in expected]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ValueError(f"--draft_model {path!r}: model.safetensors does not fit its config.json: {'; '.join(problems[:3])}{more}; "
+        raise ValueError(f"--draft_model {path!r}: its weights do not fit its config.json: {'; '.join(problems[:3])}{more}; "
                          f"the two files come from different drafters: copy the pair from one export")
 
 

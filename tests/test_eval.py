@@ -485,7 +485,7 @@ def test_cli_refuses_a_drafter_whose_weights_do_not_fit_its_config_before_any_we
     with pytest.raises(ValueError) as error:
         eval_dflash.main(base + ["--draft_model", str(mixed)])
     message = str(error.value)
-    assert "\n" not in message and message.startswith(f"--draft_model '{mixed}': model.safetensors does not fit its config.json: ")
+    assert "\n" not in message and message.startswith(f"--draft_model '{mixed}': its weights do not fit its config.json: ")
     assert "layers.0.mlp.gate_proj.weight is [128, 64] in the file, [96, 64] by config.json" in message, message
     assert "(and 3 more)" in message  # up_proj and down_proj of 2 layers: 6 in all, 3 named
     with pytest.raises(ValueError, match=r"^--num_prompts must be >= 1 \(or left out: every prompt of --data\), got 0$"):
