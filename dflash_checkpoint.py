@@ -38,21 +38,86 @@ def checkpoint_dirs(output_dir: str) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
+def damaged_file(checkpoint: Path) -> str | None:
+    """'FILE (why)' for the first file of `checkpoint` that is missing or does not load, or None when
+    every file a resume reads loads: trainer_state.json, DeepSpeed's model states and each drafter
+    rank's optimizer shard, the RNG states. The .pt files are opened memory-mapped: their index and
+    pickled structure are read (a file cut short has no zip directory and fails here), the tensors
+    are not, so this takes well under a second even for a large drafter."""
+    state_file = checkpoint / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as error:
+        return f"{state_file} ({type(error).__name__}: {error})"
+    shards = checkpoint / "deepspeed"
+    files = [shards / "mp_rank_00_model_states.pt"]
+    for r in range(state.get("drafter_ranks", 1)):  # DeepSpeed prefixes "bf16_" to a bf16 run's optimizer shards
+        shard = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        files += [next(iter(sorted(shards.glob(f"*{shard}"))), shards / shard)]
+    files += sorted(checkpoint.glob("rng_state_*.pt"))
+    for path in files:
+        if not path.is_file():
+            return f"{path} (missing)"
+        try:
+            torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except Exception as error:  # any way a damaged file fails to load: named in one line, below
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+            return f"{path} ({type(error).__name__}: {reason})"
+    return None
+
+
+def check_checkpoint(checkpoint: Path, output_dir: str) -> None:
+    """Raise ValueError naming the damaged file of `checkpoint` and the newest intact checkpoint of
+    `output_dir`, when a file of `checkpoint` does not load (`damaged_file`)."""
+    damage = damaged_file(checkpoint)
+    if damage is None:
+        return
+    intact = next((p for p in reversed(checkpoint_dirs(output_dir)) if p.resolve() != checkpoint.resolve() and damaged_file(p) is None), None)
+    advice = (f"resume from the newest intact one with --resume_from_checkpoint {intact}" if intact else
+              f"{output_dir} holds no intact checkpoint: start over with --overwrite_output_dir")
+    raise ValueError(f"checkpoint {checkpoint} is damaged, nothing was changed: {damage}; {advice}")
+
+
+def finished_run(settings) -> str | None:
+    """With --resume_from_checkpoint latest in an --output_dir whose run has ended (its export final/
+    written after its newest checkpoint and its log's last line, as a run's last act), the line that
+    says so; None otherwise. Such a run has nothing to resume: training on from its last checkpoint
+    would measure it again and append a second copy of its last records to train_log.jsonl."""
+    output_dir = Path(settings.output_dir)
+    export = output_dir / "final" / "config.json"
+    if settings.resume_from_checkpoint != "latest" or not export.is_file():
+        return None
+    checkpoints = checkpoint_dirs(settings.output_dir)
+    written_later = [p / "trainer_state.json" for p in checkpoints] + [output_dir / "train_log.jsonl"]
+    if any(p.is_file() and p.stat().st_mtime_ns > export.stat().st_mtime_ns for p in written_later):
+        return None  # an earlier run's export, left by --overwrite_output_dir until this run exports its own
+    further = (f"to train it further, name its last checkpoint with a larger --max_steps (--resume_from_checkpoint "
+               f"{checkpoints[-1]}); " if checkpoints else "")
+    return (f"--resume_from_checkpoint latest: the run in {output_dir} has finished (its export final/ was written after "
+            f"its last checkpoint), so there is nothing to resume; {further}to train again, pass --overwrite_output_dir "
+            f"or a new --output_dir")
+
+
 def find_resume_point(settings, accelerator: Accelerator, rank: int) -> ResumePoint:
     """The checkpoint to resume (every rank needs it: the target ranks make the batches from there on).
     A fresh run clears an earlier run's checkpoints and log only with --overwrite_output_dir, or with
     --resume_from_checkpoint latest when the earlier run left only its log (no checkpoint, no export);
-    a resumed run cuts its log back to the checkpoint's step."""
+    a resumed run cuts its log back to the checkpoint's step, once every file of the checkpoint loads
+    (`check_checkpoint`: a damaged one stops the run with the log untouched)."""
     resume = settings.resume_from_checkpoint
     if resume == "latest":
         found = checkpoint_dirs(settings.output_dir)
         resume = str(found[-1]) if found else None
-        if resume is None:
-            logger.info("--resume_from_checkpoint latest: no checkpoint in %s, starting fresh", settings.output_dir)
+        if resume is None and rank == 0:
+            where = ("does not exist" if not os.path.exists(settings.output_dir) else
+                     "holds no checkpoint" if os.listdir(settings.output_dir) else "is empty")
+            logger.warning("--resume_from_checkpoint latest: %s %s, so there is nothing to resume: starting a fresh run there "
+                           "(is --output_dir the folder you meant?)", settings.output_dir, where)
     state = {}
     if resume:
         if not (Path(resume) / "trainer_state.json").is_file():
             raise ValueError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (no trainer_state.json)")
+        check_checkpoint(Path(resume), settings.output_dir)
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
     point = ResumePoint(resume, state)
     log_file = Path(settings.output_dir) / "train_log.jsonl"
@@ -133,7 +198,12 @@ def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micr
 def resume_engine(engine, resume: ResumePoint, dp_rank: int) -> None:
     """Load `resume`'s DeepSpeed state (weights, optimizer, scheduler) into `engine`, and this drafter
     rank's Python and torch RNG state as it was at the checkpoint."""
-    engine.load_checkpoint(resume.path, tag="deepspeed")
+    try:
+        engine.load_checkpoint(resume.path, tag="deepspeed")
+    except RuntimeError as error:  # loads (`check_checkpoint`), but does not fit this run's drafter
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+        raise ValueError(f"checkpoint {resume.path} does not load into this run's drafter ({reason}): resume with the "
+                         f"settings it was saved with ({Path(resume.path) / 'training_settings.json'})") from None
     rng_file = Path(resume.path) / f"rng_state_{dp_rank}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)

@@ -1,8 +1,10 @@
 """Command-line and YAML parsing for train_dflash.py with one-line errors: a flag of the wrong type
 names the flag and what it expects, a YAML value of the wrong type its file and key, an unknown flag
-or YAML key gets a "did you mean", and a YAML syntax error gives its file, line and column. The settings themselves are `train_dflash.TrainSettings`."""
+or YAML key gets a "did you mean", and a YAML syntax error gives its file, line and column. --help
+lists the flags in groups, each with its default. The settings themselves are `train_dflash.TrainSettings`."""
 
 import argparse
+import copy
 import difflib
 import re
 import types
@@ -14,7 +16,7 @@ from transformers import HfArgumentParser
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's '(default: X)' suffix, left out where the help text already says what the default
-    is, and for None (an unset optional setting)."""
+    is, and for None (an unset optional setting, whose help text says what unset means)."""
 
     def _get_help_string(self, action):
         if action.default is None or "default" in (action.help or "").lower():
@@ -26,9 +28,36 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 _EXPECTED = {"int": "an integer", "float": "a number", "str": "a string"}
 
 
+# The groups of train_dflash.py --help, in the order shown: key (what a setting's metadata["group"]
+# names) -> (title, description).
+SETTING_GROUPS = {
+    "data": ("target and data", "the frozen target model and the conversations the drafter learns from"),
+    "drafter": ("drafter", "the drafter's shape, sized after the target's unless set (docs/drafters.md)"),
+    "objective": ("objective", "what each block position is trained on and how positions are weighted"),
+    "optimisation": ("optimisation", "AdamW under DeepSpeed ZeRO-2, the schedule and the length of the run"),
+    "speed": ("speed and memory", "the same training, faster or in less memory (docs/training.md)"),
+    "topology": ("topology", "which ranks run the target and which train the drafter (docs/topology.md)"),
+    "evaluation": ("held-out evaluation", "tau by real speculative decoding on prompts never trained on"),
+    "output": ("output, checkpoints and the Hub", "where the run writes, resumes and uploads"),
+}
+
+
 class SettingsParser(HfArgumentParser):
-    """HfArgumentParser that reports a bad flag value as one ValueError line (the flag, what it
-    expects, what it got) instead of printing the whole usage text and exiting."""
+    """HfArgumentParser that lists each setting under the --help group its field's metadata names
+    (`SETTING_GROUPS`; a setting with none lands under "options"), and reports a bad flag value as
+    one ValueError line (the flag, what it expects, what it got) instead of printing the whole usage
+    text and exiting."""
+
+    def _add_dataclass_arguments(self, dtype):
+        self.setting_groups = {key: self.add_argument_group(title, description) for key, (title, description) in SETTING_GROUPS.items()}
+        super()._add_dataclass_arguments(dtype)
+
+    def _parse_dataclass_field(self, parser, field):
+        metadata = dict(field.metadata)
+        group = metadata.pop("group", None)  # ours: not an argparse keyword
+        field = copy.copy(field)
+        field.metadata = types.MappingProxyType(metadata)
+        super()._parse_dataclass_field(self.setting_groups[group] if group else parser, field)
 
     def error(self, message: str):
         invalid = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.*)", message)

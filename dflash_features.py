@@ -9,12 +9,12 @@ micro-batches through the target, sent to the drafter rank that trains each.
 """
 
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import psutil
 import torch
 
 from dflash_data import collate_batch
@@ -76,6 +76,24 @@ def target_output_dim(draft_config: DFlashConfig, loss: str) -> int:
     return (len(draft_config.target_layer_ids) + (loss != "ce")) * draft_config.hidden_size
 
 
+def available_memory(device: torch.device) -> tuple[int, int]:
+    """(bytes available now, bytes in all) of the memory `device`'s tensors live in: the GPU's free
+    memory, or the host's available memory (MemAvailable: free pages plus the page cache and other
+    memory the kernel gives back on demand; free pages alone are few on any busy machine)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    host = psutil.virtual_memory()
+    return host.available, host.total
+
+
+def cache_margin(device: torch.device, capacity: int) -> int:
+    """Bytes the target-output cache leaves for training beyond what is allocated when the cache is
+    made (the models are loaded by then; the step's activations and AdamW's moments, allocated at the
+    first step, are not): a quarter of a GPU, whose step may take tens of GiB at long sequences, or
+    2 GiB of the host."""
+    return capacity // 4 if device.type == "cuda" else 2 * 2**30
+
+
 class TargetOutputCache:
     """Every training sample's target outputs, kept on the device after the target's first forward
     over the sample: later epochs read them back instead of running the target again.
@@ -86,8 +104,8 @@ class TargetOutputCache:
     zero features and the input ids as labels on its padding, which no anchor block attends to and
     the loss mask leaves out, so the loss and its gradients are those of the target's own forward.
 
-    Raises ValueError when the buffer would leave less than a quarter of the device's memory (or of
-    the host's available memory, on CPU) for training.
+    Raises ValueError when the buffer plus `cache_margin` does not fit in the memory available now
+    (`available_memory`).
     """
 
     def __init__(self, num_tokens: list[int], feature_dim: int, dtype: torch.dtype, device: torch.device, with_labels: bool):
@@ -98,16 +116,14 @@ class TargetOutputCache:
         self.serving = False  # set at the first micro-batch read back (logged once)
         total = int(self.num_tokens.sum())
         need = total * (feature_dim * dtype.itemsize + (8 if with_labels else 0))
-        if device.type == "cuda":
-            free, capacity = torch.cuda.mem_get_info(device)
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            capacity = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if need > free - capacity // 4:
+        available, capacity = available_memory(device)
+        margin = cache_margin(device, capacity)
+        if need + margin > available:
             raise ValueError(
                 f"--cache_target_outputs needs {need / 2**30:.1f} GiB on {device} for {total:,} tokens x {feature_dim} "
-                f"features, and {free / 2**30:.1f} GiB of {capacity / 2**30:.1f} are free (a quarter is kept for training): "
-                f"leave it off, or train on fewer or shorter samples (--max_samples, --max_seq_length)"
+                f"features, plus {margin / 2**30:.1f} GiB kept for training, and {available / 2**30:.1f} GiB of "
+                f"{capacity / 2**30:.1f} are available: leave it off, or train on fewer or shorter samples "
+                f"(--max_samples, --max_seq_length)"
             )
         self.features = torch.empty(total, feature_dim, dtype=dtype, device=device)
         self.labels = torch.empty(total, dtype=torch.long, device=device) if with_labels else None

@@ -128,12 +128,22 @@ def load_target_config(model_name_or_path: str, *, gguf_file: str | None = None)
 
     load_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     where = f"--target_model {model_name_or_path!r}" + (f" --target_gguf_file {gguf_file!r}" if gguf_file else "")
+    config_file = os.path.join(model_name_or_path, "config.json")
+    if is_local and gguf_file is None and os.path.isfile(config_file):
+        try:  # transformers says only "not a valid JSON file", on two lines with ours: say where it breaks
+            with open(config_file) as f:
+                json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            where_in_file = f"line {e.lineno}, column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+            raise ValueError(f"--target_model {model_name_or_path!r}: {config_file} is not valid JSON ({where_in_file}); the file "
+                             f"is cut short or damaged: copy or download it again") from None
     try:
         config = AutoConfig.from_pretrained(model_name_or_path, **load_kwargs)
     except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())  # one line: an error line must be the last line of the output
         raise ValueError(
-            f"Could not load a model config from {where}: {e}\n"
-            f"Pass a local directory with config.json (or a GGUF file via --target_gguf_file), or a hub id: {_hub_hint()}."
+            f"Could not load a model config from {where}: {reason}; pass a local directory with config.json (or a GGUF "
+            f"file via --target_gguf_file), or a hub id: {_hub_hint()}."
         ) from e
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(

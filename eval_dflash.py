@@ -73,6 +73,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig, HfArgumentParser
 from transformers.generation.streamers import BaseStreamer
 
+from dflash_cli import HelpFormatter
 from dflash_compile import CUDAGraphCall
 from dflash_data import load_prompts
 from dflash_model import DFlash2DraftModel, DFlashDraftModel, sampling_probs
@@ -92,7 +93,7 @@ class EvalArgs:
     temperature: float = field(default=0.0, metadata={"help": "0 (default): greedy, checked token for token against plain greedy decoding. > 0: the draft is sampled from the drafter's distribution and verified by rejection sampling (lossless in distribution, not per prompt)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1] at --temperature > 0, for the target and the drafter alike."})
     seed: int = field(default=0, metadata={"help": "Random seed when sampling (prompt i uses seed + i)."})
-    num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of --data."})
+    num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of --data (default: every prompt)."})
     baseline: str = field(default="prompt_lookup", metadata={"help": "'prompt_lookup' (transformers' prompt-lookup decoding on the same prompts) or 'none'."})
     prompt_lookup_num_tokens: int = field(default=10, metadata={"help": "Candidate tokens per prompt-lookup step (transformers' prompt_lookup_num_tokens)."})
     prompt_lookup_max_ngram_size: int = field(default=2, metadata={"help": "Longest n-gram prompt lookup matches (transformers' max_matching_ngram_size)."})
@@ -1092,7 +1093,42 @@ def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashD
             f"(mask_token_id, target_layer_ids). Pass a checkpoint written by train_dflash.py or a released DFlash drafter."
         )
     model_class = DFlash2DraftModel if "DFlash2DraftModel" in (config.get("architectures") or []) else DFlashDraftModel
+    check_weights_fit_config(path, model_class)
     return model_class.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def check_weights_fit_config(path: str, model_class) -> None:
+    """Raise ValueError, before any weight loads, when the tensors of `path`/model.safetensors (or its
+    shards) are not those its config.json describes (names and shapes, from the file's header and a drafter built on
+    the meta device): transformers would print its load report and fail with a traceback, or start
+    from random weights where names are missing."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):  # a sharded checkpoint
+        with open(index) as f:
+            weights_files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        weights_files = [os.path.join(path, "model.safetensors")]
+    in_file = {}
+    for weights_file in weights_files:
+        if not os.path.isfile(weights_file):
+            raise ValueError(f"--draft_model {path!r} has no {os.path.basename(weights_file)}; pass the folder of a DFlash drafter checkpoint")
+        try:
+            with safe_open(weights_file, framework="pt") as f:
+                in_file.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as error:  # a damaged header, named in one line
+            raise ValueError(f"--draft_model {path!r}: {weights_file} does not open ({type(error).__name__}: {error})") from None
+    with torch.device("meta"):
+        expected = {name: list(t.shape) for name, t in model_class(model_class.config_class.from_pretrained(path)).state_dict().items()}
+    problems = [f"{name} is {in_file[name]} in the file, {shape} by config.json" for name, shape in expected.items()
+                if name in in_file and in_file[name] != shape]
+    problems += [f"{name} is missing from the file" for name in expected if name not in in_file]
+    problems += [f"{name} is in the file but not in a drafter of this config" for name in in_file if name not in expected]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"--draft_model {path!r}: its weights do not fit its config.json: {'; '.join(problems[:3])}{more}; "
+                         f"the two files come from different drafters: copy the pair from one export")
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -1112,6 +1148,8 @@ def check_args(args: EvalArgs) -> dict:
         raise ValueError(f"--baseline must be 'prompt_lookup' or 'none', got {args.baseline!r}")
     if args.max_new_tokens < 1 or args.prompt_lookup_num_tokens < 1 or args.prompt_lookup_max_ngram_size < 1:
         raise ValueError("--max_new_tokens, --prompt_lookup_num_tokens and --prompt_lookup_max_ngram_size must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num_prompts must be >= 1 (or left out: every prompt of --data), got {args.num_prompts}")
     try:
         chat_template_kwargs = json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as error:
@@ -1379,7 +1417,12 @@ def write_results(results: dict, args: EvalArgs, plot_path: str, block_size: int
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the evaluation; returns the results dict (also written to --output)."""
-    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser(EvalArgs, formatter_class=HelpFormatter, description=(
+        "Evaluate a DFlash drafter by real speculative decoding on the target: acceptance length tau, acceptance by block "
+        "position, target-only and speculative tokens/s, the speedup, transformers' prompt lookup on the same prompts, and a "
+        "check that the output equals plain greedy decoding; written to --output as JSON, with a plot. "
+        "--target_model, --draft_model, --data, --max_new_tokens and --output are required. docs/evaluation.md"))
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
     chat_template_kwargs = check_args(args)
     plot_path = args.plot or (args.output[: -len(".json")] if args.output.endswith(".json") else args.output) + "_acceptance.png"
     run = prepare_run(args, chat_template_kwargs)

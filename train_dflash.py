@@ -4,28 +4,28 @@ Offline CPU demo (no arguments: SmolLM2-135M-Instruct target, the repo's demo co
     python launch.py train_dflash.py
 
 A real run on 8 GPUs (settings in the YAML, any flag overrides them):
-    python launch.py --config_file accelerate_configs/8gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml
+    accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml
 
 Two GPUs, one running the target and one training the drafter:
-    python launch.py --config_file accelerate_configs/2gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 1
+    accelerate launch --config_file accelerate_configs/2gpu.yaml train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 1
 
 One GPU, your own data:
-    python launch.py --config_file accelerate_configs/1gpu.yaml train_dflash.py \
+    accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py \
         --target_model Qwen/Qwen3-8B --train_data my_chats.jsonl --output_dir outputs/qwen3-8b
 
 A target too large for one GPU: target ranks in tensor-parallel groups of 2 (DeepSpeed AutoTP):
-    python launch.py --config_file accelerate_configs/8gpu.yaml train_dflash.py --target_model Qwen/Qwen3-32B \
+    accelerate launch --config_file accelerate_configs/8gpu.yaml train_dflash.py --target_model Qwen/Qwen3-32B \
         --train_data my_chats.jsonl --target_ranks 4 --target_tp_size 2
 
 Long samples sharded over drafter ranks: sequence-parallel groups of 4 (DeepSpeed Ulysses; docs/training.md):
     python launch.py --config_file accelerate_configs/8gpu_sp4.yaml train_dflash.py --config configs/qwen3-8b.yaml --max_seq_length 32768
 
 Two nodes (the same command on each, with its --machine_rank; --output_dir on a shared filesystem):
-    python launch.py --config_file accelerate_configs/2x8gpu.yaml --machine_rank 0 --main_process_ip NODE0 \
+    accelerate launch --config_file accelerate_configs/2x8gpu.yaml --machine_rank 0 --main_process_ip NODE0 \
         train_dflash.py --config configs/qwen3-8b.yaml --target_ranks 2 --output_dir /shared/outputs/qwen3-8b
 
-launch.py takes `accelerate launch`'s arguments (and `accelerate launch` runs the same ranks); it
-ends a failed run with the first failing rank's error line and exit status.
+`python launch.py` in place of `accelerate launch` takes the same arguments and runs the same ranks;
+it ends a failed run with the first failing rank's error line and exit status.
 
 Colocated mode (--target_ranks 0, the default): every rank runs the frozen target (context features,
 no grad) and trains the drafter under DeepSpeed ZeRO-2. Split mode (--target_ranks N or auto;
@@ -77,7 +77,7 @@ from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_checkpoint import check_hub_access, find_resume_point, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
+from dflash_checkpoint import check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
 from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
@@ -148,93 +148,93 @@ DEMO_CONFIG = REPO_DIR / "configs" / "demo.yaml"
 
 @dataclass
 class TrainSettings:
-    # target
-    target_model: str | None = field(default=None, metadata={"help": f"Target: local dir or hub id; '{SMOLLM2_PACKAGE}' = the SmolLM2-135M-Instruct GGUF from that pip package"})
-    target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target_model (model and tokenizer are read from it)"})
-    target_random_init: bool = field(default=False, metadata={"help": "Random target weights from --target_model's config.json (benchmarks and smoke tests only)"})
-    mask_token_id: int | None = field(default=None, metadata={"help": "Block mask token id: an existing row of the target's embedding (default: <|MASK|> or the first spare row)"})
-    mask_token: str | None = field(default=None, metadata={"help": "Block mask token as a string of the target tokenizer (alternative to --mask_token_id)"})
+    # target and data
+    target_model: str | None = field(default=None, metadata={"group": "data", "help": f"Target: local dir or hub id; '{SMOLLM2_PACKAGE}' = the SmolLM2-135M-Instruct GGUF from that pip package (default: none; required, from here or --config)"})
+    target_gguf_file: str | None = field(default=None, metadata={"group": "data", "help": "GGUF file name inside --target_model (model and tokenizer are read from it; default: none, the folder's own weights)"})
+    target_random_init: bool = field(default=False, metadata={"group": "data", "help": "Random target weights from --target_model's config.json (benchmarks and smoke tests only)"})
+    train_data: list[str] = field(default_factory=list, metadata={"group": "data", "help": "JSONL/JSON files or local HF dataset dirs (messages, conversations or question/answer; default: none, required)"})
+    max_seq_length: int = field(default=3072, metadata={"group": "data", "help": "Truncate samples to this many tokens; samples left with fewer than 2 assistant tokens are dropped (counted in a warning)"})
+    max_dropped_fraction: float = field(default=0.5, metadata={"group": "data", "help": "Stop with an error when more than this share of the samples is dropped by --max_seq_length (the length is then likely wrong)"})
+    chat_template_kwargs: str | None = field(default=None, metadata={"group": "data", "help": 'JSON dict for the chat template, e.g. \'{"enable_thinking": false}\' (default: none, the template\'s own settings)'})
+    skip_bad_samples: bool = field(default=False, metadata={"group": "data", "help": "Skip malformed records (counted in a summary) instead of stopping at the first; too-long samples are dropped either way"})
+    max_samples: int | None = field(default=None, metadata={"group": "data", "help": "Use at most this many samples, for quick runs (default: none, all of them)"})
+    num_proc: int = field(default=4, metadata={"group": "data", "help": "Tokenization processes"})
     # drafter
-    drafter: str = field(default="dflash", metadata={"help": "dflash (the paper's drafter) or dflash2 (its successor: grouped dynamic causal convolutions around each layer's attention and MLP, and a candidate selector that rescores the top-k draft tokens along the block; docs/drafters.md)"})
-    num_draft_layers: int = field(default=5, metadata={"help": "Drafter decoder layers (paper: 5)"})
-    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "0-based target layers feeding the drafter (default: one per drafter layer, spread evenly from layer 1 to L-3)"})
-    block_size: int = field(default=16, metadata={"help": "Tokens per block, anchor included (B)"})
-    layer_types: str | None = field(default=None, metadata={"help": "Attention of each drafter layer: all_full (default), last_full (every layer sliding but the last: the layout of released long-context drafters), all_sliding, or a comma list of full_attention / sliding_attention, one per layer"})
-    sliding_window: int | None = field(default=None, metadata={"help": "Tokens a sliding layer's query sees, itself included (q - k < window), e.g. 2048; required with sliding layers"})
-    is_causal: bool | None = field(default=None, metadata={"help": "Override causality for every drafter layer (the config's is_causal): unset = sliding layers causal, full layers bidirectional, as the engines default; false makes sliding windows two-sided. SGLang ignores the field"})
-    draft_intermediate_size: int | None = field(default=None, metadata={"help": "Drafter MLP width (default: the target's intermediate_size, 3 x hidden for a mixture-of-experts target)"})
-    draft_num_attention_heads: int | None = field(default=None, metadata={"help": "Drafter query heads (default: the target's; 32 for partial-rotary targets such as Qwen3.5)"})
-    draft_num_key_value_heads: int | None = field(default=None, metadata={"help": "Drafter KV heads (default: the target's; its KV width / 128 for partial-rotary targets)"})
-    draft_head_dim: int | None = field(default=None, metadata={"help": "Drafter head dimension (default: the target's; 128 for partial-rotary targets)"})
-    conv_kernel_size: int | None = field(default=None, metadata={"help": "--drafter dflash2: taps of each convolution (default 2, as z-lab's and speculators' DFlash2)"})
-    conv_group_size: int | None = field(default=None, metadata={"help": "--drafter dflash2: channels sharing one per-token kernel weight (default 16)"})
-    selector_rank: int | None = field(default=None, metadata={"help": "--drafter dflash2: width of the candidate selector's codebooks (default 256)"})
-    selector_top_k: int | None = field(default=None, metadata={"help": "--drafter dflash2: draft-logit candidates the selector rescores per position (default 16)"})
-    # topology (docs/topology.md)
-    target_ranks: str = field(default="0", metadata={"help": "On every node, local ranks [0, N) only run the target and send context features to the node's other ranks, which train the drafter: 0 = colocated (every rank does both), N (per node), or auto (time both sides on a few batches, pick N)"})
-    sequence_parallel_size: int | None = field(default=None, metadata={"help": "Drafter ranks that train one sample together (DeepSpeed Ulysses sequence parallelism): each holds 1/P of its context positions and of its anchors' blocks, and attention sees every position for 1/P of the heads. Default: the accelerate config's parallelism_config_sp_size (accelerate_configs/cpu_sp2.yaml), else 1. The drafter ranks must be a multiple of it, and so must the drafter's attention and KV heads and --num_anchors"})
-    target_tp_size: int = field(default=1, metadata={"help": "Target ranks form groups of this many ranks of one node that share one copy of the target, split by DeepSpeed AutoTP (tensor parallelism), for a target too large for one device; --target_ranks must be a multiple of it. 1 = every target rank holds a whole copy"})
-    prefetch_batches: int = field(default=2, metadata={"help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
-    liveness_timeout_s: float = field(default=40.0, metadata={"help": "Seconds without a heartbeat from a rank before the others stop the run as failed (more than one process)"})
-    # data
-    train_data: list[str] = field(default_factory=list, metadata={"help": "JSONL/JSON files or local HF dataset dirs (messages, conversations or question/answer)"})
-    max_seq_length: int = field(default=3072, metadata={"help": "Truncate samples to this many tokens; samples left with fewer than 2 assistant tokens are dropped (counted in a warning)"})
-    max_dropped_fraction: float = field(default=0.5, metadata={"help": "Stop with an error when more than this share of the samples is dropped by --max_seq_length (the length is then likely wrong)"})
-    chat_template_kwargs: str | None = field(default=None, metadata={"help": 'JSON dict for the chat template, e.g. \'{"enable_thinking": false}\''})
-    skip_bad_samples: bool = field(default=False, metadata={"help": "Skip malformed records (counted in a summary) instead of stopping at the first; too-long samples are dropped either way"})
-    max_samples: int | None = field(default=None, metadata={"help": "Use at most this many samples (quick runs)"})
-    num_proc: int = field(default=4, metadata={"help": "Tokenization processes"})
+    drafter: str = field(default="dflash", metadata={"group": "drafter", "help": "dflash (the paper's drafter) or dflash2 (its successor: grouped dynamic causal convolutions around each layer's attention and MLP, and a candidate selector that rescores the top-k draft tokens along the block; docs/drafters.md)"})
+    num_draft_layers: int = field(default=5, metadata={"group": "drafter", "help": "Drafter decoder layers (paper: 5)"})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"group": "drafter", "help": "0-based target layers feeding the drafter (default: one per drafter layer, spread evenly from layer 1 to L-3)"})
+    block_size: int = field(default=16, metadata={"group": "drafter", "help": "Tokens per block, anchor included (B)"})
+    mask_token_id: int | None = field(default=None, metadata={"group": "drafter", "help": "Block mask token id: an existing row of the target's embedding (default: <|MASK|> or the first spare row)"})
+    mask_token: str | None = field(default=None, metadata={"group": "drafter", "help": "Block mask token as a string of the target tokenizer, instead of --mask_token_id (default: none)"})
+    layer_types: str | None = field(default=None, metadata={"group": "drafter", "help": "Attention of each drafter layer: all_full (default), last_full (every layer sliding but the last: the layout of released long-context drafters), all_sliding, or a comma list of full_attention / sliding_attention, one per layer"})
+    sliding_window: int | None = field(default=None, metadata={"group": "drafter", "help": "Tokens a sliding layer's query sees, itself included (q - k < window), e.g. 2048 (default: none; required with sliding layers)"})
+    is_causal: bool | None = field(default=None, metadata={"group": "drafter", "help": "Causality of every drafter layer (the config's is_causal; default: unset, which makes sliding layers causal and full layers bidirectional, as the engines do); false makes sliding windows two-sided. SGLang ignores the field"})
+    draft_intermediate_size: int | None = field(default=None, metadata={"group": "drafter", "help": "Drafter MLP width (default: the target's intermediate_size, 3 x hidden for a mixture-of-experts target)"})
+    draft_num_attention_heads: int | None = field(default=None, metadata={"group": "drafter", "help": "Drafter query heads (default: the target's; 32 for partial-rotary targets such as Qwen3.5)"})
+    draft_num_key_value_heads: int | None = field(default=None, metadata={"group": "drafter", "help": "Drafter KV heads (default: the target's; its KV width / 128 for partial-rotary targets)"})
+    draft_head_dim: int | None = field(default=None, metadata={"group": "drafter", "help": "Drafter head dimension (default: the target's; 128 for partial-rotary targets)"})
+    conv_kernel_size: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: taps of each convolution (default 2, as z-lab's and speculators' DFlash2)"})
+    conv_group_size: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: channels sharing one per-token kernel weight (default 16)"})
+    selector_rank: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: width of the candidate selector's codebooks (default 256)"})
+    selector_top_k: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: draft-logit candidates the selector rescores per position (default 16)"})
     # objective
-    num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
-    anchor_slots_multiple: int = field(default=0, metadata={"help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
-    label_source: str = field(default="data", metadata={"help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix: the token temperature-0 verification accepts at a block's first position, and at later ones while the reply's tokens in the block are the greedy ones). target_argmax runs the whole target (every layer and its LM head) on the target ranks; not with --target_tp_size > 1"})
-    loss: str = field(default="ce", metadata={"help": "Per-position loss: ce (cross-entropy on the labels, the paper's), or against the target's whole distribution p (draft q): kl (KL(p||q)), tv (1 - sum min(p, q), one minus the acceptance probability at temperature 1), nla (-log sum min(p, q)), lk (KL and TV blended by the acceptance, lambda = exp(-eta * sg[sum min(p, q)])). The distribution losses run every target layer and send its last hidden state with the features (hidden x 2 bytes per token in bf16)"})
-    loss_weighting: str = field(default="exp", metadata={"help": "Position weights: exp (w_k = exp(-(k-1)/gamma), the paper's) or dpace (D-PACE, speculators' default: the expected accepted tokens each position carries, from the drafter's detached confidence)"})
-    dpace_alpha: float = field(default=0.5, metadata={"help": "D-PACE's smoothing: confidence s_k = (1 - alpha) * exp(-CE_k) + alpha (the acceptance probability instead of exp(-CE_k) with a distribution loss)"})
-    loss_normalize: str = field(default="weights", metadata={"help": "Divide the weighted loss sum by the sum of weights (weights, a weighted mean) or by the valid positions (count, speculators' reduction)"})
-    lk_eta: float = field(default=3.0, metadata={"help": "eta of --loss lk (speculators' default; 0 gives plain KL)"})
-    loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
-    loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
-    attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
-    compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
-    compile_target: str = field(default="auto", metadata={"help": "torch.compile the target's decoder layers for the feature forward (each new shape compiles once, under the compile lock; a target kept whole for evaluation decodes eagerly): on | off | auto (on with flex, i.e. on CUDA)"})
-    target_cuda_graphs: bool = field(default=False, metadata={"help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
-    cache_target_outputs: bool = field(default=False, metadata={"help": "Keep each sample's context features (and, with --label_source target_argmax, its labels) on the device after the target's first forward over it, so that later epochs skip the target. Colocated ranks only (--target_ranks 0). Costs tokens x target layer ids x hidden x 2 bytes in bf16, 4 in float32 (SmolLM2, 5 target layers, 35k GSM8K replies: ~58 GB), in GPU memory, or host memory on CPU. Pays only where the target's forward is a large share of the step: on an H200 with a 135M target the drafter's own work sets the pace, and the cache made it 1.05x faster at 5 drafter layers, 1.01x at 8 (BENCHMARKS.md)"})
-    compile_cache: str = field(default="shared", metadata={"help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
-    compile_cache_dir: str | None = field(default=None, metadata={"help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
-    compile_threads: int | None = field(default=None, metadata={"help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
-    # held-out acceptance length (real speculative decoding with the full target)
-    eval_data: str | None = field(default=None, metadata={"help": "Prompt file for tau evaluation (question / messages / turns / prompt JSONL); never trained on"})
-    eval_steps: int = field(default=0, metadata={"help": "Measure tau on --eval_data every N optimizer steps (0 = only at the end)"})
-    eval_num_prompts: int = field(default=20, metadata={"help": "Prompts used for each tau evaluation"})
-    eval_max_new_tokens: int = field(default=256, metadata={"help": "Tokens generated per prompt in tau evaluation"})
-    eval_prompt_lookup: bool = field(default=False, metadata={"help": "Also decode the held-out prompts with transformers' prompt lookup at each evaluation: the baseline's tau beside the drafter's in the log and the model card"})
+    num_anchors: int = field(default=512, metadata={"group": "objective", "help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
+    label_source: str = field(default="data", metadata={"group": "objective", "help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix: the token temperature-0 verification accepts at a block's first position, and at later ones while the reply's tokens in the block are the greedy ones). target_argmax runs the whole target (every layer and its LM head) on the target ranks; not with --target_tp_size > 1"})
+    loss: str = field(default="ce", metadata={"group": "objective", "help": "Per-position loss: ce (cross-entropy on the labels, the paper's), or against the target's whole distribution p (draft q): kl (KL(p||q)), tv (1 - sum min(p, q), one minus the acceptance probability at temperature 1), nla (-log sum min(p, q)), lk (KL and TV blended by the acceptance, lambda = exp(-eta * sg[sum min(p, q)])). The distribution losses run every target layer and send its last hidden state with the features (hidden x 2 bytes per token in bf16)"})
+    loss_weighting: str = field(default="exp", metadata={"group": "objective", "help": "Position weights: exp (w_k = exp(-(k-1)/gamma), the paper's weights) or dpace (D-PACE, the weighting speculators trains with unless told otherwise: the expected accepted tokens each position carries, from the drafter's detached confidence)"})
+    dpace_alpha: float = field(default=0.5, metadata={"group": "objective", "help": "D-PACE's smoothing: confidence s_k = (1 - alpha) * exp(-CE_k) + alpha (the acceptance probability instead of exp(-CE_k) with a distribution loss)"})
+    loss_normalize: str = field(default="weights", metadata={"group": "objective", "help": "Divide the weighted loss sum by the sum of weights (weights, a weighted mean) or by the valid positions (count, speculators' reduction)"})
+    lk_eta: float = field(default=3.0, metadata={"group": "objective", "help": "eta of --loss lk (3.0 is speculators' value too; 0 gives plain KL)"})
+    loss_decay_gamma: float | None = field(default=None, metadata={"group": "objective", "help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     # optimisation
-    dtype: str = field(default="auto", metadata={"help": "Target and drafter compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 trains ~1.4x faster than float32 on a CPU with AVX512-BF16"})
-    output_dir: str = field(default="outputs/dflash", metadata={"help": "Checkpoints, final export and logs go here"})
-    num_train_epochs: int = field(default=6, metadata={"help": "Epochs over the training data"})
-    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; > 0 overrides num_train_epochs"})
-    per_device_batch_size: int = field(default=1, metadata={"help": "Sequences per micro-batch per rank"})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step"})
-    learning_rate: float = field(default=6e-4, metadata={"help": "Peak AdamW learning rate"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    warmup_ratio: float = field(default=0.04, metadata={"help": "Fraction of steps of linear warmup before the cosine decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU"})
-    deepspeed_config: str = field(default="ds_configs/zero2.json", metadata={"help": "DeepSpeed config; 'auto' fields are filled from these settings"})
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad sequence lengths to a multiple of this (default 128 with flex, so few shapes compile; 8 with sdpa)"})
-    seed: int = field(default=0, metadata={"help": "Seed for data order, anchors and init"})
-    # bookkeeping
-    logging_steps: int = field(default=10, metadata={"help": "Log scalars every N optimizer steps"})
-    profile_steps: int = field(default=0, metadata={"help": "Profile this many optimizer steps (torch.profiler, on the lead) after the first 20, when compiles are done; writes {output_dir}/profile.txt (ops by GPU and by host time; on a GPU also the operations that made the host wait, by call stack) and profile_trace.json (chrome://tracing)"})
-    save_steps: int = field(default=500, metadata={"help": "Write {output_dir}/checkpoint-{step} every N optimizer steps (0 = never)"})
-    save_total_limit: int | None = field(default=3, metadata={"help": "Keep at most this many checkpoints (oldest deleted)"})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start fresh in an --output_dir that holds an earlier run (its checkpoints and log are deleted)"})
-    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint-{step} path"})
-    report_to: str = field(default="tensorboard", metadata={"help": "Tracker for scalars: tensorboard, wandb, none, ..."})
-    push_to_hub: bool = field(default=False, metadata={"help": "Upload {output_dir}/final to the Hub at the end"})
-    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repo for --push_to_hub, e.g. me/qwen3-8b-dflash"})
-    hub_private: bool = field(default=False, metadata={"help": "Create the Hub repo private"})
-    hub_revision: str | None = field(default=None, metadata={"help": "Branch of the Hub repo to push to (created if missing; default: main)"})
+    num_train_epochs: int = field(default=6, metadata={"group": "optimisation", "help": "Epochs over the training data"})
+    max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps; > 0 overrides num_train_epochs"})
+    per_device_batch_size: int = field(default=1, metadata={"group": "optimisation", "help": "Sequences per micro-batch per rank"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"group": "optimisation", "help": "Micro-batches per optimizer step"})
+    learning_rate: float = field(default=6e-4, metadata={"group": "optimisation", "help": "Peak AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"group": "optimisation", "help": "AdamW weight decay"})
+    warmup_ratio: float = field(default=0.04, metadata={"group": "optimisation", "help": "Fraction of steps of linear warmup before the cosine decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"group": "optimisation", "help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU"})
+    seed: int = field(default=0, metadata={"group": "optimisation", "help": "Seed for data order, anchors and init"})
+    deepspeed_config: str = field(default="ds_configs/zero2.json", metadata={"group": "optimisation", "help": "DeepSpeed config; 'auto' fields are filled from these settings"})
+    # speed and memory
+    dtype: str = field(default="auto", metadata={"group": "speed", "help": "Target and drafter compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 trains ~1.4x faster than float32 on a CPU with AVX512-BF16"})
+    attention_backend: str = field(default="auto", metadata={"group": "speed", "help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
+    compile_drafter: str = field(default="auto", metadata={"group": "speed", "help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
+    compile_target: str = field(default="auto", metadata={"group": "speed", "help": "torch.compile the target's decoder layers for the feature forward (each new shape compiles once, under the compile lock; a target kept whole for evaluation decodes eagerly): on | off | auto (on with flex, i.e. on CUDA)"})
+    target_cuda_graphs: bool = field(default=False, metadata={"group": "speed", "help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
+    cache_target_outputs: bool = field(default=False, metadata={"group": "speed", "help": "Keep each sample's context features (and, with --label_source target_argmax, its labels) on the device after the target's first forward over it, so that later epochs skip the target. Colocated ranks only (--target_ranks 0). Costs tokens x target layer ids x hidden x 2 bytes in bf16, 4 in float32 (SmolLM2, 5 target layers, 35k GSM8K replies: ~58 GB), in GPU memory, or host memory on CPU. Pays only where the target's forward is a large share of the step: on an H200 with a 135M target the drafter's own work sets the pace, and the cache made it 1.05x faster at 5 drafter layers, 1.01x at 8 (BENCHMARKS.md)"})
+    loss_chunk_size: int = field(default=4096, metadata={"group": "speed", "help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
+    pad_to_multiple_of: int | None = field(default=None, metadata={"group": "speed", "help": "Pad sequence lengths to a multiple of this (default 128 with flex, so few shapes compile; 8 with sdpa)"})
+    anchor_slots_multiple: int = field(default=0, metadata={"group": "speed", "help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
+    compile_cache: str = field(default="shared", metadata={"group": "speed", "help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
+    compile_cache_dir: str | None = field(default=None, metadata={"group": "speed", "help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
+    compile_threads: int | None = field(default=None, metadata={"group": "speed", "help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
+    profile_steps: int = field(default=0, metadata={"group": "speed", "help": "Profile this many optimizer steps (torch.profiler, on the lead) after the first 20, when compiles are done; writes {output_dir}/profile.txt (ops by GPU and by host time; on a GPU also the operations that made the host wait, by call stack) and profile_trace.json (chrome://tracing)"})
+    # topology (docs/topology.md)
+    target_ranks: str = field(default="0", metadata={"group": "topology", "help": "On every node, local ranks [0, N) only run the target and send context features to the node's other ranks, which train the drafter: 0 = colocated (every rank does both), N (per node), or auto (time both sides on a few batches, pick N)"})
+    sequence_parallel_size: int | None = field(default=None, metadata={"group": "topology", "help": "Drafter ranks that train one sample together (DeepSpeed Ulysses sequence parallelism): each holds 1/P of its context positions and of its anchors' blocks, and attention sees every position for 1/P of the heads. Default: the accelerate config's parallelism_config_sp_size (accelerate_configs/cpu_sp2.yaml), else 1. The drafter ranks must be a multiple of it, and so must the drafter's attention and KV heads and --num_anchors"})
+    target_tp_size: int = field(default=1, metadata={"group": "topology", "help": "Target ranks form groups of this many ranks of one node that share one copy of the target, split by DeepSpeed AutoTP (tensor parallelism), for a target too large for one device; --target_ranks must be a multiple of it. 1 = every target rank holds a whole copy"})
+    prefetch_batches: int = field(default=2, metadata={"group": "topology", "help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
+    liveness_timeout_s: float = field(default=40.0, metadata={"group": "topology", "help": "Seconds without a heartbeat from a rank before the others stop the run as failed (more than one process)"})
+    # held-out acceptance length (real speculative decoding with the full target)
+    eval_data: str | None = field(default=None, metadata={"group": "evaluation", "help": "Prompt file for tau evaluation (question / messages / turns / prompt JSONL); never trained on (default: none, no held-out tau)"})
+    eval_steps: int = field(default=0, metadata={"group": "evaluation", "help": "Measure tau on --eval_data every N optimizer steps (0 = only at the end)"})
+    eval_num_prompts: int = field(default=20, metadata={"group": "evaluation", "help": "Prompts used for each tau evaluation"})
+    eval_max_new_tokens: int = field(default=256, metadata={"group": "evaluation", "help": "Tokens generated per prompt in tau evaluation"})
+    eval_prompt_lookup: bool = field(default=False, metadata={"group": "evaluation", "help": "Also decode the held-out prompts with transformers' prompt lookup at each evaluation: the baseline's tau beside the drafter's in the log and the model card"})
+    # output, checkpoints and the Hub
+    output_dir: str = field(default="outputs/dflash", metadata={"group": "output", "help": "Checkpoints, final export and logs go here"})
+    overwrite_output_dir: bool = field(default=False, metadata={"group": "output", "help": "Start fresh in an --output_dir that holds an earlier run (its checkpoints and log are deleted)"})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"group": "output", "help": "'latest' (the newest checkpoint-{step} in --output_dir; where there is none, a warning and a fresh run; on a run that has finished, a note and nothing else) or a checkpoint-{step} path (default: none, a fresh run)"})
+    save_steps: int = field(default=500, metadata={"group": "output", "help": "Write {output_dir}/checkpoint-{step} every N optimizer steps (0 = never)"})
+    save_total_limit: int | None = field(default=3, metadata={"group": "output", "help": "Keep at most this many checkpoints (oldest deleted)"})
+    logging_steps: int = field(default=10, metadata={"group": "output", "help": "Log scalars every N optimizer steps"})
+    report_to: str = field(default="tensorboard", metadata={"group": "output", "help": "Tracker for scalars: tensorboard, wandb, none, ..."})
+    push_to_hub: bool = field(default=False, metadata={"group": "output", "help": "Upload {output_dir}/final to the Hub at the end"})
+    hub_model_id: str | None = field(default=None, metadata={"group": "output", "help": "Hub repo for --push_to_hub, e.g. me/qwen3-8b-dflash (default: none)"})
+    hub_private: bool = field(default=False, metadata={"group": "output", "help": "Create the Hub repo private"})
+    hub_revision: str | None = field(default=None, metadata={"group": "output", "help": "Branch of the Hub repo to push to (created if missing; default: main)"})
 
     def __post_init__(self):
         if self.target_model is None:
@@ -296,7 +296,8 @@ class TrainSettings:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
             raise ValueError(f"--liveness_timeout_s must be >= 5 (heartbeats come every 2 s), got {self.liveness_timeout_s}")
-        for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches"):
+        for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches",
+                     "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.anchor_slots_multiple < 0:
@@ -316,6 +317,14 @@ class TrainSettings:
             raise ValueError(f"--lk_eta must be >= 0 (0 gives plain KL), got {self.lk_eta}")
         if not 0 <= self.max_dropped_fraction <= 1:
             raise ValueError(f"--max_dropped_fraction must be between 0 and 1, got {self.max_dropped_fraction}")
+        # Checked here, not by AdamW after the target loaded (its message names no flag); nan fails every comparison.
+        if not (0 < self.learning_rate < math.inf):
+            raise ValueError(f"--learning_rate must be a number > 0, got {self.learning_rate}")
+        for name in ("weight_decay", "max_grad_norm"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"--{name} must be a number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"--warmup_ratio must be between 0 and 1, got {self.warmup_ratio}")
 
 
 def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
@@ -336,6 +345,7 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
         config_path = str(DEMO_CONFIG)
     # allow_abbrev=False: a typo must not silently match a longer flag.
     parser = SettingsParser(TrainSettings, allow_abbrev=False, formatter_class=HelpFormatter,
+                            usage="train_dflash.py [--config FILE.yaml] [--SETTING VALUE ...]",  # not 80 lines of every flag
                             description="Train a DFlash drafter. Settings come from --config FILE.yaml and the flags below (flags win); "
                             "with no arguments at all, the offline CPU demo (configs/demo.yaml).")
     # Taken out of argv above (it fills the defaults); declared here so that --help lists it.
@@ -375,6 +385,11 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
             local = str(path).endswith((".jsonl", ".json", ".parquet")) or str(path).startswith((".", "/", "~"))
             if local and not os.path.exists(os.path.expanduser(path)) and not (REPO_DIR / path).exists():
                 raise ValueError(f"{flag} {path}: no such file or folder")
+    # The output folder (or the nearest part of its path that exists) must be a folder: made later, it would fail late.
+    existing = next(p for p in [Path(settings.output_dir).expanduser().absolute(), *Path(settings.output_dir).expanduser().absolute().parents]
+                    if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--output_dir {settings.output_dir}: {existing} is a file, not a folder; pass a folder (it is made if missing)")
     return settings, config_path
 
 
@@ -405,6 +420,7 @@ class TrainData:
     lengths: list[int]  # what batches are grouped by: tokens per sample, or assistant tokens with --anchor_slots_multiple
     eval_prompts: list | None  # --eval_data, tokenized; None without it
     chat_kwargs: dict | None  # --chat_template_kwargs
+    eval_prompts_in_file: int = 0  # prompts --eval_data holds in all (eval_prompts keeps --eval_num_prompts of them)
 
 
 def resolve_compute(settings: TrainSettings, device: torch.device) -> Compute:
@@ -605,14 +621,15 @@ def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> T
             num_proc=settings.num_proc, seed=settings.seed, skip_bad_samples=settings.skip_bad_samples,
             max_samples=settings.max_samples, max_dropped_fraction=settings.max_dropped_fraction,
         )
-    eval_prompts = None
+    eval_prompts, eval_prompts_in_file = None, 0
     if settings.eval_data:
         eval_file = settings.eval_data if os.path.exists(settings.eval_data) else str(REPO_DIR / settings.eval_data)
         eval_prompts = load_prompts(eval_file, tokenizer, num_prompts=settings.eval_num_prompts)
+        eval_prompts_in_file = len(load_prompts(eval_file))  # for the closing command: no more prompts than the file has
     # Micro-batches group samples of similar length. With --anchor_slots_multiple, of similar assistant
     # length: that decides the anchor slots a micro-batch needs (the whole length only its padding).
     lengths = dataset["num_loss_tokens"] if settings.anchor_slots_multiple else dataset["num_tokens"]
-    return TrainData(dataset, lengths, eval_prompts, chat_kwargs)
+    return TrainData(dataset, lengths, eval_prompts, chat_kwargs, eval_prompts_in_file)
 
 
 def build_drafter(settings: TrainSettings, draft_config: DFlashConfig, parts: TargetParts, compute: Compute) -> DFlashDraftModel:
@@ -790,7 +807,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
 
 
 def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings: TrainSettings, draft_config: DFlashConfig,
-               num_samples: int, layout) -> None:
+               data: TrainData, layout) -> None:
     """The lead: held-out tau at the last step (if not just measured), curves, the export with its
     model card, the Hub push; then every drafter rank closes its trackers."""
     final_dir = Path(settings.output_dir) / "final"
@@ -798,15 +815,16 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         if evaluate is not None and not is_eval_step(progress.global_step, settings):
             log_eval(progress, evaluate, settings)
         plot_training_curves(Path(settings.output_dir))
-        card = model_card(settings, draft_config, steps=progress.global_step, num_samples=num_samples, eval_tau=progress.eval_tau,
+        card = model_card(settings, draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
                           prompt_lookup_tau=progress.prompt_lookup_tau,
                           location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
         save_export(drafter, final_dir, settings, card)
         logger.info("Exported the drafter to %s with a model card (README.md; serve it with SGLang or vLLM)", final_dir)
         gguf = f" --target_gguf_file {settings.target_gguf_file}" if settings.target_gguf_file else ""
         logger.info("Measure it on more prompts: python eval_dflash.py --target_model %s%s --draft_model %s --data %s "
-                    "--num_prompts 20 --max_new_tokens %d --output %s", settings.target_model, gguf, final_dir,
-                    settings.eval_data or "PROMPTS.jsonl", settings.eval_max_new_tokens, Path(settings.output_dir) / "eval.json")
+                    "--num_prompts %d --max_new_tokens %d --output %s", settings.target_model, gguf, final_dir,
+                    settings.eval_data or "PROMPTS.jsonl", min(20, data.eval_prompts_in_file or 20), settings.eval_max_new_tokens,
+                    Path(settings.output_dir) / "eval.json")
         if settings.push_to_hub:
             url = push_to_hub(final_dir, settings, progress.global_step)
             logger.info("Pushed %s to the Hub as %s (%s)", final_dir, settings.hub_model_id, url)
@@ -820,6 +838,14 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
 def main(argv: list[str]) -> None:
     settings, config_path = parse_settings(argv)
     cluster = setup_distributed(settings)
+    finished = finished_run(settings)
+    if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
+        if cluster.rank == 0:
+            logger.warning(finished)
+        if cluster.liveness:
+            cluster.liveness.finish()
+        cluster.accelerator.end_training()
+        return
     if config_path == str(DEMO_CONFIG):
         logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
     if settings.push_to_hub and cluster.rank == 0:
@@ -867,7 +893,7 @@ def main(argv: list[str]) -> None:
             supply.receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
         if DEBUG_LOG:
             debug_log(cluster.rank, {"step": progress.global_step, "weights_sha256": weights_digest(drafter)})
-        finish_run(drafter, progress, evaluate, settings, draft_config, len(data.dataset), layout)
+        finish_run(drafter, progress, evaluate, settings, draft_config, data, layout)
     if cluster.liveness:
         cluster.liveness.finish()  # every rank waits here for the others (the lead's export included), watched
     cluster.accelerator.end_training()

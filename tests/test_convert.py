@@ -9,9 +9,11 @@ its model classes also load what we write and compute the same draft logits and 
 beyond the window bound they differ, which is why the converter refuses there. Without it those
 tests are skipped.
 
-Fixture: tests/fixtures/speculators_dflash_config.json is what `speculators convert <export>
+Fixtures: tests/fixtures/speculators_dflash_config.json is what `speculators convert <export>
 --algorithm dflash --verifier <target>` (speculators 0.9.0, transformers 5.19) wrote for the export
-`tiny_export("dflash", "all_full")` below.
+`tiny_export("dflash", "all_full")` below; tests/fixtures/speculators_tensor_layout.json holds the
+tensor names and shapes of speculators 0.9.0's own DFlash and DFlash2 draft models at the sizes of
+`tiny_export`, recorded by tests/fixtures/make_speculators_tensor_layout.py.
 """
 
 import importlib.util
@@ -88,6 +90,28 @@ def test_a_round_trip_through_speculators_layout_gives_back_the_same_bytes(tmp_p
     assert written["sliding_window_non_causal"] is (drafter == "dflash2")
     if drafter == "dflash2":
         assert (written["conv_kernel_size"], written["conv_group_size"], written["selector_rank"], written["selector_top_k"]) == (2, 16, 8, 4)
+
+
+@pytest.mark.parametrize("drafter,layer_types,extra", [("dflash", "all_full", []), ("dflash2", "all_sliding", ["--max_seq_len", "9"])])
+def test_the_speculators_checkpoint_holds_speculators_own_tensor_names_and_shapes(tmp_path, target_dir, drafter, layer_types, extra):
+    """--to speculators writes exactly the tensors speculators' loader reads from a checkpoint (its
+    model's state_dict, less what it takes from the verifier when missing), each with speculators'
+    shape, and each the tensor of that name in our export: the layouts share their names, and every
+    weight of tiny_export is random, so two names swapped between tensors of one shape show too.
+    The fixture comes from speculators' own model classes; a symmetric mistake in both directions
+    of the converter keeps the round trip exact but fails here."""
+    from safetensors.torch import load_file
+
+    layout = json.loads((FIXTURES / "speculators_tensor_layout.json").read_text())
+    assert layout["speculators_version"] == convert_dflash.SPECULATORS_VERSION
+    theirs = layout[drafter]
+    expected = {name: shape for name, shape in theirs["tensors"].items() if name not in theirs["taken_from_the_verifier_when_missing"]}
+    ours = tiny_export(tmp_path / "ours", drafter, layer_types)
+    convert(ours, tmp_path / "speculators", "speculators", target_dir, *extra)
+    written = load_file(tmp_path / "speculators" / "model.safetensors")
+    assert {name: list(tensor.shape) for name, tensor in written.items()} == expected
+    source = load_file(ours / "model.safetensors")
+    assert [name for name, tensor in written.items() if not torch.equal(tensor, source[name])] == []
 
 
 def test_the_speculators_config_is_what_speculators_convert_writes(tmp_path, target_dir):

@@ -458,3 +458,35 @@ def test_prompt_lookup_counts_commits_when_stopping_criteria_run_twice(target, m
     monkeypatch.setattr(StoppingCriteriaList, "__call__", twice)
     tokens_twice, stats_twice = prompt_lookup_generate(target, input_ids, 30, eos_token_ids=[VOCAB - 2], pad_token_id=0, num_tokens=6)
     assert tokens_twice == tokens and stats_twice == stats
+
+
+def test_cli_refuses_a_drafter_whose_weights_do_not_fit_its_config_before_any_weight_loads(qwen3_dirs, tmp_path, monkeypatch):
+    """A drafter folder whose config.json describes other shapes than its model.safetensors holds (a
+    config copied from another export), and --num_prompts 0: one ValueError line each, before the
+    drafter's or the target's weights load."""
+    import shutil
+
+    import dflash_target
+
+    target_dir, drafter_dir, prompts, _ = qwen3_dirs
+    base = ["--target_model", str(target_dir), "--data", str(prompts), "--max_new_tokens", "8",
+            "--output", str(tmp_path / "r.json"), "--device", "cpu"]
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded before the drafter's files were checked")
+
+    monkeypatch.setattr(dflash_target, "load_target", no_weights)
+    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", no_weights)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(drafter_dir, mixed)
+    config = json.loads((mixed / "config.json").read_text())
+    assert config["intermediate_size"] == 128
+    (mixed / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(ValueError) as error:
+        eval_dflash.main(base + ["--draft_model", str(mixed)])
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"--draft_model '{mixed}': its weights do not fit its config.json: ")
+    assert "layers.0.mlp.gate_proj.weight is [128, 64] in the file, [96, 64] by config.json" in message, message
+    assert "(and 3 more)" in message  # up_proj and down_proj of 2 layers: 6 in all, 3 named
+    with pytest.raises(ValueError, match=r"^--num_prompts must be >= 1 \(or left out: every prompt of --data\), got 0$"):
+        eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--num_prompts", "0"])

@@ -98,6 +98,77 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(tiny_qwen3_target, gsm8k_
     assert [row["step"] for row in read_log(out)] == [2, 4, 6]
 
 
+def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qwen3_target, train_env, tmp_path):
+    """A 4-step run with checkpoints at steps 2 and 4 and a held-out evaluation, then, on copies of its
+    folder: its step-4 model states cut to 1,000 bytes, resumed by name; its step-4 optimizer shard
+    cut in half after a crash (no final/), resumed with latest: each one `error:` line naming the
+    file and checkpoint-2, the newest intact one, and train_log.jsonl byte for byte as it was. The
+    finished run itself, resumed with latest: it says so and exits 0, with no evaluation and no
+    record appended."""
+    import shutil
+
+    data = REPO / "data" / "demo_conversations.jsonl"
+    common = dict(max_steps=4, save_steps=2, logging_steps=2, max_samples=16, target_layer_ids="1 3", per_device_batch_size=2,
+                  eval_data=REPO / "data" / "demo_heldout_prompts.jsonl", eval_num_prompts=1, eval_max_new_tokens=4)
+    out = tmp_path / "run"
+    result = run(tiny_args(tiny_qwen3_target, data, out, **common), train_env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = (out / "train_log.jsonl").read_text()
+    assert [(row["step"], "eval_tau" in row) for row in read_log(out)] == [(2, False), (4, False), (4, True)]
+    # The closing command asks for no more prompts than the held-out file has (10).
+    assert re.search(r"Measure it on more prompts: python eval_dflash.py .* --num_prompts 10 --max_new_tokens 4 ", result.stderr)
+    model_cut, optim_cut = tmp_path / "model_cut", tmp_path / "optim_cut"
+    shutil.copytree(out, model_cut)
+    shutil.copytree(out, optim_cut)
+    model_states = model_cut / "checkpoint-4" / "deepspeed" / "mp_rank_00_model_states.pt"
+    model_states.write_bytes(model_states.read_bytes()[:1000])
+    optimizer = optim_cut / "checkpoint-4" / "deepspeed" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    shutil.rmtree(optim_cut / "final")
+    commands = {
+        model_cut: tiny_args(tiny_qwen3_target, data, model_cut, resume_from_checkpoint=model_cut / "checkpoint-4", **common),
+        optim_cut: tiny_args(tiny_qwen3_target, data, optim_cut, resume_from_checkpoint="latest", **common),
+        out: tiny_args(tiny_qwen3_target, data, out, resume_from_checkpoint="latest", **common),
+    }
+    procs = {folder: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for folder, args in commands.items()}
+    stderr = {folder: proc.communicate(timeout=300)[1] for folder, proc in procs.items()}
+    for folder, damaged in ((model_cut, model_states), (optim_cut, optimizer)):
+        assert procs[folder].returncode == 2, stderr[folder][-3000:]
+        last = stderr[folder].strip().splitlines()[-1]
+        assert last.startswith(f"error: checkpoint {folder}/checkpoint-4 is damaged, nothing was changed: {damaged} ("), last
+        assert last.endswith(f"resume from the newest intact one with --resume_from_checkpoint {folder}/checkpoint-2"), last
+        assert "Traceback" not in stderr[folder]
+        assert (folder / "train_log.jsonl").read_text() == log
+    assert procs[out].returncode == 0, stderr[out][-3000:]
+    finished = [line for line in stderr[out].splitlines() if "has finished" in line]
+    assert len(finished) == 1 and "WARNING" in finished[0], stderr[out][-3000:]
+    assert (f"the run in {out} has finished (its export final/ was written after its last checkpoint), so there is nothing "
+            f"to resume; to train it further, name its last checkpoint with a larger --max_steps (--resume_from_checkpoint "
+            f"{out}/checkpoint-4); to train again, pass --overwrite_output_dir or a new --output_dir") in finished[0]
+    assert "Held-out tau" not in stderr[out] and "Resumed from" not in stderr[out]
+    assert (out / "train_log.jsonl").read_text() == log
+
+
+def test_checkpoint_check_reads_every_rank_shard_in_either_deepspeed_naming(tmp_path):
+    """damaged_file: each drafter rank's optimizer shard, named as DeepSpeed names it with or without
+    bf16 ("bf16_zero_pp_rank_..." on a GPU run), must be there and load; the RNG states too."""
+    from dflash_checkpoint import damaged_file
+
+    checkpoint = tmp_path / "checkpoint-2"
+    (checkpoint / "deepspeed").mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2, "drafter_ranks": 2}))
+    for name in ("deepspeed/mp_rank_00_model_states.pt", "deepspeed/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_state_0.pt"):
+        torch.save({"state": torch.zeros(3)}, checkpoint / name)
+    assert damaged_file(checkpoint) == f"{checkpoint}/deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt (missing)"
+    torch.save({"state": torch.zeros(3)}, checkpoint / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert damaged_file(checkpoint) is None
+    (checkpoint / "rng_state_0.pt").write_bytes((checkpoint / "rng_state_0.pt").read_bytes()[:100])
+    assert damaged_file(checkpoint).startswith(f"{checkpoint}/rng_state_0.pt (RuntimeError: ")
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 2, "drafter_')
+    assert damaged_file(checkpoint).startswith(f"{checkpoint}/trainer_state.json (JSONDecodeError: ")
+
+
 def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     out = tmp_path / "ddp"
     args = tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=4, logging_steps=2, max_samples=32,
@@ -133,6 +204,40 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     assert (out / "final" / "model.safetensors").is_file()
 
 
+def test_the_readme_launches_both_train(tiny_qwen3_target, train_env, tmp_path):
+    """The README's two ways to run, on 2 CPU processes (accelerate_configs/cpu.yaml): `accelerate
+    launch --config_file ... train_dflash.py ...` and `python launch.py` with the same arguments.
+    Both train the same 2 steps on both ranks and export the same weights. Resumed with latest, the
+    finished run says so once and exits 0 on both ranks."""
+    import shutil
+
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))  # the command users type, beside this python
+    assert accelerate, "accelerate's command is installed with the package"
+    data = REPO / "data" / "demo_conversations.jsonl"
+    launchers = {"accelerate": [accelerate, "launch"], "launch.py": [sys.executable, "launch.py"]}
+    procs = {name: subprocess.Popen([*launcher, "--config_file", "accelerate_configs/cpu.yaml", "train_dflash.py",
+                                     *tiny_args(tiny_qwen3_target, data, tmp_path / name, max_steps=2, logging_steps=1, max_samples=8,
+                                                per_device_batch_size=2, num_anchors=8, target_layer_ids="1 3")],
+                                    cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, launcher in launchers.items()}
+    weights = {}
+    for name, proc in procs.items():
+        stderr = proc.communicate(timeout=600)[1]
+        assert proc.returncode == 0, (name, stderr[-4000:])
+        assert "2 ranks" in stderr and "Traceback" not in stderr, (name, stderr[-4000:])
+        assert [row["step"] for row in read_log(tmp_path / name)] == [1, 2]
+        weights[name] = load_file(tmp_path / name / "final" / "model.safetensors")
+    assert weights["accelerate"].keys() == weights["launch.py"].keys()
+    assert all(torch.equal(weights["accelerate"][k], weights["launch.py"][k]) for k in weights["accelerate"])
+    # Resumed with latest, the finished run ends on both ranks at once, successfully, and touches nothing.
+    log = (tmp_path / "accelerate" / "train_log.jsonl").read_text()
+    again = subprocess.run([sys.executable, "launch.py", "--config_file", "accelerate_configs/cpu.yaml", "train_dflash.py",
+                            *tiny_args(tiny_qwen3_target, data, tmp_path / "accelerate", max_steps=2, resume_from_checkpoint="latest")],
+                           cwd=REPO, env=train_env, text=True, capture_output=True, timeout=300)
+    assert again.returncode == 0 and again.stderr.count("has finished") == 1, again.stderr[-3000:]
+    assert (tmp_path / "accelerate" / "train_log.jsonl").read_text() == log
+
+
 def weightless_target(path, tokenizer, **config) -> Path:
     """A target directory whose config and tokenizer load but whose weights file is garbage: a run
     that gets as far as loading the weights fails on them."""
@@ -147,19 +252,24 @@ def weightless_target(path, tokenizer, **config) -> Path:
 
 
 def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, train_env, tmp_path):
-    """A flag of the wrong type, a bad data line and a target without a mask token each stop the run
-    with one line that names the problem, no traceback and no traceback hint, and before the target's
-    weights are read (their garbage file would fail otherwise)."""
+    """A flag of the wrong type, a bad data line, a target without a mask token and a target whose
+    config.json is cut short each stop the run with one line that names the problem, as the last line,
+    no traceback and no traceback hint, and before the target's weights are read (their garbage file
+    would fail otherwise)."""
     data = tmp_path / "chats.jsonl"
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}]}
     data.write_text(json.dumps(good) + "\n" + '{"messages": [ oops\n')
     target = weightless_target(tmp_path / "target", qwen3_tokenizer)
     # Qwen3's tokenizer fills all 151,669 rows: no <|MASK|>, no spare row, and no --mask_token_id.
     full = weightless_target(tmp_path / "full", qwen3_tokenizer, vocab_size=len(qwen3_tokenizer))
+    cut = weightless_target(tmp_path / "cut", qwen3_tokenizer)
+    text = (cut / "config.json").read_text()
+    (cut / "config.json").write_text(text[: len(text) // 2])
     commands = {
         "data": tiny_args(target, data, tmp_path / "out", max_steps=1),
         "mask": tiny_args(full, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out2", max_steps=1),
         "flag": tiny_args(target, data, tmp_path / "out3", max_steps="five"),
+        "config": tiny_args(cut, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out4", max_steps=1),
     }
     procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in commands.items()}
@@ -192,6 +302,9 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
     stderr = results["data"][1]
     assert "chats.jsonl:2: invalid JSON at column 16" in stderr and "--skip_bad_samples" in stderr
     assert "no spare embedding row" in results["mask"][1] and "--mask_token_id" in results["mask"][1]
+    last = results["config"][1].strip().splitlines()[-1]  # transformers' own message would take two lines
+    assert last.startswith(f"error: --target_model '{cut}': {cut}/config.json is not valid JSON (line "), last
+    assert last.endswith("; the file is cut short or damaged: copy or download it again"), last
     # Not the 200-line usage text: one line naming the flag and what it expects.
     assert results["flag"][1].strip().splitlines()[-1] == (
         "error: --max_steps expects an integer, got 'five'; see `python train_dflash.py --help`")
@@ -264,6 +377,7 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
     from train_dflash import parse_settings
 
     base = ["--target_model", "x", "--train_data", "a"]
+    (tmp_path / "run.yaml").touch()  # a file where --output_dir names a folder inside it
     for argv, message in [
         (["--max_steps", "five"], "--max_steps expects an integer, got 'five'"),
         (["--learning_rate", "fast"], "--learning_rate expects a number, got 'fast'"),
@@ -272,6 +386,13 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
         (["--block_size", "1"], "--block_size must be >= 2"),
         (["--max_dropped_fraction", "1.5"], "--max_dropped_fraction must be between 0 and 1"),
         (["--anchor_slots_multiple", "-1"], "--anchor_slots_multiple must be >= 0"),
+        (["--learning_rate", "nan"], "--learning_rate must be a number > 0, got nan"),
+        (["--learning_rate", "-1"], "--learning_rate must be a number > 0, got -1.0"),
+        (["--weight_decay", "inf"], "--weight_decay must be a number >= 0, got inf"),
+        (["--eval_num_prompts", "0"], "--eval_num_prompts must be >= 1, got 0"),
+        (["--output_dir", str(tmp_path / "run.yaml")], f"--output_dir {tmp_path}/run.yaml: {tmp_path}/run.yaml is a file, not a folder; "
+                                                       f"pass a folder (it is made if missing)"),
+        (["--output_dir", str(tmp_path / "run.yaml" / "out")], f"--output_dir {tmp_path}/run.yaml/out: {tmp_path}/run.yaml is a file, not a folder"),
     ]:
         with pytest.raises(ValueError) as error:
             parse_settings(base + argv)
@@ -671,9 +792,12 @@ def test_anchor_slots_multiple_groups_batches_by_assistant_length(qwen3_tokenize
     assert trimmed.lengths == [sum(mask) for mask in trimmed.dataset["loss_mask"]] != plain.lengths
 
 
-def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(tmp_path):
+def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(tmp_path, caplog):
     """A recipe rerun after a crash before the first checkpoint: only the log is there, so it starts
-    over (the log goes); a finished run (final/) with no checkpoint is kept, with a clear error."""
+    over (the log goes); a finished run (final/) with no checkpoint is kept, with a clear error. A
+    mistyped or empty --output_dir has nothing to resume: the fresh start is a warning, not a note."""
+    import logging
+
     sys.path.insert(0, str(REPO))
     from dflash_checkpoint import find_resume_point
     from train_dflash import parse_settings
@@ -683,6 +807,13 @@ def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(
             pass
 
     out = tmp_path / "run"
+    for folder, what in ((out, "does not exist"), (tmp_path, "is empty")):
+        caplog.clear()
+        latest = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(folder), "--resume_from_checkpoint", "latest"])[0]
+        assert find_resume_point(latest, OneProcess(), 0).path is None
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "nothing to resume" in r.getMessage()]
+        assert len(warned) == 1 and f"--resume_from_checkpoint latest: {folder} {what}, so there is nothing to resume: starting a " \
+            f"fresh run there (is --output_dir the folder you meant?)" == warned[0].getMessage(), caplog.text
     out.mkdir()
     (out / "train_log.jsonl").write_text(json.dumps({"step": 50, "loss": 3.0}) + "\n")
     settings = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(out),
@@ -769,6 +900,30 @@ def test_target_output_cache_reads_back_what_the_target_made_and_zeros_elsewhere
         TargetOutputCache([2**40], feature_dim=4, dtype=torch.float32, device=torch.device("cpu"), with_labels=False)
 
 
+def test_target_output_cache_fits_its_need_and_margin_into_available_memory(monkeypatch):
+    """The check compares the buffer plus its stated margin (2 GiB of the host) with the memory
+    available (free plus reclaimable page cache), whatever share of the machine that is: the busy
+    machine of a report (3.5 GiB free of 23.6, 21.6 available) takes a small cache."""
+    import dflash_features
+    from dflash_features import TargetOutputCache
+
+    gib, cpu = 2**30, torch.device("cpu")
+    assert dflash_features.available_memory(cpu)[0] > 0  # the real reader answers on this machine
+    available = {"bytes": int(21.6 * gib)}
+    monkeypatch.setattr(dflash_features, "available_memory", lambda device: (available["bytes"], int(23.6 * gib)))
+    TargetOutputCache([10], feature_dim=4, dtype=torch.float32, device=cpu, with_labels=True)  # 0 GiB: fits
+    per_token = 1024 * 4  # feature_dim 1024, float32, no labels
+    TargetOutputCache([int(19.5 * gib) // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"),
+                      with_labels=False)  # 19.5 + 2 <= 21.6 (meta: the check, no allocation)
+    with pytest.raises(ValueError, match=r"needs 19\.7 GiB on meta .* plus 2\.0 GiB kept for training, and 21\.6 GiB of 23\.6 are available"):
+        TargetOutputCache([int(19.7 * gib) // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"),
+                          with_labels=False)
+    available["bytes"] = int(2.5 * gib)  # a machine that is really full: only a small cache fits
+    TargetOutputCache([10], feature_dim=4, dtype=torch.float32, device=cpu, with_labels=True)
+    with pytest.raises(ValueError, match=r"needs 1\.0 GiB"):
+        TargetOutputCache([gib // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"), with_labels=False)
+
+
 def test_cached_target_outputs_train_the_same_drafter(tiny_qwen3_target, train_env, tmp_path):
     """Three epochs with labels from the target's argmax, once with the target run on every batch and
     once with epochs 2 and 3 read from the cache: the same losses and the same weights."""
@@ -804,8 +959,36 @@ def test_every_shipped_config_parses(config):
     assert path and settings.target_model and settings.train_data == [demo]
 
 
-def test_help_renders_every_flag():
-    """argparse formats help strings with %: a stray percent sign breaks --help for every flag."""
+def test_help_renders_every_flag_in_its_group_with_its_default():
+    """argparse formats help strings with %: a stray percent sign breaks --help for every flag. The
+    flags come in groups, in the order of dflash_cli.SETTING_GROUPS, after --config; every flag
+    says its default once; every setting names its group. eval_dflash.py --help has a description
+    and no '(default: None)' for its required flags."""
+    from dataclasses import fields
+
+    from dflash_cli import SETTING_GROUPS
+    from train_dflash import TrainSettings
+
     result = subprocess.run([sys.executable, "train_dflash.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "option_strings" not in result.stdout and "--cache_target_outputs" in result.stdout and "--learning_rate" in result.stdout
+    text = result.stdout
+    assert "option_strings" not in text and "--cache_target_outputs" in text and "--learning_rate" in text
+    assert not [f.name for f in fields(TrainSettings) if f.metadata.get("group") not in SETTING_GROUPS]
+    sections = re.split(r"\n\n(?=\S[^\n]*:\n)", text)  # "title:\n" starts each group
+    titles = [section.split(":\n", 1)[0] for section in sections[1:]]
+    assert titles == ["options", *(title for title, _ in SETTING_GROUPS.values())], titles
+    options = sections[titles.index("options") + 1]
+    assert re.findall(r"^  (--?\w+)", options, re.M) == ["-h", "--config"]
+    for section in sections[2:]:
+        for entry in re.split(r"\n  (?=--)", section)[1:]:
+            assert " ".join(entry.split()).lower().count("default") == 1, entry
+    flat = " ".join(text.split())
+    assert "eta of --loss lk (3.0 is speculators' value too; 0 gives plain KL) (default: 3.0)" in flat
+    assert "speculators trains with unless told otherwise" in flat and "the drafter's detached confidence) (default: exp)" in flat
+    assert "where there is none, a warning and a fresh run; on a run that has finished, a note and nothing else" in flat
+    assert "(default: None)" not in flat and text.startswith("usage: train_dflash.py [--config FILE.yaml] [--SETTING VALUE ...]\n")
+    result = subprocess.run([sys.executable, "eval_dflash.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    flat = " ".join(result.stdout.split())
+    assert "Evaluate a DFlash drafter by real speculative decoding on the target" in flat and "(default: None)" not in flat
+    assert "--num_prompts NUM_PROMPTS, --num-prompts NUM_PROMPTS Use only the first N prompts of --data (default: every prompt)." in flat
