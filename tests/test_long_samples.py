@@ -1,0 +1,94 @@
+"""Long samples: the memory levers of the training forward compute the same function as the plain one.
+
+The chunked BlockMask build gives the blocks of the one-shot build; the chunked, checkpointed context
+path and checkpointed decoder layers give the plain forward's loss and gradients (float tolerance).
+"""
+
+import pytest
+import torch
+
+import dflash_model
+from dflash_loss import dflash_loss, loss_weights
+from dflash_model import block_labels, create_anchor_block_mask, sample_anchors
+from test_model import VOCAB, tiny_drafter
+
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, 96)])
+def test_block_mask_built_in_query_chunks_equals_one_build(monkeypatch, causal, window):
+    seq_len, block_size = 1000, 16
+    loss_mask = torch.zeros(2, seq_len, dtype=torch.bool)
+    loss_mask[:, 100:] = True
+    loss_mask[1, 700:] = False  # a shorter row: padded anchor slots
+    anchors, valid = sample_anchors(loss_mask, 40, torch.Generator().manual_seed(0))
+    whole = create_anchor_block_mask(anchors, valid, seq_len, block_size, causal, window)
+    kv_len = seq_len + 40 * block_size
+    monkeypatch.setattr(dflash_model, "MASK_BUILD_ELEMENTS", 2 * kv_len * 200)  # 128-row chunks: 5 builds of Q = 640
+    chunked = create_anchor_block_mask(anchors, valid, seq_len, block_size, causal, window)
+    assert chunked.seq_lengths == whole.seq_lengths == (640, kv_len)
+    for name in BLOCK_MASK_FIELDS:
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    assert int(whole.kv_num_blocks.sum()) > 0
+
+
+def loss_and_grads(drafter, chunk_size=0, checkpointed=False, seq_len=70):
+    """One training step's loss and the drafter's gradients on a fixed batch with two rows of unequal length."""
+    drafter.chunk_context(chunk_size)
+    drafter.checkpoint_layers(checkpointed)
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB - 1, (2, seq_len), generator=g)
+    loss_mask = torch.ones(2, seq_len, dtype=torch.bool)
+    loss_mask[:, :9] = False
+    loss_mask[1, seq_len - 13:] = False
+    features = torch.randn(2, seq_len, len(drafter.config.target_layer_ids) * 16, generator=g)
+    anchors, valid = sample_anchors(loss_mask, 12, torch.Generator().manual_seed(2))
+    hidden = drafter(features, input_ids, anchors, valid)
+    labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
+    loss, _ = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(4, gamma=2.0))
+    drafter.zero_grad()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in drafter.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("layout", [{}, {"layer_types": "last_full", "sliding_window": 8}])
+def test_chunked_context_and_checkpointed_layers_give_the_same_loss_and_gradients(layout):
+    drafter = tiny_drafter(block_size=4, num_draft_layers=3, **layout).train()
+    plain_loss, plain = loss_and_grads(drafter)
+    assert plain_loss > 0 and plain["fc.weight"].abs().sum() > 0 and plain["layers.0.self_attn.k_proj.weight"].abs().sum() > 0
+    for chunk_size, checkpointed in [(16, False), (29, False), (0, True), (16, True), (70, True)]:  # 29: a ragged last chunk
+        loss, grads = loss_and_grads(drafter, chunk_size, checkpointed)
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == plain.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[name], rtol=1e-4, atol=1e-6, msg=f"{name}, chunk {chunk_size}, checkpointed {checkpointed}")
+
+
+def test_chunked_context_saves_the_context_intermediates():
+    """What backward keeps, counted with saved-tensor hooks: chunking keeps less, by an amount that
+    grows with the context length (the point of the lever), and checkpointed layers keep less again."""
+    drafter = tiny_drafter(block_size=4, num_draft_layers=3).train()
+
+    def saved_bytes(seq_len, chunk_size=0, checkpointed=False):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_and_grads(drafter, chunk_size, checkpointed, seq_len=seq_len)
+        return sum(storages.values())
+
+    for seq_len in (200, 800):
+        plain, chunked = saved_bytes(seq_len), saved_bytes(seq_len, chunk_size=64)
+        assert chunked < plain, (seq_len, chunked, plain)
+        assert saved_bytes(seq_len, 64, checkpointed=True) < chunked
+    saving = lambda seq_len: saved_bytes(seq_len) - saved_bytes(seq_len, 64)  # noqa: E731
+    assert saving(800) > 3 * saving(200)  # grows with the length
+
+
+def test_chunk_context_rejects_a_negative_size():
+    with pytest.raises(ValueError, match="context chunk size must be >= 0"):
+        tiny_drafter().chunk_context(-1)
