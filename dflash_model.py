@@ -599,7 +599,7 @@ def dense_anchor_block_mask(
     return mask_mod(b, 0, q_idx, kv_idx)  # [batch, 1, Q, KV]
 
 
-MASK_BUILD_ELEMENTS = 1 << 28  # most [batch, Q, KV] mask elements one `create_block_mask` call materialises
+MASK_BUILD_ELEMENTS = 1 << 26  # most [batch, Q, KV] mask elements one `create_block_mask` call materialises (~0.5 GB per int64 temporary)
 
 
 def create_anchor_block_mask(
@@ -621,8 +621,8 @@ def create_anchor_block_mask(
     q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
     mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size, causal, window)
     # torch materialises the whole [batch, Q, KV] mask (and int64 temporaries of that size) before it
-    # reduces it to 128 x 128 blocks: 5 GB per temporary at 512 anchors and a 64k context. Query rows
-    # in chunks of whole 128-row blocks bound that to MASK_BUILD_ELEMENTS; the blocks are the same.
+    # reduces it to 128 x 128 blocks: 4.8 GB per int64 temporary at 512 anchors x 16 and a 64k context.
+    # Query rows in chunks of whole 128-row blocks bound that to MASK_BUILD_ELEMENTS; the blocks are the same.
     rows = max(128, MASK_BUILD_ELEMENTS // (batch * kv_len) // 128 * 128)
     if rows >= q_len:
         return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchors.device)
@@ -1100,8 +1100,10 @@ class DFlashDraftModel(PreTrainedModel):
         (0: whole, and its intermediates kept for backward). Only the fused context's K/V
         ([batch, kv_heads, S, head_dim] per layer) stay; the fp32 norm and RoPE intermediates of a
         chunk exist during its forward and again in backward. The result is the same function.
-        What it saves grows with S: about 40 KB per context token at Qwen3-8B shapes (hidden_norm's
-        and 5 layers' k_norm / RoPE intermediates), 2.6 GB at 64k tokens."""
+        What it saves grows with S: hidden_norm's and every layer's k_norm / RoPE intermediates, which
+        at Qwen3-8B shapes in bf16 are ~66 of the ~146 KB per context token backward keeps (the rest:
+        the features, 40 KB, and the K/V): 4.1 GB at 64k tokens (counted with saved-tensor hooks on a
+        CPU at 1/8 of Qwen3-8B's widths, times 8). Costs one more forward of the context path."""
         if chunk_size < 0:
             raise ValueError(f"context chunk size must be >= 0 (0 = whole), got {chunk_size}")
         self._context_chunk_size = chunk_size
@@ -1174,6 +1176,8 @@ class DFlashDraftModel(PreTrainedModel):
         block_size = self.config.block_size
         batch, seq_len = input_ids.shape
         num_anchors = anchors.shape[1]
+        # The masks first: their build's transient memory (create_anchor_block_mask) then adds to nothing of this forward's.
+        masks = training_masks(self.config, anchors, anchor_valid, seq_len, attention_backend)  # one per layer
         context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
         chunk = self._context_chunk_size
         if chunk and chunk < seq_len and torch.is_grad_enabled():
@@ -1186,7 +1190,6 @@ class DFlashDraftModel(PreTrainedModel):
             context_kv = self.context_kv(context_features, context_positions)
         x = self.embed_block(block_input_ids(input_ids, anchors, self.config.mask_token_id, block_size))  # [batch, N*B, hidden]
         cos, sin = self._rope(x, block_position_ids(anchors, block_size))  # [batch, N*B, head_dim]
-        masks = training_masks(self.config, anchors, anchor_valid, seq_len, attention_backend)  # one per layer
         checkpointed = self._checkpoint_layers and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             context_k, context_v = context_kv[i]

@@ -188,6 +188,8 @@ class TrainSettings:
     lk_eta: float = field(default=3.0, metadata={"help": "eta of --loss lk (speculators' default; 0 gives plain KL)"})
     loss_decay_gamma: float | None = field(default=None, metadata={"help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     loss_chunk_size: int = field(default=4096, metadata={"help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
+    context_chunk_size: int = field(default=0, metadata={"help": "Long samples: compute the context features' projection (fc, hidden_norm) and every drafter layer's context K/V over chunks of this many positions under activation checkpointing, keeping only the K/V for backward (0 = in one piece). The same loss; saves ~66 of the ~146 KB per context token that backward keeps at Qwen3-8B shapes (4.1 GB at 64k tokens) for one more forward of the context path; docs/training.md#long-samples"})
+    checkpoint_drafter_layers: bool = field(default=False, metadata={"help": "Long samples: activation checkpointing of the drafter's decoder layers (each keeps only its input and runs its forward again in backward). The same loss; saves the block stream's activations (~1 GB per layer at 512 anchors, Qwen3-8B shapes, whatever the length) for ~+25% drafter time"})
     attention_backend: str = field(default="auto", metadata={"help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
     compile_drafter: str = field(default="auto", metadata={"help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
     compile_target: str = field(default="auto", metadata={"help": "torch.compile the target's decoder layers for the feature forward (each new shape compiles once, under the compile lock; a target kept whole for evaluation decodes eagerly): on | off | auto (on with flex, i.e. on CUDA)"})
@@ -275,6 +277,8 @@ class TrainSettings:
         for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_chunk_size < 0:
+            raise ValueError(f"--context_chunk_size must be >= 0 (0 = the context in one piece), got {self.context_chunk_size}")
         if self.anchor_slots_multiple < 0:
             raise ValueError(f"--anchor_slots_multiple must be >= 0 (0 = always --num_anchors slots), got {self.anchor_slots_multiple}")
         if self.block_size < 2:
@@ -554,6 +558,8 @@ def build_drafter(settings: TrainSettings, draft_config: DFlashConfig, parts: Ta
     drafter = (DFlash2DraftModel if isinstance(draft_config, DFlash2Config) else DFlashDraftModel)(draft_config)
     drafter.attach_target(parts.embed_tokens, parts.lm_head)  # by reference, not registered
     drafter.compile_layers(compute.compile_drafter)
+    drafter.chunk_context(settings.context_chunk_size)  # long samples (docs/training.md#long-samples)
+    drafter.checkpoint_layers(settings.checkpoint_drafter_layers)
     return drafter
 
 
