@@ -92,3 +92,30 @@ def test_chunked_context_saves_the_context_intermediates():
 def test_chunk_context_rejects_a_negative_size():
     with pytest.raises(ValueError, match="context chunk size must be >= 0"):
         tiny_drafter().chunk_context(-1)
+
+
+def test_bench_long_grid_runs_on_cpu_and_resumes(tmp_path, capsys):
+    """bench_dflash.py --long in its tiny CPU mode: a row per layout and length plus the target's forward,
+    written to --rows as each ends; a second call with the same file runs nothing again."""
+    import json
+
+    import bench_dflash
+
+    rows = tmp_path / "rows.jsonl"
+    argv = ["--long", "--device", "cpu", "--tiny", "--long_lengths", "96,256", "--steps", "1", "--warmup", "0",
+            "--variant", "baseline+context_chunk_64+checkpoint_layers", "--rows", str(rows), "--record-to", str(tmp_path / "B.md")]
+    threads = torch.get_num_threads()  # bench_dflash.main sets 1 on a CPU
+    bench_dflash.main(argv)
+    first = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [(r["kind"], r.get("layout"), r["seq"], r["status"]) for r in first] == [
+        ("target", None, 96, "ok"), ("target", None, 256, "ok"),
+        ("drafter", "all_full", 96, "ok"), ("drafter", "all_full", 256, "ok"),
+        ("drafter", "last_full", 96, "ok"), ("drafter", "last_full", 256, "ok")]
+    assert first[3]["flops_sample"] > first[2]["flops_sample"] > 0  # the context work grows with the length
+    table = (tmp_path / "B.md").read_text()
+    assert "| last_full (32) | baseline+context_chunk_64+checkpoint_layers | 256 | 16 |" in table and "every row measured" in table
+    capsys.readouterr()
+    bench_dflash.main(argv)
+    torch.set_num_threads(threads)
+    assert rows.read_text().count("\n") == 6  # resumed: nothing ran again
+    assert "(long) all_full" not in capsys.readouterr().out
