@@ -119,3 +119,62 @@ def test_bench_long_grid_runs_on_cpu_and_resumes(tmp_path, capsys):
     torch.set_num_threads(threads)
     assert rows.read_text().count("\n") == 6  # resumed: nothing ran again
     assert "(long) all_full" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# Long prompts: evaluation and regeneration check the target's context before its weights load
+
+from test_eval import qwen3_dirs  # noqa: E402,F401 - a fixture: a tiny Qwen3 target (context 1,024) and drafter (block 6)
+from test_regenerate import tiny_target  # noqa: E402,F401 - a fixture: a tiny Qwen3 target folder (context 512)
+
+
+def long_prompt_file(path, words: int):
+    """Prompts: a short one, then one of `words` words at line 2, then a short one."""
+    import json
+
+    records = [{"prompt": "What is 2 + 3?"}, {"question": "Count: " + "one " * words}, {"prompt": "Name a color."}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_eval_names_a_prompt_longer_than_the_targets_context_before_the_target_loads(qwen3_dirs, tmp_path, monkeypatch):  # noqa: F811
+    import dflash_target
+    import eval_dflash
+
+    target_dir, drafter_dir, _, _ = qwen3_dirs
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the target's weights loaded before the prompts were checked")
+
+    monkeypatch.setattr(dflash_target, "load_target_model", no_weights)
+    prompts = long_prompt_file(tmp_path / "long.jsonl", 1010)
+    argv = ["--target_model", str(target_dir), "--draft_model", str(drafter_dir), "--data", str(prompts), "--max_new_tokens", "8",
+            "--output", str(tmp_path / "r.json"), "--device", "cpu", "--baseline", "none"]
+    with pytest.raises(ValueError) as error:
+        eval_dflash.main(argv)
+    message = str(error.value)
+    assert message.startswith(f"{prompts}:2: the prompt is ") and "\n" not in message
+    length = int(message.split("the prompt is ")[1].split(" tokens")[0].replace(",", ""))
+    assert 1010 < length < 1040  # one token per word, and the template's
+    assert f"needs {length + 8 + 6:,} positions, more than the target's context of 1,024" in message
+    assert "1 of 3 prompts are too long" in message
+    # At --num_prompts 1 only the short prompt is read: the run goes on to load the target.
+    with pytest.raises(AssertionError, match="weights loaded"):
+        eval_dflash.main(argv + ["--num_prompts", "1"])
+
+
+def test_regenerate_names_a_prompt_longer_than_the_targets_context_before_the_target_loads(tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    import regenerate_data
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the target's weights loaded before the prompts were checked")
+
+    monkeypatch.setattr(regenerate_data, "load_target", no_weights)
+    prompts = long_prompt_file(tmp_path / "long.jsonl", 480)  # ~490 tokens: fits 512 alone, not with 64 new ones
+    argv = ["--target_model", tiny_target, "--prompts", str(prompts), "--output", str(tmp_path / "out.jsonl"), "--temperature", "0"]
+    with pytest.raises(ValueError, match=rf"^{prompts}:2: the prompt is \d+ tokens \(chat template included\), and with "
+                                         rf"--max_new_tokens 64 it needs \d+ positions, more than the target's context of 512"):
+        regenerate_data.main(argv + ["--max_new_tokens", "64"])
+    with pytest.raises(AssertionError, match="weights loaded"):  # with 8 new tokens it fits
+        regenerate_data.main(argv + ["--max_new_tokens", "8"])
+
