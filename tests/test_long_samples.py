@@ -178,3 +178,68 @@ def test_regenerate_names_a_prompt_longer_than_the_targets_context_before_the_ta
     with pytest.raises(AssertionError, match="weights loaded"):  # with 8 new tokens it fits
         regenerate_data.main(argv + ["--max_new_tokens", "8"])
 
+
+
+# ----------------------------------------------------------------------------------------------
+# tau against the context length: the k-shot prompts and the table by length
+
+
+def tool(path: str):
+    """A script of tools/ as a module (they are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).resolve().parents[1] / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_long_prompts_fill_each_length_and_the_table_splits_tau_by_length(tiny_qwen3_target, tmp_path, capsys):
+    import json
+
+    from transformers import AutoTokenizer
+
+    replies = tmp_path / "greedy.jsonl"
+    replies.write_text("".join(json.dumps({"id": i, "messages": [
+        {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
+        {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * (1 + i % 3)}]}) + "\n" for i in range(30)))
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"question": f"Held-out {i}: what is {i} times 3?"}) + "\n" for i in range(3)))
+    out = tmp_path / "long"
+    long_prompts, tau_by_length = tool("tools/long_prompts.py"), tool("tools/gpu/tau_by_length.py")
+    long_prompts.main(["--target_model", str(tiny_qwen3_target), "--replies", str(replies), "--heldout", str(heldout),
+                       "--out_dir", str(out), "--lengths", "30,200,400", "--num_eval", "2", "--train_lengths", "150,300",
+                       "--num_train", "6"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_target)
+
+    def tokens(messages, generation_prompt):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    prompts = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [p["length"] for p in prompts] == [30, 30, 200, 200, 400, 400]
+    assert prompts[0]["prompt"] == "Held-out 0: what is 0 times 3?"  # the bare question: no exemplar fits 30 tokens
+    for p in prompts:
+        n = tokens([{"role": "user", "content": p["prompt"]}], True)
+        assert n <= p["length"] and (p["length"] == 30 or n > p["length"] - 60), (n, p["length"])  # filled to within an exemplar
+        assert p["prompt"].endswith(("0 times 3?", "1 times 3?"))
+    train = [json.loads(line)["messages"] for line in (out / "train_long.jsonl").read_text().splitlines()]
+    assert len(train) == 6
+    for n, (user, assistant) in enumerate(train):
+        question = user["content"].split("\n\n")[-1]
+        own = f"Question: {question}\nAnswer: {assistant['content']}"
+        assert question.startswith("Question number") and own not in user["content"]  # never its own exemplar
+        assert user["content"].count("Question: ") >= 1 and tokens([user, assistant], False) <= (150, 300)[n % 2]
+
+    # tau by length: two prompts per length, tau = committed / forwards over each length's prompts
+    per_prompt = [{"prompt_index": i, "prompt_tokens": 50 * (i + 1), "acceptance_length": a, "verify_forwards": f}
+                  for i, (a, f) in enumerate([(3.0, 10), (2.0, 10), (2.5, 4), (2.5, 4), (1.0, 5), (2.0, 15)])]
+    (tmp_path / "eval_recipe.json").write_text(json.dumps({"per_prompt": per_prompt}))
+    (tmp_path / "eval_recipe_t0.8.json").write_text(json.dumps({"per_prompt": per_prompt[:2]}))
+    capsys.readouterr()
+    tau_by_length.main(out / "eval.jsonl", tmp_path)
+    table = capsys.readouterr().out
+    assert "| run | temperature | tau at ~75 tokens | tau at ~175 tokens | tau at ~275 tokens | longest - shortest |" in table
+    assert "| recipe | 0 | 2.50 | 2.50 | 1.75 | -0.75 |" in table
+    assert "| recipe | 0.8 | 2.50 | - | - | - |" in table
