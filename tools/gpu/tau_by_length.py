@@ -32,11 +32,12 @@ def main(prompts: Path, results_dir: Path) -> None:
             tokens[length].append(row["prompt_tokens"])
         taus = {g: committed[g] / forwards[g] for g in groups if forwards[g]}
         drop = f"{taus[groups[-1]] - taus[groups[0]]:+.2f}" if groups[0] in taus and groups[-1] in taus else "-"
-        rows.append(f"| {run} | {temperature} | " + " | ".join(f"{taus[g]:.2f}" if g in taus else "-" for g in groups) + f" | {drop} |")
+        rows.append((run, temperature, f"| {run} | {temperature} | " + " | ".join(f"{taus[g]:.2f}" if g in taus else "-" for g in groups)
+                     + f" | {drop} |"))
     mean = {g: round(sum(tokens[g]) / len(tokens[g])) if tokens[g] else g for g in groups}
     print("| run | temperature | " + " | ".join(f"tau at ~{mean[g]:,} tokens" for g in groups) + " | longest - shortest |")
     print("|---|---|" + "---|" * len(groups) + "---|")
-    print("\n".join(rows))
+    print("\n".join(line for *_, line in sorted(rows)))
 
 
 if __name__ == "__main__":
