@@ -243,3 +243,15 @@ def test_long_prompts_fill_each_length_and_the_table_splits_tau_by_length(tiny_q
     assert "| run | temperature | tau at ~75 tokens | tau at ~175 tokens | tau at ~275 tokens | longest - shortest |" in table
     assert "| recipe | 0 | 2.50 | 2.50 | 1.75 | -0.75 |" in table
     assert "| recipe | 0.8 | 2.50 | - | - | - |" in table
+
+
+def test_long_sample_settings_parse_and_are_checked():
+    from train_dflash import parse_settings
+
+    settings, _ = parse_settings(["--target_model", "x", "--train_data", "README.md", "--context_chunk_size", "4096",
+                                  "--checkpoint_drafter_layers"])
+    assert settings.context_chunk_size == 4096 and settings.checkpoint_drafter_layers is True
+    defaults, _ = parse_settings(["--target_model", "x", "--train_data", "README.md"])
+    assert defaults.context_chunk_size == 0 and defaults.checkpoint_drafter_layers is False
+    with pytest.raises(ValueError, match="--context_chunk_size must be >= 0"):
+        parse_settings(["--target_model", "x", "--train_data", "README.md", "--context_chunk_size", "-1"])
