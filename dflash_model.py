@@ -1088,7 +1088,7 @@ class DFlashDraftModel(PreTrainedModel):
     def checkpoint_layers(self, enabled: bool = True) -> None:
         """Activation checkpointing of the decoder layers in the training forward (or not): each layer
         keeps only its input for backward and runs its forward again there. A layer's activations
-        are its block stream's, N*B tokens wide (at 512 anchors x 16, Qwen3-8B shapes: ~1 GB per
+        are its block stream's, N*B tokens wide (at 512 anchors x 16, Qwen3-8B shapes: 1-2 GB per
         layer in bf16, the MLP's [N*B, intermediate] ones most of it), whatever the context length;
         checkpointing trades that memory for one more forward of every layer (~+25% of the drafter's
         step). Compiled layers stay compiled (`_run_compiled_layer`)."""
