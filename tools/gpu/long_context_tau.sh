@@ -81,7 +81,7 @@ train() {  # name, settings...
   shift
   [[ -f $OUT/$name/final/model.safetensors ]] && return 0
   timed "train_$name" "${launch[@]}" --config configs/smollm2-gsm8k-gpu.yaml --target_model "$SMOLLM2" \
-    --eval_data "$D/heldout_questions.jsonl" --eval_steps 0 --save_steps 0 --report_to none --output_dir "$OUT/$name" \
+    --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 8 --eval_steps 0 --save_steps 0 --report_to none --output_dir "$OUT/$name" \
     --overwrite_output_dir "${tiny[@]}" "$@" > "$OUT/train_$name.log" 2>&1
 }
 train recipe --train_data "$D/greedy.jsonl" --max_steps $steps
@@ -99,4 +99,4 @@ for name in recipe long long_sliding; do
   done
 done
 python3 tools/gpu/tau_by_length.py "$D/long/eval.jsonl" "$OUT" | tee "$OUT/table.md"
-cat "$OUT/timings.tsv"
+cat "$OUT/timings.tsv"  # train_recipe against train_long and train_long_sliding: the equal-minutes check
