@@ -870,8 +870,8 @@ def run_long(args, s: dict, device, dtype, progress) -> tuple[list, str]:
 
 def long_table(rows: list[dict]) -> str:
     """Markdown: one line per drafter row, its target forward beside it, ratios to the 3,072-token row of the
-    same layout and variant (else the shortest), and the predicted peak (that row's peak + the extra context
-    tokens x `context_bytes_per_token`)."""
+    same layout and variant (or of the variant it adds levers to; else its shortest row), and the predicted
+    peak (that row's peak + the extra context tokens x `context_bytes_per_token`)."""
     header = (
         "| layout | variant | tokens | anchors | drafter ms/sample | vs shortest | peak GB | predicted peak GB | useful TFLOP/s "
         "| target fwd ms/sample | target TFLOP/s | target peak GB | drafter + target ms/sample | vs shortest |\n"
@@ -885,8 +885,11 @@ def long_table(rows: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(shape + f"| {r['status']} |" + " |" * 9)
             continue
-        same = [b for b in rows if b["kind"] == "drafter" and b["status"] == "ok" and (b["layout"], b["variant"]) == (r["layout"], r["variant"])]
-        ref = min(same, key=lambda b: (b["seq"] != 3072, b["seq"]))
+        # The reference: this layout's 3,072-token row of the same variant, else of the variant this one adds
+        # levers to (a memory lever measured at 32k and 64k only), else this variant's shortest row.
+        same = [b for b in rows if b["kind"] == "drafter" and b["status"] == "ok" and b["layout"] == r["layout"]
+                and (b["variant"] == r["variant"] or r["variant"].startswith(b["variant"] + "+"))]
+        ref = min(same, key=lambda b: (b["seq"] != 3072, b["variant"] != r["variant"], b["seq"]))
         target, ref_target = targets.get(r["seq"]), targets.get(ref["seq"])
         predicted = (ref["peak_gb"] + (r["seq"] - ref["seq"]) * r["context_bytes_per_token"] / 1e9) if ref.get("peak_gb") is not None else None
         both = r["ms_step"] + target["ms_call"] if target else None

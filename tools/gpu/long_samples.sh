@@ -7,6 +7,7 @@
 # OUT_DIR; every finished row is in OUT_DIR/long_rows.jsonl.
 #
 #   bash tools/gpu/long_samples.sh OUT_DIR [ROWS]      (one call of at most 9 minutes)
+#   TINY=1 bash tools/gpu/long_samples.sh OUT_DIR      (the same steps on a CPU: tiny config, 96-512 tokens)
 #
 # Resumable: a row that would start after ~7.5 minutes is left for the next call. Give that call the
 # long_rows.jsonl the last one wrote (copied into the working tree, e.g. results/long-samples/long_rows.jsonl)
@@ -45,6 +46,13 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:?usage: bash tools/gpu/long_samples.sh OUT_DIR [ROWS]}")
 mkdir -p "$OUT"
+if [[ ${TINY:-0} == 1 ]]; then
+  export ROOT=$OUT/root
+  mode=(--device cpu --tiny) levers=(--long_lengths 256,512 --variant baseline+context_chunk_64 --variant baseline+checkpoint_layers)
+else
+  mode=() levers=(--long_lengths 32768,65536 --variant compile_layers+fused_ce_compiled+context_chunk_8192
+                  --variant compile_layers+fused_ce_compiled+checkpoint_layers)
+fi
 source tools/gpu/setup.sh
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 rows=$OUT/long_rows.jsonl
@@ -52,11 +60,9 @@ rows=$OUT/long_rows.jsonl
 # Each step stops starting rows at --budget_s; the step's cap leaves time for the running row.
 start=$(date +%s)
 left() { echo $((${1} - ($(date +%s) - start))); }
-step long 510 python3 bench_dflash.py --long --rows "$rows" --steps 3 --warmup 1 --budget_s 400 --record-to "$OUT/BENCHMARKS.md"
+step long 510 python3 bench_dflash.py --long "${mode[@]}" --rows "$rows" --steps 3 --warmup 1 --budget_s 400 --record-to "$OUT/BENCHMARKS.md"
 if (( $(left 450) > 60 )); then
-  step long_levers $(left 530) python3 bench_dflash.py --long --rows "$rows" --drafter_only --long_layouts all_full \
-    --long_lengths 32768,65536 --variant compile_layers+fused_ce_compiled+context_chunk_8192 \
-    --variant compile_layers+fused_ce_compiled+checkpoint_layers --steps 3 --warmup 1 --budget_s $(left 450) \
-    --record-to "$OUT/BENCHMARKS.md"
+  step long_levers $(left 530) python3 bench_dflash.py --long "${mode[@]}" --rows "$rows" --drafter_only --long_layouts all_full \
+    "${levers[@]}" --steps 3 --warmup 1 --budget_s $(left 450) --record-to "$OUT/BENCHMARKS.md"
 fi
 grep -h "^| \|not run" "$OUT"/long*.log | tail -40
