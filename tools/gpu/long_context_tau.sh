@@ -10,9 +10,15 @@
 #                 after k-shot prompts, 2,048 / 4,096 / 7,680 tokens in all, 9% of the samples),
 #                 --max_seq_length 8192, at recipe's GPU-minutes: STEPS_LONG steps (below).
 #   long_sliding  long with 7 sliding-window (2,048) layers + 1 full (--layer_types last_full).
-# Every step is skipped when its output exists, so a call cut off by the 10-minute limit resumes.
+# Every step is skipped when its output exists, so a call cut off by the 10-minute limit resumes (a
+# training cut off starts over). RUNS (default "recipe long long_sliding") trains and evaluates only those;
+# the table covers every run evaluated so far. On one warm machine, three calls of ~5-7 minutes each:
 #
-#   bash tools/gpu/long_context_tau.sh OUT_DIR          (~20 GPU-minutes, in 2-3 calls; a warm machine keeps OUT_DIR)
+#   RUNS=recipe bash tools/gpu/long_context_tau.sh ~/long_tau        (replies, prompts, recipe: ~6.5 min)
+#   RUNS=long bash tools/gpu/long_context_tau.sh ~/long_tau          (~5 min)
+#   RUNS=long_sliding bash tools/gpu/long_context_tau.sh ~/long_tau  (~5 min; then copy table.md, timings.tsv,
+#                                                                     eval_*.json and the logs to $OUT)
+#   bash tools/gpu/long_context_tau.sh OUT_DIR          (all of it: ~17 GPU-minutes)
 #   TINY=1 bash tools/gpu/long_context_tau.sh OUT_DIR   (the whole pipeline on a CPU: a tiny random target,
 #                                                        2 questions per length, 3 training steps; ~6 min on 2 cores)
 #
@@ -84,12 +90,13 @@ train() {  # name, settings...
     --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 8 --eval_steps 0 --save_steps 0 --report_to none --output_dir "$OUT/$name" \
     --overwrite_output_dir "${tiny[@]}" "$@" > "$OUT/train_$name.log" 2>&1
 }
-train recipe --train_data "$D/greedy.jsonl" --max_steps $steps
+runs=" ${RUNS:-recipe long long_sliding} "
 long=(--train_data "$D/greedy.jsonl" "$D/long/train_long.jsonl" --max_seq_length $long_seq --max_steps $steps_long)
-train long "${long[@]}"
-train long_sliding "${long[@]}" --layer_types last_full --sliding_window $window
+[[ $runs == *" recipe "* ]] && train recipe --train_data "$D/greedy.jsonl" --max_steps $steps
+[[ $runs == *" long "* ]] && train long "${long[@]}"
+[[ $runs == *" long_sliding "* ]] && train long_sliding "${long[@]}" --layer_types last_full --sliding_window $window
 # 4. Every drafter at every length, greedy and sampled, one evaluation at a time.
-for name in recipe long long_sliding; do
+for name in ${RUNS:-recipe long long_sliding}; do
   for t in 0 0.8; do
     result=$OUT/eval_$name$([[ $t == 0 ]] || echo "_t$t").json
     [[ -f $result || ! -f $OUT/$name/final/model.safetensors ]] && continue
