@@ -20,7 +20,7 @@
 #                                                                     eval_*.json and the logs to $OUT)
 #   bash tools/gpu/long_context_tau.sh OUT_DIR          (all of it: ~17 GPU-minutes)
 #   TINY=1 bash tools/gpu/long_context_tau.sh OUT_DIR   (the whole pipeline on a CPU: a tiny random target,
-#                                                        2 questions per length, 3 training steps; ~6 min on 2 cores)
+#                                                        2 questions per length, 3 training steps; 10 min on a busy 2-core CPU)
 #
 # Cost (H200, predicted from the recipe's timings.tsv and train_log.jsonl: greedy replies 59 s; a recipe
 # step 0.24 s at batch 64 of 512-token rows; ~45 s of start-up and compiles per training):
