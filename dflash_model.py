@@ -1173,6 +1173,7 @@ class DFlashDraftModel(PreTrainedModel):
         Returns:
             [batch, N, B, hidden]: final hidden states (after `norm`) at every block position;
             position 0 holds the anchor, positions 1..B-1 are the drafted tokens.
+        Memory levers for long samples (the same function): `chunk_context`, `checkpoint_layers`.
         """
         block_size = self.config.block_size
         batch, seq_len = input_ids.shape
