@@ -8,6 +8,8 @@
     python bench_dflash.py --quick --drafter_only --layer_types last_full --sliding_window 2048   # (a) only
     python bench_dflash.py --quick --drafter_only --objectives --budget_s 540   # every loss objective vs CE (< 10 min)
     python bench_dflash.py --quick --drafter_only --drafter dflash2              # a DFlash2 drafter's step (its selector's loss included)
+    python bench_dflash.py --long --rows long_rows.jsonl   # long samples: 3,072 .. 64k tokens, 5 full and 4 sliding + 1 full (tools/gpu/long_samples.sh)
+    python bench_dflash.py --long --device cpu --tiny --no_append   # its CPU smoke test (< 60 s)
 
 On a machine whose working tree does not come back (the device tool), append to a copy:
     cp BENCHMARKS.md $OUT/ && python bench_dflash.py --quick --record-to $OUT/BENCHMARKS.md 2>&1 | tee $OUT/bench.log
@@ -96,11 +98,27 @@ The distribution losses read the target's last hidden state at the position befo
   loss_lk             the LK hybrid of KL and TV. Prediction: +1-3% over loss_kl (both terms' elementwise work).
   loss_ce             CE, explicitly (the default).
 At 512 / 3072 / 1 the same 7,680 rows come per sample instead of per 2 samples: about twice the added ms/sample.
+
+Memory levers for long samples (levers too, e.g. compile_layers+fused_ce_compiled+context_chunk_8192+checkpoint_layers):
+  context_chunk_N     the context path (fc, hidden_norm, every layer's K/V) in chunks of N positions under activation
+                      checkpointing (train_dflash.py's --context_chunk_size N).
+  checkpoint_layers   activation checkpointing of the drafter's decoder layers (--checkpoint_drafter_layers).
+
+--long: the long-sample grid, one row per sample (batch 1) at --long_anchors anchors (default 512, the paper's; a
+fixed count per sample, as train_dflash.py's --num_anchors) and --long_lengths tokens per sample (default
+3072,4096,8192,16384,32768,65536), for each layout of --long_layouts (default all_full, and last_full: 4 sliding
+layers of --sliding_window (default 2048) + 1 full) and each --variant (default compile_layers+fused_ce_compiled, as
+train_dflash.py trains), after the target's forward at batch 1 at every length. Columns: drafter ms/sample and its
+ratio to the 3,072-token row of the same run, peak GB, useful TFLOP/s, the target's forward per sample (ms, TFLOP/s,
+peak GB with the target alone on the device) and the two together. With --rows FILE every finished row is appended
+to FILE as it ends and rows already in FILE are not run again, so a run cut short by a time limit resumes where it
+stopped; the tables cover every row in FILE. Predictions (by formula, before any GPU run): tools/gpu/long_samples.sh.
 """
 
 import argparse
 import datetime
 import gc
+import json
 import shlex
 import statistics
 import sys
@@ -154,6 +172,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
     p.add_argument("--layer_types", default=None, help="drafter layer layout as train_dflash.py's --layer_types (all_full, last_full, ...)")
     p.add_argument("--sliding_window", type=int, default=None, help="window of the sliding layers (train_dflash.py's --sliding_window)")
+    p.add_argument("--long", action="store_true", help="the long-sample grid instead of (a)-(c): see the docstring")
+    p.add_argument("--long_lengths", default=None, help="--long: tokens per sample, comma-separated (default 3072,4096,8192,16384,32768,65536; tiny 96,128,256,512)")
+    p.add_argument("--long_layouts", default="all_full,last_full", help="--long: drafter layouts (train_dflash.py's --layer_types), comma-separated")
+    p.add_argument("--long_anchors", type=int, default=None, help="--long: anchors per sample (default 512; tiny 16)")
+    p.add_argument("--rows", default=None, help="--long: JSON-lines file of finished rows: appended as each row ends, rows already there are skipped (resume)")
     p.add_argument("--record-to", default=str(REPO_DIR / "BENCHMARKS.md"),
                    help="markdown file the tables are appended to (on a machine whose tree does not come back: "
                         "cp BENCHMARKS.md $OUT/ first, then --record-to $OUT/BENCHMARKS.md)")
@@ -179,6 +202,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     elif not args.quick:
         default_variants += ["compile_layers", "loss_chunk_2048", "loss_chunk_8192"]
     args.variants = args.variant or default_variants
+    if args.long:
+        args.variants = args.variant or ["baseline" if args.tiny else "compile_layers+fused_ce_compiled"]
+        lengths = args.long_lengths or ("96,128,256,512" if args.tiny else "3072,4096,8192,16384,32768,65536")
+        try:
+            args.long_lengths = [int(n) for n in lengths.split(",")]
+        except ValueError:
+            raise ValueError(f"--long_lengths must be comma-separated token counts, got {lengths!r}") from None
+        args.long_layouts = args.long_layouts.split(",")
+        args.long_anchors = args.long_anchors or (16 if args.tiny else 512)
+        args.sliding_window = args.sliding_window or (32 if args.tiny else 2048)
+        if args.layer_types is not None:
+            raise ValueError("--long runs every layout of --long_layouts; give those instead of --layer_types")
     if args.objectives:
         base = args.variant[0] if args.variant else ("baseline" if args.tiny else "compile_layers+fused_ce_compiled")
         args.variants = [base] + [f"{base}+{lever}" for lever in OBJECTIVE_LEVERS]
@@ -323,12 +358,15 @@ class Variant:
     chunk_size: int = 4096
     objective: str = "ce"  # dflash_loss's loss: ce | kl | tv | nla | lk
     weighting: str = "exp"  # dflash_loss's loss_weighting: exp | dpace
+    context_chunk: int = 0  # DFlashDraftModel.chunk_context (0: the context path in one piece)
+    checkpoint_layers: bool = False  # DFlashDraftModel.checkpoint_layers
 
 
 def parse_variant(name: str) -> Variant:
     """'compile_layers+fused_ce_compiled' -> Variant(...). Levers: baseline, compile_layers, loss_chunk_N, fused_ce,
     fused_ce_compiled, loss_<one of dflash_loss.LOSSES>, dpace."""
-    fields = {"compile_layers": False, "loss": "chunked", "chunk_size": 4096, "objective": "ce", "weighting": "exp"}
+    fields = {"compile_layers": False, "loss": "chunked", "chunk_size": 4096, "objective": "ce", "weighting": "exp",
+              "context_chunk": 0, "checkpoint_layers": False}
     for lever in name.split("+"):
         if lever == "baseline":
             continue
@@ -340,6 +378,10 @@ def parse_variant(name: str) -> Variant:
             fields["compile_layers"] = True
         elif lever.startswith("loss_chunk_") and lever[len("loss_chunk_"):].isdigit():
             fields["chunk_size"] = int(lever[len("loss_chunk_"):])
+        elif lever.startswith("context_chunk_") and lever[len("context_chunk_"):].isdigit():
+            fields["context_chunk"] = int(lever[len("context_chunk_"):])
+        elif lever == "checkpoint_layers":
+            fields["checkpoint_layers"] = True
         elif lever == "fused_ce":
             fields["loss"] = "fused"
         elif lever == "fused_ce_compiled":
@@ -347,7 +389,7 @@ def parse_variant(name: str) -> Variant:
         else:
             raise ValueError(
                 f"--variant {name!r}: unknown lever {lever!r}; use baseline, compile_layers, loss_chunk_N, fused_ce, "
-                f"fused_ce_compiled, {', '.join('loss_' + loss for loss in LOSSES)}, dpace, joined by '+'"
+                f"fused_ce_compiled, {', '.join('loss_' + loss for loss in LOSSES)}, dpace, context_chunk_N, checkpoint_layers, joined by '+'"
             )
     return Variant(name=name, **fields)
 
@@ -522,9 +564,12 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     return anchors, anchor_valid, label_valid
 
 
-def set_compiled_layers(ctx, compiled: bool) -> None:
-    """Train through compiled drafter layers or eager ones (`DFlashDraftModel.compile_layers`, as in training)."""
-    ctx["drafter"].compile_layers(compiled)
+def set_drafter_levers(ctx, variant: Variant) -> None:
+    """Train through compiled drafter layers or eager ones (`DFlashDraftModel.compile_layers`, as in training), and
+    with the variant's memory levers (`chunk_context`, `checkpoint_layers`)."""
+    ctx["drafter"].compile_layers(variant.compile_layers)
+    ctx["drafter"].chunk_context(variant.context_chunk)
+    ctx["drafter"].checkpoint_layers(variant.checkpoint_layers)
 
 
 def median_ms(fn, device: torch.device, reps: int = 3) -> float:
@@ -571,7 +616,7 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
     """Warm up and time one (variant, shape); returns a result row (status 'ok', 'OOM' or 'error: ...')."""
     device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
     row = dict(variant=variant.name, anchors=num_anchors, seq=seq_len, batch=batch, status="ok")
-    set_compiled_layers(ctx, variant.compile_layers)
+    set_drafter_levers(ctx, variant)
     free_memory(device, ctx["optimizer"].params)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -726,6 +771,151 @@ def colocated_table(rows) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# --long: the long-sample grid
+
+
+def context_bytes_per_token(config: DFlashConfig, chunked: bool) -> int:
+    """Bytes per context token that a drafter step keeps for backward, in bf16 (the formula behind the
+    predicted-peak column): the features (2 * features * hidden), then unchunked hidden_norm's fp32 and
+    bf16 copies and its output (8 * hidden) and, per layer, k_norm's and RoPE's intermediates and the
+    K/V (14 * kv width); chunked (`chunk_context`) the K/V alone, twice (before and after the
+    concatenation with the block's). Qwen3-8B shapes: 145 KB unchunked, 82 KB chunked, as counted
+    with saved-tensor hooks on a CPU at 1/8 of the widths (146 and 80 KB)."""
+    kv_width = config.num_key_value_heads * config.head_dim
+    features = 2 * len(config.target_layer_ids) * config.hidden_size
+    if chunked:
+        return features + config.num_hidden_layers * 8 * kv_width
+    return features + 8 * config.hidden_size + config.num_hidden_layers * 14 * kv_width
+
+
+def row_key(row: dict) -> tuple:
+    return (row["kind"], row.get("layout"), row.get("variant"), row["seq"])
+
+
+def load_rows(path: Path | None) -> list[dict]:
+    """Rows a resumed --long run has already measured (`--rows`); none when the file is absent."""
+    if path is None or not path.exists():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"--rows {path}:{number}: not a JSON row (a run cut off while writing?); delete that line") from None
+    return rows
+
+
+def run_long(args, s: dict, device, dtype, progress) -> tuple[list, str]:
+    """The target's forward at batch 1 at every length, then the drafter's step for every layout x
+    variant x length (`bench_drafter_config`, batch 1). Rows in `--rows` are kept and not rerun; a
+    row that would start past the budget is left for the next run. Returns (all rows, a note on what is left)."""
+    rows_path = Path(args.rows) if args.rows else None
+    rows = load_rows(rows_path)
+    done = {row_key(r) for r in rows}
+    left = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        if rows_path is not None:
+            with rows_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    target_config = s["target"]
+    base = drafter_config_for_target(target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"])
+    wanted = [dict(kind="target", seq=n) for n in args.long_lengths]
+    if not args.drafter_only and any(row_key(w) not in done for w in wanted):
+        progress("(long) building the random target")
+        extractor = TargetFeatureExtractor(build_target(target_config, device, dtype), base.target_layer_ids, truncate=True)
+        for want in wanted:
+            if row_key(want) in done:
+                continue
+            if progress.over_budget():
+                left.append(f"target {want['seq']}")
+                continue
+            row = bench_target(extractor, target_config, max(base.target_layer_ids) + 1, device, 1, want["seq"], args.steps, args.warmup)
+            record(dict(want, **row))
+            progress(f"(long) target forward at {want['seq']} tokens: " + (f"{row['ms_call']:.1f} ms" if row["status"] == "ok" else row["status"]))
+        del extractor
+        free_memory(device)
+
+    for layout in args.long_layouts:
+        window = None if layout == "all_full" else args.sliding_window
+        todo = [(v, n) for v in args.variants for n in args.long_lengths if row_key(dict(kind="drafter", layout=layout, variant=v, seq=n)) not in done]
+        if not todo:
+            continue
+        config = drafter_config_for_target(target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
+                                           layer_types=layout, sliding_window=window, drafter=args.drafter)
+        ctx = drafter_context(args, config, device, dtype, progress)
+        for name, seq_len in todo:
+            if progress.over_budget():
+                left.append(f"{layout} {name} {seq_len}")
+                continue
+            progress(f"(long) {layout}, {name}: {args.long_anchors} anchors, {seq_len} tokens")
+            row = bench_drafter_config(ctx, parse_variant(name), args.long_anchors, seq_len, 1)
+            row.update(kind="drafter", layout=layout, window=window,
+                       context_bytes_per_token=context_bytes_per_token(config, parse_variant(name).context_chunk > 0))
+            record(row)
+            if row["status"] == "ok":
+                progress(f"    {row['ms_step']:.1f} ms/sample, {row['flops_sample'] / (row['ms_step'] / 1e3) / 1e12:.3g} useful TFLOP/s, "
+                         f"peak {fmt(row['peak_gb'])} GB")
+            else:
+                progress(f"    {row['status']}")
+        ctx["optimizer"].zero_grad()
+        del ctx
+        free_memory(device)
+    note = f"not run (time budget; run again with the same --rows to resume): {', '.join(left)}" if left else "every row measured"
+    return rows, note
+
+
+def long_table(rows: list[dict]) -> str:
+    """Markdown: one line per drafter row, its target forward beside it, ratios to the 3,072-token row of the
+    same layout and variant (or of the variant it adds levers to; else its shortest row), and the predicted
+    peak (that row's peak + the extra context tokens x `context_bytes_per_token`)."""
+    header = (
+        "| layout | variant | tokens | anchors | drafter ms/sample | vs shortest | peak GB | predicted peak GB | useful TFLOP/s "
+        "| target fwd ms/sample | target TFLOP/s | target peak GB | drafter + target ms/sample | vs shortest |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    targets = {r["seq"]: r for r in rows if r["kind"] == "target" and r["status"] == "ok"}
+    lines = []
+    for r in sorted((r for r in rows if r["kind"] == "drafter"), key=lambda r: (r["layout"], r["variant"], r["seq"])):
+        layout = r["layout"] if r["window"] is None else f"{r['layout']} ({r['window']})"
+        shape = f"| {layout} | {r['variant']} | {r['seq']} | {r['anchors']} "
+        if r["status"] != "ok":
+            lines.append(shape + f"| {r['status']} |" + " |" * 9)
+            continue
+        # The reference: this layout's 3,072-token row of the same variant, else of the variant this one adds
+        # levers to (a memory lever measured at 32k and 64k only), else this variant's shortest row.
+        same = [b for b in rows if b["kind"] == "drafter" and b["status"] == "ok" and b["layout"] == r["layout"]
+                and (b["variant"] == r["variant"] or r["variant"].startswith(b["variant"] + "+"))]
+        ref = min(same, key=lambda b: (b["seq"] != 3072, b["variant"] != r["variant"], b["seq"]))
+        target, ref_target = targets.get(r["seq"]), targets.get(ref["seq"])
+        predicted = (ref["peak_gb"] + (r["seq"] - ref["seq"]) * r["context_bytes_per_token"] / 1e9) if ref.get("peak_gb") is not None else None
+        both = r["ms_step"] + target["ms_call"] if target else None
+        ref_both = ref["ms_step"] + ref_target["ms_call"] if ref_target else None
+        lines.append(
+            shape + f"| {r['ms_step']:.1f} | {r['ms_step'] / ref['ms_step']:.2f}x ({ref['seq']}) | {fmt(r['peak_gb'])} | {fmt(predicted)} "
+            f"| {r['flops_sample'] / (r['ms_step'] / 1e3) / 1e12:.3g} | {fmt(target and target['ms_call'])} | {fmt(target and target['tflops'], '.3g')} "
+            f"| {fmt(target and target['peak_gb'])} | {fmt(both)} | {fmt(both / ref_both if both and ref_both else None, '.2f')}{'x' if both and ref_both else ''} |"
+        )
+    return header + "\n".join(lines) + "\n"
+
+
+def long_report(args, argv: list[str], gpu: str, draft_layers: int, rows: list[dict], note: str, elapsed_s: float) -> str:
+    command = "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + argv)
+    return (
+        f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} bench_dflash.py --long: long samples\n\n"
+        f"{gpu}, torch {torch.__version__}, transformers {__import__('transformers').__version__}, command: `{command}` "
+        f"({'tiny config' if args.tiny else 'Qwen3-8B shapes'}, {args.backend} attention, batch 1, {args.steps} timed steps after "
+        f"{args.warmup} warm-up steps, medians; this call {elapsed_s:.0f} s; {note}). Drafter: {draft_layers} layers, block 16, the first "
+        f"tokens/8 of each sample prompt, the rest reply; peak GB is the drafter step's own (with its optimizer state), the "
+        f"target's with the target alone on the device; 'predicted peak' adds the context bytes per token of "
+        f"`context_bytes_per_token` to the shortest row's measured peak.\n\n{long_table(rows)}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # Main
 
 
@@ -877,6 +1067,16 @@ def main(argv: list[str]) -> None:
                                        layer_types=args.layer_types, sliding_window=args.sliding_window, drafter=args.drafter)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     progress(f"{gpu}, torch {torch.__version__}, {args.drafter} drafter, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")
+    if args.long:
+        s["target"].max_position_embeddings = max(s["target"].max_position_embeddings, max(args.long_lengths))
+        rows, note = run_long(args, s, device, dtype, progress)
+        text = long_report(args, argv, gpu, s["draft_layers"], rows, note, progress.elapsed())
+        print(text, flush=True)
+        if not args.no_append:
+            with Path(args.record_to).open("a") as f:
+                f.write(text)
+            progress(f"appended to {args.record_to}")
+        return
     matmul = matmul_rate(device, dtype)
     progress(matmul[1])
     ctx = drafter_context(args, config, device, dtype, progress)

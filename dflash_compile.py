@@ -46,6 +46,7 @@ from pathlib import Path
 
 import filelock
 import torch
+import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 log = logging.getLogger(__name__)
@@ -580,7 +581,7 @@ def compile_once_locked(key: tuple, what: str, warm_up: Callable[[], None], devi
         log.log(logging.INFO if seconds >= 0.1 else logging.DEBUG, "Compilation time: %.2f seconds (%s)", seconds, what)
 
 
-def call_compiled_module(compiled: torch.nn.Module, key: tuple, what: str, tensors: tuple, *rest):
+def call_compiled_module(compiled: torch.nn.Module, key: tuple, what: str, tensors: tuple, *rest, checkpointed: bool = False):
     """`compiled(*tensors, *rest)` for a torch.compile'd module (a drafter decoder layer), whose first call
     at `key` compiles under the compile lock (`compile_once_locked`).
 
@@ -589,7 +590,9 @@ def call_compiled_module(compiled: torch.nn.Module, key: tuple, what: str, tenso
     parameters: it returns the gradients without writing .grad, so the parameters' .grad and
     DeepSpeed's gradient hooks are untouched), so both graphs exist before the real call and
     AOTAutograd's lazy backward compile never runs in autograd's own thread. `rest` (a mask) is
-    passed as it is.
+    passed as it is. `checkpointed`: the real call runs under activation checkpointing
+    (non-reentrant): backward calls the compiled module again, at the same key, so the warm-up's
+    graphs serve the recompute too and nothing compiles outside the lock.
     """
     grad = torch.is_grad_enabled()
 
@@ -602,6 +605,8 @@ def call_compiled_module(compiled: torch.nn.Module, key: tuple, what: str, tenso
 
     compile_once_locked(key, what, warm_up, tensors[0].device)
     with running_compiled():
+        if checkpointed and grad:
+            return torch.utils.checkpoint.checkpoint(compiled, *tensors, *rest, use_reentrant=False)
         return compiled(*tensors, *rest)
 
 

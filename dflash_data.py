@@ -778,7 +778,7 @@ def _prompt_messages(record, where: str) -> list[dict]:
     return messages[: users[-1] + 1]
 
 
-def load_prompts(path: str, tokenizer=None, *, num_prompts: int | None = None) -> list[list[dict]]:
+def load_prompts(path: str, tokenizer=None, *, num_prompts: int | None = None, return_locations: bool = False):
     """Prompts as message lists (each ends with a user turn), in file order.
 
     Reads JSONL (or a JSON list) with one of: `{"prompt": str}`, GSM8K `{"question": str}`,
@@ -788,6 +788,8 @@ def load_prompts(path: str, tokenizer=None, *, num_prompts: int | None = None) -
     `tokenizer`, checks that it has a chat template and that each prompt renders.
     `num_prompts` keeps the first N.
 
+    Returns the list of message lists; with `return_locations`, (that list, each prompt's
+    "file.jsonl:LINE" for error messages).
     Raises ValueError (no chat template, missing file) and DataFormatError naming file and
     line for a bad record.
     """
@@ -795,7 +797,7 @@ def load_prompts(path: str, tokenizer=None, *, num_prompts: int | None = None) -
         require_chat_template(tokenizer)
     if not os.path.isfile(path):
         raise ValueError(f"prompt file {path} does not exist")
-    prompts = []
+    prompts, locations = [], []
     for row in _read_json_files([(0, str(path))], None):
         if num_prompts is not None and len(prompts) >= num_prompts:
             break
@@ -813,6 +815,38 @@ def load_prompts(path: str, tokenizer=None, *, num_prompts: int | None = None) -
             except DataFormatError as error:
                 raise DataFormatError(f"{where}: {error}", error.reason) from error
         prompts.append(messages)
+        locations.append(where)
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts")
-    return prompts
+    return (prompts, locations) if return_locations else prompts
+
+
+def target_context_length(config) -> int | None:
+    """The most positions the target takes (`max_position_embeddings` of its text config), or None
+    when the config does not say."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text_config, "max_position_embeddings", None)
+
+
+def check_prompts_fit_context(lengths: list[int], locations: list[str], context: int | None, extra: int, extra_what: str) -> None:
+    """Stop before a prompt that would run the target past its context.
+
+    Args:
+        lengths: each prompt's tokens as the target reads it (chat template and generation prompt included).
+        locations: each prompt's "file.jsonl:LINE" (`load_prompts(..., return_locations=True)`).
+        context: `target_context_length`; None checks nothing.
+        extra: the positions every prompt needs beyond its own (new tokens, a drafted block); extra_what says
+            which, for the message (e.g. "--max_new_tokens 256 + a block of 16").
+    Raises:
+        ValueError naming the first prompt that does not fit (file and line), its length, and how many do not.
+    """
+    if not context:
+        return
+    too_long = [(n, where) for n, where in zip(lengths, locations) if n + extra > context]
+    if too_long:
+        n, where = too_long[0]
+        raise ValueError(
+            f"{where}: the prompt is {n:,} tokens (chat template included), and with {extra_what} it needs {n + extra:,} "
+            f"positions, more than the target's context of {context:,} (max_position_embeddings); {len(too_long)} of "
+            f"{len(lengths)} prompts are too long: shorten them or leave them out, or lower --max_new_tokens"
+        )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from huggingface_hub.dataclasses import strict
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import PreTrainedModel, Qwen3Config
@@ -598,6 +599,9 @@ def dense_anchor_block_mask(
     return mask_mod(b, 0, q_idx, kv_idx)  # [batch, 1, Q, KV]
 
 
+MASK_BUILD_ELEMENTS = 1 << 26  # most [batch, Q, KV] mask elements one `create_block_mask` call materialises (~0.5 GB per int64 temporary)
+
+
 def create_anchor_block_mask(
     anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int,
     causal: bool = False, window: int | None = None,
@@ -614,9 +618,27 @@ def create_anchor_block_mask(
     thread) may build masks without touching dynamo.
     """
     batch, num_anchors = anchors.shape
-    q_len = num_anchors * block_size
+    q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
     mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size, causal, window)
-    return create_block_mask(mask_mod, batch, None, q_len, context_len + q_len, device=anchors.device)
+    # torch materialises the whole [batch, Q, KV] mask (and int64 temporaries of that size) before it
+    # reduces it to 128 x 128 blocks: 4.8 GB per int64 temporary at 512 anchors x 16 and a 64k context.
+    # Query rows in chunks of whole 128-row blocks bound that to MASK_BUILD_ELEMENTS; the blocks are the same.
+    # Measured on a CPU, one row, 512 anchors: peak 1.96 GB whole, 0.65 GB chunked at 16k tokens; 0.65 GB at 64k.
+    rows = max(128, MASK_BUILD_ELEMENTS // (batch * kv_len) // 128 * 128)
+    if rows >= q_len:
+        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchors.device)
+    parts = []
+    for start in range(0, q_len, rows):
+        chunk_mod = lambda b, h, q_idx, kv_idx, start=start: mask_mod(b, h, q_idx + start, kv_idx)  # noqa: E731
+        parts.append(create_block_mask(chunk_mod, batch, None, min(rows, q_len - start), kv_len, device=anchors.device))
+    kv_blocks = parts[0].kv_indices.shape[-1]
+    return BlockMask.from_kv_blocks(
+        torch.cat([part.kv_num_blocks for part in parts], dim=2),  # [batch, 1, Q blocks]
+        torch.cat([part.kv_indices[..., :kv_blocks] for part in parts], dim=2),  # [batch, 1, Q blocks, KV blocks]
+        torch.cat([part.full_kv_num_blocks for part in parts], dim=2),
+        torch.cat([part.full_kv_indices[..., :kv_blocks] for part in parts], dim=2),
+        mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
+    )
 
 
 def training_masks(
@@ -1027,15 +1049,17 @@ class CandidateSelector(nn.Module):
         return torch.stack(tokens, dim=1), candidate_ids, torch.stack(rows, dim=1)
 
 
-def _run_compiled_layer(compiled: nn.Module, index: int, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+def _run_compiled_layer(compiled: nn.Module, index: int, x, cos, sin, context_k, context_v, mask,
+                        checkpointed: bool = False) -> torch.Tensor:
     """One call of compiled decoder layer `index` (DFlashDraftModel.compile_layers); its first call at a new
-    shape compiles forward and backward under the compile lock (`dflash_compile.call_compiled_module`)."""
+    shape compiles forward and backward under the compile lock (`dflash_compile.call_compiled_module`).
+    `checkpointed`: under activation checkpointing (`DFlashDraftModel.checkpoint_layers`)."""
     tensors = (x, cos, sin, context_k, context_v)
     grad = torch.is_grad_enabled()
     key = ("drafter_layer", index, str(x.device), x.dtype, grad, tuple(x.shape), tuple(context_k.shape),
            tuple(t.requires_grad for t in tensors), type(mask).__name__)
     what = f"drafter layer {index} {'forward+backward' if grad else 'forward'} on {x.device}, {x.dtype}, x {list(x.shape)}, context kv {list(context_k.shape)}"
-    return call_compiled_module(compiled, key, what, tensors, mask)
+    return call_compiled_module(compiled, key, what, tensors, mask, checkpointed=checkpointed)
 
 
 @dataclass
@@ -1096,6 +1120,8 @@ class DFlashDraftModel(PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
         self._target_modules = ()  # (embed_tokens, lm_head); a tuple, so nn.Module does not register them
         self._compiled_layers = ()  # torch.compile wrappers of `layers` (compile_layers); a tuple for the same reason
+        self._checkpoint_layers = False  # checkpoint_layers
+        self._context_chunk_size = 0  # chunk_context
         self.post_init()
 
     def _init_weights(self, module):
@@ -1139,6 +1165,43 @@ class DFlashDraftModel(PreTrainedModel):
             self._compiled_layers = tuple(torch.compile(layer, dynamic=False) for layer in self.layers)
         elif not enabled:
             self._compiled_layers = ()
+
+    def checkpoint_layers(self, enabled: bool = True) -> None:
+        """Activation checkpointing of the decoder layers in the training forward (or not): each layer
+        keeps only its input for backward and runs its forward again there. A layer's activations
+        are its block stream's, N*B tokens wide (at 512 anchors x 16, Qwen3-8B shapes: 1-2 GB per
+        layer in bf16, the MLP's [N*B, intermediate] ones most of it), whatever the context length;
+        checkpointing trades that memory for one more forward of every layer (~+25% of the drafter's
+        step). Compiled layers stay compiled (`_run_compiled_layer`)."""
+        self._checkpoint_layers = enabled
+
+    def chunk_context(self, chunk_size: int) -> None:
+        """Compute the context path of the training forward (`context_kv`: fc, hidden_norm and every
+        layer's K/V projection) over chunks of `chunk_size` positions under activation checkpointing
+        (0: whole, and its intermediates kept for backward). Only the fused context's K/V
+        ([batch, kv_heads, S, head_dim] per layer) stay; the fp32 norm and RoPE intermediates of a
+        chunk exist during its forward and again in backward. The result is the same function.
+        What it saves grows with S: hidden_norm's and every layer's k_norm / RoPE intermediates, which
+        at Qwen3-8B shapes in bf16 are ~66 of the ~146 KB per context token backward keeps (the rest:
+        the features, 40 KB, and the K/V): 4.1 GB at 64k tokens (counted with saved-tensor hooks on a
+        CPU at 1/8 of Qwen3-8B's widths, times 8). Costs one more forward of the context path."""
+        if chunk_size < 0:
+            raise ValueError(f"context chunk size must be >= 0 (0 = whole), got {chunk_size}")
+        self._context_chunk_size = chunk_size
+
+    def context_kv(self, context_features: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The context's keys and values of every layer: fc and hidden_norm once (`fuse_context`),
+        then each layer's `project_kv` at the context positions.
+
+        Args:
+            context_features: [batch, T, len(target_layer_ids) * hidden] (any float dtype).
+            position_ids: [batch, T] int64, their absolute positions.
+        Returns:
+            [num_hidden_layers] x (k, v), each [batch, kv_heads, T, head_dim].
+        """
+        context = self.fuse_context(context_features)  # [batch, T, hidden]
+        cos, sin = self._rope(context, position_ids)  # [batch, T, head_dim]
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
 
     def fuse_context(self, context_features: torch.Tensor) -> torch.Tensor:
         """[batch, S, len(target_layer_ids) * hidden] -> [batch, S, hidden]: fc, then hidden_norm."""
@@ -1199,23 +1262,36 @@ class DFlashDraftModel(PreTrainedModel):
             [batch, N, B, hidden]: final hidden states (after `norm`) at every block position;
             position 0 holds the anchor, positions 1..B-1 are the drafted tokens. With
             sequence_parallel: [batch, N/P, B, hidden], this rank's shard of the anchors.
+        Memory levers for long samples (the same function): `chunk_context`, `checkpoint_layers`.
         """
         block_size = self.config.block_size
         batch, seq_len = input_ids.shape
+        # The masks first: their build's transient memory (create_anchor_block_mask) then adds to nothing of this forward's.
         masks = training_masks(self.config, anchors, anchor_valid, seq_len, attention_backend)  # one per layer, whole sample
         context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
         if sequence_parallel is not None:  # this rank's shard: S/P context positions, N/P anchors
             context_features, context_positions, anchors = (sequence_parallel.shard(t) for t in (context_features, context_positions, anchors))
             masks = sequence_parallel_masks(masks, sequence_parallel)
         num_anchors = anchors.shape[1]
-        context = self.fuse_context(context_features)  # [batch, S, hidden]
+        context_len = context_features.shape[1]  # S, or this rank's S/P
+        chunk = self._context_chunk_size
+        if chunk and chunk < context_len and torch.is_grad_enabled():
+            parts = [checkpoint(self.context_kv, context_features[:, start:start + chunk], context_positions[:, start:start + chunk],
+                                use_reentrant=False) for start in range(0, context_len, chunk)]
+            context_kv = [(torch.cat([part[i][0] for part in parts], dim=2),  # [batch, kv_heads, S, head_dim]
+                           torch.cat([part[i][1] for part in parts], dim=2)) for i in range(len(self.layers))]
+            del parts
+        else:
+            context_kv = self.context_kv(context_features, context_positions)
         x = self.embed_block(block_input_ids(input_ids, anchors, self.config.mask_token_id, block_size))  # [batch, N*B, hidden]
-        context_cos, context_sin = self._rope(context, context_positions)  # [batch, S, head_dim]
         cos, sin = self._rope(x, block_position_ids(anchors, block_size))  # [batch, N*B, head_dim]
+        checkpointed = self._checkpoint_layers and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
+            context_k, context_v = context_kv[i]
             if self._compiled_layers and sequence_parallel is None:
-                x = _run_compiled_layer(self._compiled_layers[i], i, x, cos, sin, context_k, context_v, masks[i])
+                x = _run_compiled_layer(self._compiled_layers[i], i, x, cos, sin, context_k, context_v, masks[i], checkpointed)
+            elif checkpointed:
+                x = checkpoint(layer, x, cos, sin, context_k, context_v, masks[i], use_reentrant=False)
             else:
                 x = layer(x, cos, sin, context_k, context_v, masks[i])
         return self.norm(x).view(batch, num_anchors, block_size, -1)  # [batch, N, B, hidden]

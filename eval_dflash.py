@@ -75,7 +75,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from dflash_cli import HelpFormatter
 from dflash_compile import CUDAGraphCall
-from dflash_data import load_prompts
+from dflash_data import check_prompts_fit_context, load_prompts, target_context_length
 from dflash_model import DFlash2DraftModel, DFlashDraftModel, sampling_probs
 
 logger = logging.getLogger(__name__)
@@ -1218,7 +1218,7 @@ class EvalRun:
 def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
     """Load the drafter (first: a wrong folder fails before the slow target load), the target and the
     prompts; check they fit together; make the decoder."""
-    from dflash_target import load_target  # the CLI needs it; the importable API above does not
+    from dflash_target import load_target_config, load_target_model  # the CLI needs them; the importable API above does not
 
     device = torch.device(args.device) if args.device else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -1229,13 +1229,17 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
     block_size = resolve_block_size(drafter, args.block_size)  # also before the target loads
     if not os.path.exists(args.data):
         raise ValueError(f"--data {args.data}: no such file")
-    target, tokenizer = load_target(args.target_model, gguf_file=args.target_gguf_file, dtype=dtype, device=device)
+    # The prompts are read and measured against the target's context before its weights load.
+    target_config, tokenizer = load_target_config(args.target_model, gguf_file=args.target_gguf_file)
+    prompts, locations = load_prompts(args.data, tokenizer, num_prompts=args.num_prompts, return_locations=True)
+    encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]
+    check_prompts_fit_context([ids.shape[1] for ids in encoded], locations, target_context_length(target_config),
+                              args.max_new_tokens + block_size, f"--max_new_tokens {args.max_new_tokens} + a block of {block_size}")
+    target = load_target_model(args.target_model, target_config, gguf_file=args.target_gguf_file, dtype=dtype, device=device)
     check_drafter_matches_target(target, drafter)
     kv_cache, cuda_graphs = resolve_kv_cache(args.kv_cache, args.cuda_graphs, device, target)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     eos_token_ids = eos_token_ids_of(tokenizer, target)
-    prompts = load_prompts(args.data, tokenizer, num_prompts=args.num_prompts)
-    encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]
     # One decoder for every prompt: the static caches and the CUDA graphs are made once.
     max_length = max(ids.shape[1] for ids in encoded) + args.max_new_tokens + drafter.config.block_size
     decoder = Decoder(target, drafter, kv_cache, max_length, cuda_graphs)

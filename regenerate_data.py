@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig, HfArgumentParser, LogitsProcessor, LogitsProcessorList
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, HfArgumentParser, LogitsProcessor, LogitsProcessorList
 
-from dflash_data import load_prompts, prompt_hash, require_chat_template
+from dflash_data import check_prompts_fit_context, load_prompts, prompt_hash, require_chat_template, target_context_length
 from dflash_compile import CUDAGraphCall
 from dflash_target import load_target, resolve_target_path
 
@@ -785,12 +785,19 @@ def main(argv: list[str] | None = None) -> dict:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"  # generate() continues every row from the same last column
-    all_prompts = load_prompts(args.prompts, tokenizer)  # the output is checked against the whole file
+    all_prompts, locations = load_prompts(args.prompts, tokenizer, return_locations=True)  # the output is checked against the whole file
     prompts = all_prompts[: args.num_prompts] if args.num_prompts is not None else all_prompts
     samples = args.num_samples_per_prompt
     settings = reply_settings(args)
     done = {(i, k) for i, k in read_done(args.output, all_prompts, settings) if i < len(prompts) and k < samples}  # smaller runs are fine
     todo = [(i, k) for i in range(len(prompts)) for k in range(samples) if (i, k) not in done]
+    if tokenizer is not None:  # the prompts still to answer against the target's context, before its weights load
+        pending = sorted({i for i, _ in todo})
+        lengths = [len(tokenizer(prompt_text(tokenizer, prompts[i], chat_template_kwargs), add_special_tokens=False)["input_ids"])
+                   for i in pending]
+        context = target_context_length(AutoConfig.from_pretrained(target_path, gguf_file=gguf_file))
+        check_prompts_fit_context(lengths, [locations[i] for i in pending], context, args.max_new_tokens,
+                                  f"--max_new_tokens {args.max_new_tokens}")
     print(f"{len(prompts)} prompts x {samples} {'reply' if samples == 1 else 'replies'}, {len(done)} already in {args.output}, "
           f"{len(todo)} to generate"
           + (f" by {args.server_url}" if args.server_url else ""))

@@ -205,6 +205,8 @@ class TrainSettings:
     target_cuda_graphs: bool = field(default=False, metadata={"group": "speed", "help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
     cache_target_outputs: bool = field(default=False, metadata={"group": "speed", "help": "Keep each sample's context features (and, with --label_source target_argmax, its labels) on the device after the target's first forward over it, so that later epochs skip the target. Colocated ranks only (--target_ranks 0). Costs tokens x target layer ids x hidden x 2 bytes in bf16, 4 in float32 (SmolLM2, 5 target layers, 35k GSM8K replies: ~58 GB), in GPU memory, or host memory on CPU. Pays only where the target's forward is a large share of the step: on an H200 with a 135M target the drafter's own work sets the pace, and the cache made it 1.05x faster at 5 drafter layers, 1.01x at 8 (BENCHMARKS.md)"})
     loss_chunk_size: int = field(default=4096, metadata={"group": "speed", "help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
+    context_chunk_size: int = field(default=0, metadata={"group": "speed", "help": "Long samples: compute the context features' projection (fc, hidden_norm) and every drafter layer's context K/V over chunks of this many positions under activation checkpointing, keeping only the K/V for backward (0 = in one piece). The same loss; saves ~66 of the ~146 KB per context token that backward keeps at Qwen3-8B shapes (4.1 GB at 64k tokens) for one more forward of the context path; docs/training.md#long-samples"})
+    checkpoint_drafter_layers: bool = field(default=False, metadata={"group": "speed", "help": "Long samples: activation checkpointing of the drafter's decoder layers (each keeps only its input and runs its forward again in backward). The same loss; saves the block stream's activations (1-2 GB per layer at 512 anchors, Qwen3-8B shapes, whatever the length) for ~+25% drafter time"})
     pad_to_multiple_of: int | None = field(default=None, metadata={"group": "speed", "help": "Pad sequence lengths to a multiple of this (default 128 with flex, so few shapes compile; 8 with sdpa)"})
     anchor_slots_multiple: int = field(default=0, metadata={"group": "speed", "help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
     compile_cache: str = field(default="shared", metadata={"group": "speed", "help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
@@ -300,6 +302,8 @@ class TrainSettings:
                      "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_chunk_size < 0:
+            raise ValueError(f"--context_chunk_size must be >= 0 (0 = the context in one piece), got {self.context_chunk_size}")
         if self.anchor_slots_multiple < 0:
             raise ValueError(f"--anchor_slots_multiple must be >= 0 (0 = always --num_anchors slots), got {self.anchor_slots_multiple}")
         if self.block_size < 2:
@@ -638,6 +642,8 @@ def build_drafter(settings: TrainSettings, draft_config: DFlashConfig, parts: Ta
     drafter = (DFlash2DraftModel if isinstance(draft_config, DFlash2Config) else DFlashDraftModel)(draft_config)
     drafter.attach_target(parts.embed_tokens, parts.lm_head)  # by reference, not registered
     drafter.compile_layers(compute.compile_drafter)
+    drafter.chunk_context(settings.context_chunk_size)  # long samples (docs/training.md#long-samples)
+    drafter.checkpoint_layers(settings.checkpoint_drafter_layers)
     return drafter
 
 

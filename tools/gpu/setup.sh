@@ -70,11 +70,12 @@ timed() {  # name, command...
 # replies already written) and those 500 (heldout_questions.jsonl: never regenerated or trained on).
 # 1024 rows decode together (each takes the next question when its reply ends): more rows spread a
 # decode step's fixed cost (the kernels of a 135M target are small, BENCHMARKS.md) over more replies.
+# RECIPE_HELDOUT, RECIPE_MAX_NEW_TOKENS and RECIPE_BATCH (default 500, 320, 1024) shrink it for a tiny CPU run.
 recipe_greedy_replies() {  # data folder
-  local d=$1 questions=$DATA_DIR/gsm8k/train.jsonl
+  local d=$1 questions=$DATA_DIR/gsm8k/train.jsonl held=${RECIPE_HELDOUT:-500}
   mkdir -p "$d"
-  head -n -500 "$questions" > "$d/train_questions.jsonl"  # 6,973 questions
-  tail -n 500 "$questions" > "$d/heldout_questions.jsonl"
+  head -n -"$held" "$questions" > "$d/train_questions.jsonl"  # 6,973 questions
+  tail -n "$held" "$questions" > "$d/heldout_questions.jsonl"
   timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$d/train_questions.jsonl" \
-    --output "$d/greedy.jsonl" --temperature 0 --max_new_tokens 320 --batch_size 1024
+    --output "$d/greedy.jsonl" --temperature 0 --max_new_tokens "${RECIPE_MAX_NEW_TOKENS:-320}" --batch_size "${RECIPE_BATCH:-1024}"
 }

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# tau against the context length, for the SmolLM2 GSM8K recipe (SmolLM2-135M reads up to 8,192 tokens).
+# Prompts: k-shot GSM8K prompts made of the recipe's own training questions and SmolLM2's greedy replies
+# to them (tools/long_prompts.py), at ~0.2k (the bare question), 2k, 4k and 7k tokens, on 16 held-out
+# questions each. Drafters, each evaluated at every length at temperature 0 and 0.8 (eval_dflash.py,
+# 128 new tokens, block size 16), then tabulated by tools/gpu/tau_by_length.py into OUT_DIR/table.md:
+#   recipe        configs/smollm2-gsm8k-gpu.yaml on the greedy replies, 600 steps (the recipe's settings;
+#                 its sampled replies and 3,270 steps cost ~15 more minutes, so the base is this short run).
+#   long          the same, with 700 long samples in the mix (train_long.jsonl: the same greedy replies
+#                 after k-shot prompts, 2,048 / 4,096 / 7,680 tokens in all, 9% of the samples),
+#                 --max_seq_length 8192, at recipe's GPU-minutes: STEPS_LONG steps (below).
+#   long_sliding  long with 7 sliding-window (2,048) layers + 1 full (--layer_types last_full).
+# Every step is skipped when its output exists, so a call cut off by the 10-minute limit resumes (a
+# training cut off starts over). RUNS (default "recipe long long_sliding") trains and evaluates only those;
+# the table covers every run evaluated so far. On one warm machine, three calls of ~5-7 minutes each:
+#
+#   RUNS=recipe bash tools/gpu/long_context_tau.sh ~/long_tau        (replies, prompts, recipe: ~6.5 min)
+#   RUNS=long bash tools/gpu/long_context_tau.sh ~/long_tau          (~5 min)
+#   RUNS=long_sliding bash tools/gpu/long_context_tau.sh ~/long_tau  (~5 min; then copy table.md, timings.tsv,
+#                                                                     eval_*.json and the logs to $OUT)
+#   bash tools/gpu/long_context_tau.sh OUT_DIR          (all of it: ~17 GPU-minutes)
+#   TINY=1 bash tools/gpu/long_context_tau.sh OUT_DIR   (the whole pipeline on a CPU: a tiny random target,
+#                                                        2 questions per length, 3 training steps; 10 min on a busy 2-core CPU)
+#
+# Cost (H200, predicted from the recipe's timings.tsv and train_log.jsonl: greedy replies 59 s; a recipe
+# step 0.24 s at batch 64 of 512-token rows; ~45 s of start-up and compiles per training):
+#   replies 1 min; recipe 600 x 0.24 s + 45 s = ~3.2 min; each long run ~3.2 min: a batch of 64 long
+#   samples takes ~0.7 s on average (the target's forward over up to 491k tokens, the drafter's attention
+#   over 7k contexts), 11 of the ~120 batches an epoch, so ~0.28 s a step, and its 3 new lengths compile
+#   ~60 s more: STEPS_LONG = (190 - 45 - 60) / 0.28 = ~300; the 6 evaluations ~1 min each (64 prompts).
+#   Total ~16 min, plus start-up.
+#
+# PREDICTIONS, written before the runs (held-out tau, temperature 0; at 0.8 about 0.4 lower, the same pattern):
+#   recipe        ~2.5 at ~0.2k; 2.1 at 2k, 1.9 at 4k, 1.7 at 7k (-0.8). It never saw a context past 512
+#                 tokens: RoPE positions it never trained at, and full attention spread over thousands of
+#                 prompt tokens it learned to read in hundreds. The target's replies after k-shot prompts
+#                 also differ from its bare replies (fewer tokens predictable from its training data).
+#   long          -0.1 at ~0.2k against recipe (half the steps); at 7k within 0.3 of its own ~0.2k tau.
+#   long_sliding  as long at ~0.2k (a 2,048 window never binds there); at 7k within 0.15 of its ~0.2k tau:
+#                 7 of 8 layers see at most 2,048 tokens, so a 7k context looks to them as a 2k one does.
+#   Goal: tau at ~7k within 0.2 of tau at ~0.2k at equal minutes: met by long_sliding, not by long (predicted).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=$(realpath -m "${1:?usage: bash tools/gpu/long_context_tau.sh OUT_DIR}")
+mkdir -p "$OUT"
+if [[ ${TINY:-0} == 1 ]]; then  # a tiny random Qwen3 target with the Qwen3 tokenizer, 60 GSM8K questions
+  mkdir -p "$OUT/tinydata/gsm8k"
+  head -n 60 "${DATA_DIR:-../shared/data}/gsm8k/train.jsonl" > "$OUT/tinydata/gsm8k/train.jsonl"
+  export DATA_DIR=$OUT/tinydata ROOT=$OUT/root SMOLLM2=$OUT/tiny_target RECIPE_HELDOUT=10 RECIPE_MAX_NEW_TOKENS=24 RECIPE_BATCH=8
+  [[ -f $SMOLLM2/config.json ]] || python3 -c "
+import sys, torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from dflash_target import find_qwen3_tokenizer_dir
+tokenizer = AutoTokenizer.from_pretrained(find_qwen3_tokenizer_dir())
+torch.manual_seed(0)
+config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, vocab_size=151936, max_position_embeddings=1024, initializer_range=0.25,
+                     eos_token_id=tokenizer.convert_tokens_to_ids('<|im_end|>'), pad_token_id=tokenizer.pad_token_id)
+Qwen3ForCausalLM(config).save_pretrained(sys.argv[1])
+tokenizer.save_pretrained(sys.argv[1])" "$SMOLLM2"
+  lengths=100,300,600 num_eval=2 train_lengths=256,512 num_train=8 steps=3 steps_long=3 new_tokens=8 long_seq=640
+  launch=(python3 launch.py train_dflash.py)
+  tiny=(--target_layer_ids 0 2 --num_draft_layers 2 --mask_token_id 151669 --per_device_batch_size 2 --num_anchors 8
+        --target_cuda_graphs false --pad_to_multiple_of 128 --eval_num_prompts 2 --eval_max_new_tokens 8 --num_proc 1 --logging_steps 1)
+  window=64
+else
+  lengths=200,2000,4000,7000 num_eval=16 train_lengths=2048,4096,7680 num_train=700 steps=600 steps_long=${STEPS_LONG:-300}
+  new_tokens=128 long_seq=8192 window=2048
+  launch=(accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py)
+  tiny=()
+fi
+source tools/gpu/setup.sh
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+D=$OUT/data
+
+# 1. The recipe's questions and SmolLM2's greedy replies (tools/gpu/setup.sh).
+[[ -f $D/greedy.jsonl && -f $D/heldout_questions.jsonl ]] || recipe_greedy_replies "$D" || exit 1
+# 2. k-shot prompts: eval.jsonl at every length, train_long.jsonl for the long runs.
+if [[ ! -f $D/long/train_long.jsonl ]]; then
+  timed long_prompts python3 tools/long_prompts.py --target_model "$SMOLLM2" --replies "$D/greedy.jsonl" \
+    --heldout "$D/heldout_questions.jsonl" --out_dir "$D/long" --lengths $lengths --num_eval $num_eval \
+    --train_lengths $train_lengths --num_train $num_train | tee "$OUT/long_prompts.log" || exit 1
+fi
+# 3. The drafters (a run whose export exists is skipped; an interrupted one starts over).
+train() {  # name, settings...
+  local name=$1
+  shift
+  [[ -f $OUT/$name/final/model.safetensors ]] && return 0
+  timed "train_$name" "${launch[@]}" --config configs/smollm2-gsm8k-gpu.yaml --target_model "$SMOLLM2" \
+    --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 8 --eval_steps 0 --save_steps 0 --report_to none --output_dir "$OUT/$name" \
+    --overwrite_output_dir "${tiny[@]}" "$@" > "$OUT/train_$name.log" 2>&1
+}
+runs=" ${RUNS:-recipe long long_sliding} "
+long=(--train_data "$D/greedy.jsonl" "$D/long/train_long.jsonl" --max_seq_length $long_seq --max_steps $steps_long)
+[[ $runs == *" recipe "* ]] && train recipe --train_data "$D/greedy.jsonl" --max_steps $steps
+[[ $runs == *" long "* ]] && train long "${long[@]}"
+[[ $runs == *" long_sliding "* ]] && train long_sliding "${long[@]}" --layer_types last_full --sliding_window $window
+# 4. Every drafter at every length, greedy and sampled, one evaluation at a time.
+for name in ${RUNS:-recipe long long_sliding}; do
+  for t in 0 0.8; do
+    result=$OUT/eval_$name$([[ $t == 0 ]] || echo "_t$t").json
+    [[ -f $result || ! -f $OUT/$name/final/model.safetensors ]] && continue
+    timed "eval_${name}_t$t" python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$OUT/$name/final" \
+      --data "$D/long/eval.jsonl" --max_new_tokens $new_tokens --block_size 16 --baseline none --temperature $t --top_p 1.0 \
+      --seed 0 --output "$result" > "${result%.json}.log" 2>&1
+  done
+done
+python3 tools/gpu/tau_by_length.py "$D/long/eval.jsonl" "$OUT" | tee "$OUT/table.md"
+cat "$OUT/timings.tsv"  # train_recipe against train_long and train_long_sliding: the equal-minutes check
