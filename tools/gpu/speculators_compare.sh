@@ -57,6 +57,10 @@
 #   PYTHONPATH=$HOME/.cache/dflash-gpu/speculators-site python3 -c "import speculators.train.cli"
 # after a run of this script with ROWS naming a speculators row (it installs them first).
 set -uo pipefail
+# This call stops before CALL_SECONDS have passed (0: no limit; the default of the CPU trial).
+CALL_SECONDS=${CALL_SECONDS:-$([[ ${TINY:-0} == 1 ]] && echo 0 || echo 540)}
+CALL_END=$(($(date +%s) + CALL_SECONDS))
+((CALL_SECONDS == 0)) && CALL_END=$((1 << 40))
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:-outputs/speculators-compare}")
 RECIPE=$(realpath -m "${2:-outputs/smollm2-gsm8k-gpu}")
@@ -88,6 +92,10 @@ MAX_SAMPLES=""
 SPEC_EXTRA=()   # speculators flags the CPU needs
 OURS_EXTRA=()
 OURS_LAUNCH=(accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py)
+CHECKPOINT_STEPS=25         # a speculators row stopped for the call's time loses at most these steps
+# Seconds a step needs before it is worth starting in this call (estimates, see the cost above). A
+# speculators training needs its start-up and compiles plus one checkpoint interval; ours starts over.
+NEED_FEATURES=150 NEED_SPEC=240 NEED_OURS=${NEED_OURS:-330} NEED_EVAL=$((30 + 150 * ${EVAL_PROMPTS} / 100))
 if [[ $TINY == 1 ]]; then  # the CPU trial: the demo's replies and prompts, everything tiny
   REPLIES=${REPLIES_TINY:-data/demo_conversations.jsonl}
   HELDOUT=${HELDOUT_TINY:-data/demo_heldout_prompts.jsonl}
@@ -95,7 +103,21 @@ if [[ $TINY == 1 ]]; then  # the CPU trial: the demo's replies and prompts, ever
   SPEC_EXTRA=(--draft-attn-impl sdpa --loss-implementation eager --num-workers 0)  # no flex backward, no Triton on CPU
   OURS_EXTRA=(--num_draft_layers 1 --target_cuda_graphs false --pad_to_multiple_of 1 --num_proc 1 --logging_steps 1)
   OURS_LAUNCH=(python3 train_dflash.py)
+  CHECKPOINT_STEPS=1 NEED_FEATURES=10 NEED_SPEC=10 NEED_OURS=10 NEED_EVAL=10
 fi
+left() { echo $((CALL_END - $(date +%s))); }
+# The table and OUT/state.json (what is done) so far, then exit: 3 when this call stopped for its time.
+finish() {  # exit code
+  # shellcheck disable=SC2086  # the temperatures and rows are words
+  python3 tools/speculators_compare.py table "$OUT" --temperatures $TEMPS | tee "$OUT/table.md"
+  [[ $1 == 3 ]] && echo "speculators_compare.sh: stopped for the call's time ($(left) s left of it): run the same command again to go on"
+  exit "$1"
+}
+enough() {  # seconds a step needs, its name: true when this call has them left
+  (($(left) >= $1)) && return 0
+  echo "speculators_compare.sh: $2 needs ~$1 s, $(left) s are left in this call" >&2
+  return 1
+}
 
 # 1. The replies: the recipe's greedy ones (tools/gpu/smollm2_gsm8k.sh, step 1), regenerated here when missing.
 if [[ ! -f $HELDOUT || ! -f $REPLIES ]]; then
@@ -111,18 +133,26 @@ echo "speculators_compare: $rows replies ($REPLIES), $STEPS steps at batch $BATC
 
 # 2. speculators (its rows only), from the carried wheels unless it is importable already.
 SPEC_SITE=$ROOT/speculators-site
-spec_python() { PYTHONPATH=$SPEC_SITE${PYTHONPATH:+:$PYTHONPATH} python3 "$@"; }
-if [[ $ROWS == *spec_* ]] && ! spec_python -c "import speculators" 2>/dev/null; then
-  if ls .whl/speculators/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SPEC_SITE" .whl/speculators/*.whl
+SPEC_PYTHON=(env "PYTHONPATH=$SPEC_SITE${PYTHONPATH:+:$PYTHONPATH}" python3)
+spec_python() { "${SPEC_PYTHON[@]}" "$@"; }
+# speculators 0.9.0 has no __version__: its version comes from the installed package's metadata.
+spec_check='import importlib.metadata as m, speculators.train.cli; print("speculators", m.version("speculators"))'
+if [[ $ROWS == *spec_* ]] && ! spec_python -c "$spec_check" 2>/dev/null; then
+  if ! ls .whl/speculators/*.whl >/dev/null 2>&1; then
+    echo "speculators_compare.sh: speculators is not installed and .whl/speculators has no wheels: fetch them (this script's header)" >&2; exit 2
   fi
-  spec_python -c "import speculators; print('speculators', speculators.__version__)" ||
-    { echo "speculators_compare.sh: speculators is not importable: fetch its wheels into .whl/speculators (this script's header)" >&2; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SPEC_SITE" .whl/speculators/*.whl
+  # an import error is reported as itself (its last lines), not as a missing package
+  if ! found=$(spec_python -c "$spec_check" 2>&1); then
+    echo "$found" | tail -n 5 >&2; echo "speculators_compare.sh: speculators does not import (above)" >&2; exit 2
+  fi
+  echo "$found" | tail -n 1
 fi
 
 # 3. The target's hidden states of every reply, once, for the speculators rows.
 FEAT=$OUT/features
 if [[ $ROWS == *spec_* && ! -f $FEAT/meta.json ]]; then
+  enough $NEED_FEATURES features || finish 3
   timed features python3 tools/speculators_compare.py features --target_model "$SMOLLM2" --train_data "$REPLIES" \
     --target_layer_ids $LAYER_IDS --max_seq_length "$MAXLEN" --batch_size 64 ${MAX_SAMPLES:+--max_samples $MAX_SAMPLES} \
     --output "$FEAT" > "$OUT/features.log" 2>&1 || { tail -n 20 "$OUT/features.log"; exit 1; }
@@ -143,9 +173,15 @@ for row in $ROWS; do
   esac
   if [[ $row == spec_* ]]; then
     if [[ ! -f $OUT/$row/summary.json ]]; then
-      timed "train_$row" spec_python tools/speculators_compare.py train "$OUT/$row" --data "$FEAT" --steps "$STEPS" \
-        --batch_samples "$BATCH" -- "${SPEC_COMMON[@]}" "${flags[@]}" > "$OUT/$row.log" 2>&1 ||
-        { tail -n 30 "$OUT/$row.log"; continue; }
+      enough $NEED_SPEC "train_$row" || finish 3
+      # It stops itself after the last checkpoint that ends before the call's end (exit code 3; the next call
+      # resumes from it); the timeout is the backstop, a few seconds later (the steps since the last checkpoint lost).
+      rc=0
+      timed "train_$row" timeout -s KILL $(($(left) - 5)) "${SPEC_PYTHON[@]}" tools/speculators_compare.py train "$OUT/$row" \
+        --data "$FEAT" --steps "$STEPS" --batch_samples "$BATCH" --checkpoint_steps "$CHECKPOINT_STEPS" \
+        --deadline $((CALL_END - 20)) -- "${SPEC_COMMON[@]}" "${flags[@]}" >> "$OUT/$row.log" 2>&1 || rc=$?
+      if ((rc == 3 || rc == 137)); then tail -n 3 "$OUT/$row.log"; finish 3; fi
+      ((rc == 0)) || { tail -n 30 "$OUT/$row.log"; continue; }
     fi
     drafter=$OUT/$row/zlab
     if [[ ! -f $drafter/model.safetensors ]]; then
@@ -157,8 +193,9 @@ for row in $ROWS; do
     fi
   else
     if [[ ! -f $OUT/$row/final/model.safetensors ]]; then
+      enough $NEED_OURS "train_$row" || finish 3
       # shellcheck disable=SC2086  # MAX_SAMPLES: a flag and its value, or nothing
-      timed "train_$row" "${OURS_LAUNCH[@]}" --config "$CONFIG" --target_model "$SMOLLM2" --train_data "$REPLIES" \
+      timed "train_$row" timeout -s KILL $(($(left) - 5)) "${OURS_LAUNCH[@]}" --config "$CONFIG" --target_model "$SMOLLM2" --train_data "$REPLIES" \
         --eval_data "" --eval_steps 0 --save_steps 0 --per_device_batch_size "$BATCH" --num_anchors "$ANCHORS" \
         --max_steps "$STEPS" ${MAX_SAMPLES:+--max_samples $MAX_SAMPLES} --output_dir "$OUT/$row" --overwrite_output_dir \
         "${OURS_EXTRA[@]}" "${flags[@]}" > "$OUT/$row.log" 2>&1 || { tail -n 30 "$OUT/$row.log"; continue; }
@@ -167,9 +204,12 @@ for row in $ROWS; do
   fi
   # The temperatures side by side: a 135M target's decode leaves the GPU mostly idle (tau is unaffected;
   # the tokens/s in the JSON are then not speeds).
+  todo=0
+  for t in $TEMPS; do [[ -f $OUT/eval_${row}_t$t.json ]] || todo=1; done
+  ((todo)) && { enough $NEED_EVAL "eval_$row" || finish 3; }
   for t in $TEMPS; do
     [[ -f $OUT/eval_${row}_t$t.json ]] && continue
-    timed "eval_${row}_t$t" python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$drafter" --data "$HELDOUT" \
+    timed "eval_${row}_t$t" timeout -s KILL $(($(left) - 5)) python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$drafter" --data "$HELDOUT" \
       --num_prompts "$EVAL_PROMPTS" --max_new_tokens "$EVAL_MAX_NEW" --block_size "$BLOCK" --baseline none \
       --temperature "$t" --top_p 1.0 --seed 0 --output "$OUT/eval_${row}_t$t.json" > "$OUT/eval_${row}_t$t.log" 2>&1 &
   done
@@ -178,5 +218,4 @@ for row in $ROWS; do
 done
 
 # Every row with results so far, whichever ROWS this call ran.
-# shellcheck disable=SC2086  # the temperatures are words
-python3 tools/speculators_compare.py table "$OUT" --temperatures $TEMPS | tee "$OUT/table.md"
+finish 0
