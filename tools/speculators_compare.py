@@ -503,7 +503,7 @@ def table_main(args: argparse.Namespace) -> None:
         if state.get("steps") and not state["trained"]:
             trained = f"trained {state['steps_done'] or 0} of {state['steps']} steps in {state['attempts']} attempts (resumes)"
         evaluated = " ".join(f"T={t}" for t in state["evaluated"]) or "none"
-        print(f"state: {row}: {trained}; evaluated: {evaluated}{'; done' if state['done'] else ''}")
+        print(f"state: {row}: {trained}; evaluated: {evaluated}{'; done' if state['done'] else ''}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------

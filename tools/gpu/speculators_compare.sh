@@ -3,7 +3,10 @@
 # recipe's GGUF), the same replies (the recipe's 6,973 greedy ones; regenerated when missing), the same
 # number of optimizer steps over them (6 epochs at batch 64: 654), each drafter then measured by
 # eval_dflash.py on the recipe's held-out questions at T=0 and T=0.8 (top_p 1.0, seed 0). Every step is
-# resumable: a step whose output exists is skipped, so rerun the script after a crash or a capped call.
+# resumable: a step whose output exists is skipped, and a speculators training resumes from its last
+# checkpoint (one every 25 steps). Each call stops before CALL_SECONDS (default 540: a 10-minute device
+# call less start-up) and exits 3 with OUT/state.json saying what is done: run the same command again,
+# on the same machine (OUT/features and the checkpoints live on its disk), until it exits 0.
 #
 # Rows (ROWS, in this order by default):
 #   spec_default  speculators' defaults: 5 layers, block 16, D-PACE weights, CE on the target's argmax,
@@ -28,34 +31,42 @@
 #   EVAL_PROMPTS=50 TEMPS="0" BEST_ARGS="--drafter dflash2 --loss_weighting dpace" bash ... OUT
 #   TINY=1 bash tools/gpu/speculators_compare.sh /tmp/trial   # the CPU trial: 24 demo replies, 3 steps,
 #                                                             # 1-layer drafters, 2 prompts at T=0
-# Writes OUT/table.md and OUT/results.json (every row's numbers: bring back these two), OUT/eval_ROW_tT.json,
-# a log per step (OUT/ROW.log, OUT/eval_ROW_tT.log) and OUT/timings.tsv.
+# Writes OUT/table.md and OUT/results.json (every row's numbers: bring back these two), OUT/state.json
+# (per row: trained, steps done of its target, temperatures evaluated), OUT/eval_ROW_tT.json, a log per
+# step (OUT/ROW.log, OUT/eval_ROW_tT.log) and OUT/timings.tsv. Exit code 0: every row of ROWS trained and
+# evaluated; 3: not yet (stopped for the call's time, or a step failed: its log's tail is printed), run again.
 #
-# Cost on one H200 (estimates, not measured): regeneration 1 min (skipped when the recipe's
-# greedy.jsonl exists), the target's hidden states 1-3 min (6 slots x 576 x 2 bytes per token: ~14 GB
-# on disk, in OUT/features), ours_recipe ~4 min (654 steps at ~235 ms plus start-up), ours_best the
-# same, each speculators row 3-6 min (unmeasured: its step at 8,192 anchors), evaluation ~2.5 min per
-# row (100 questions, both temperatures side by side). ~35 minutes in all, more than one session's 30
-# minutes of device time: set EVAL_PROMPTS=50 (~1.3 min per row), and spread the rows over calls of
-# at most 10 minutes on one machine (OUT/features lives on its disk), e.g. ROWS="spec_default", then
-# ROWS="spec_paper", ROWS="ours_recipe ours_best"; a speculators row cut short resumes from its last
-# epoch checkpoint, ours starts over (--save_steps 0). The table takes every row with results so far.
+# Cost on one H100 (an outside run, BENCHMARKS.md 2026-12-05, rows side by side): regeneration 58 s
+# (skipped when the recipe's greedy.jsonl exists), the target's hidden states 52 s (6 slots x 576 x 2
+# bytes per token: ~14 GB on disk, in OUT/features), ours_recipe with dpace 212 s of training, DFlash2
+# 374 s; evaluation ~2.5 min per row (100 questions, both temperatures side by side; estimate). A
+# speculators row: start-up and compiles ~145 s, then (eager loss) ~28.8k tokens/s, 555 of 654 steps in
+# ~8.5 minutes; the fused loss is unmeasured. A speculators row thus takes 1-2 calls from a bare machine
+# (the first also stages, regenerates and writes the features), each later call ~2.5 minutes of compiles.
+# One call per speculators row, ours_recipe and ours_best in one more (each starts over when cut: it
+# needs NEED_OURS, 330 s, left to start): ROWS="spec_default", ROWS="spec_paper", ROWS="ours_recipe ours_best",
+# each repeated until it exits 0. EVAL_PROMPTS=50 halves the evaluations. The table takes every row
+# with results so far.
+#
+# speculators' default loss (--loss-implementation fused, Triton kernels) fails to compile on torch 2.11:
+# tools/speculators_compare.py (detach_fused_loss_prune_hook) says why and detaches the kernels' config
+# prune hook, a no-op at SmolLM2's vocabulary, so the rows train with speculators' own fused loss.
 #
 # speculators is not on the GPU image. Fetch its wheels here (a machine with pip and internet), into
 # .whl/speculators, and carry .whl (tools/gpu/setup.sh installs only .whl/*.whl; this script installs
 # .whl/speculators/*.whl into $ROOT/speculators-site, used by the speculators steps alone, so its pins,
 # datasets<=5.1 among them, never reach our trainer). The versions are those of a tested CPU set; the
 # image has torch 2.11, transformers 5.17 (speculators wants <= 5.19), typer, rich, click, aiohttp,
-# psutil and protobuf. openai 3 imports httpx2, not httpx. 7 MB:
+# psutil, protobuf and httpx (speculators' render client imports it). openai 3 imports httpx2. 7 MB:
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl/speculators speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 pydantic==2.14.4 \
 #     pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions pydantic-settings==2.16.3 \
 #     python-dotenv openai==3.63.0 httpx2==2.17.0 httpcore2==2.17.0 truststore anyio==4.16.0 jiter sniffio \
 #     'idna>=3.18' 'h11>=0.16' datasets==5.1.0 'dill<0.4.2' 'multiprocess<0.70.20'
-# (not torchvision or torchaudio: the image's match its torch). Check them in the first call:
-#   PYTHONPATH=$HOME/.cache/dflash-gpu/speculators-site python3 -c "import speculators.train.cli"
-# after a run of this script with ROWS naming a speculators row (it installs them first).
+# (not torchvision or torchaudio: the image's match its torch). The first call with a speculators row
+# installs them and prints "speculators 0.9.0" (the version from its package metadata: 0.9.0 has no
+# __version__), or speculators' own import error.
 set -uo pipefail
 # This call stops before CALL_SECONDS have passed (0: no limit; the default of the CPU trial).
 CALL_SECONDS=${CALL_SECONDS:-$([[ ${TINY:-0} == 1 ]] && echo 0 || echo 540)}
@@ -111,6 +122,9 @@ finish() {  # exit code
   # shellcheck disable=SC2086  # the temperatures and rows are words
   python3 tools/speculators_compare.py table "$OUT" --temperatures $TEMPS | tee "$OUT/table.md"
   [[ $1 == 3 ]] && echo "speculators_compare.sh: stopped for the call's time ($(left) s left of it): run the same command again to go on"
+  # shellcheck disable=SC2086
+  python3 -c 'import json, sys; state = json.load(open(sys.argv[1])); sys.exit(0 if all(state[r]["done"] for r in sys.argv[2:]) else 3)' \
+    "$OUT/state.json" $ROWS || exit 3
   exit "$1"
 }
 enough() {  # seconds a step needs, its name: true when this call has them left
