@@ -124,7 +124,8 @@ finish() {  # exit code
   [[ $1 == 3 ]] && echo "speculators_compare.sh: stopped for the call's time ($(left) s left of it): run the same command again to go on"
   # shellcheck disable=SC2086
   python3 -c 'import json, sys; state = json.load(open(sys.argv[1])); sys.exit(0 if all(state[r]["done"] for r in sys.argv[2:]) else 3)' \
-    "$OUT/state.json" $ROWS || exit 3
+    "$OUT/state.json" $ROWS ||
+    { echo "speculators_compare.sh: not every row of ROWS is done ($OUT/state.json): run the same command again"; exit 3; }
   exit "$1"
 }
 enough() {  # seconds a step needs, its name: true when this call has them left
