@@ -1,14 +1,19 @@
-"""tools/speculators_compare.py writes the hidden-state files speculators' DFlash trainer reads: the layout
-checked here without speculators installed (CI never installs it)."""
+"""tools/speculators_compare.py writes the hidden-state files speculators' DFlash trainer reads, and keeps
+the books of a speculators run resumed over capped calls: checked here without speculators installed (CI
+never installs it). The last test needs speculators and Triton (skipped without them)."""
 
 import argparse
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tools.speculators_compare import capture_layer_ids, features_main, write_hidden_states
+import tools.speculators_compare as compare
+from tools.speculators_compare import (CallTimeSpent, capture_layer_ids, features_main, keep_records_before, resumed_step,
+                                       stop_before_deadline, warm_median, write_hidden_states)
 
 
 def test_capture_layer_ids_puts_the_last_layer_last():
@@ -96,10 +101,104 @@ def test_table_reads_both_trainers_outputs(tmp_path):
     (tmp_path / "ours_recipe").mkdir()
     (tmp_path / "ours_recipe" / "train_log.jsonl").write_text(
         "".join(json.dumps({"step": s, "samples_per_s": r, "peak_memory_gb": 3.0}) + "\n" for s, r in ((1, 5.0), (2, 20.0), (3, 30.0))))
-    (tmp_path / "timings.tsv").write_text("features\t60.000\t0\ntrain_spec_default\t120.000\t0\ntrain_ours_recipe\t90.000\t0\n")
+    (tmp_path / "spec_default" / "progress.json").write_text(json.dumps({"steps": 3, "steps_done": 3, "attempts": 2, "state": "done"}))
+    (tmp_path / "spec_paper").mkdir()  # cut short: trained 75 of 654 steps, not evaluated
+    (tmp_path / "spec_paper" / "progress.json").write_text(json.dumps({"steps": 654, "steps_done": 75, "attempts": 1, "state": "stopped"}))
+    (tmp_path / "timings.tsv").write_text("features\t60.000\t0\ntrain_spec_default\t100.000\t3\ntrain_spec_default\t20.000\t0\n"
+                                          "train_ours_recipe\t90.000\t0\n")
     for row, tau in (("spec_default", 2.5), ("ours_recipe", 3.25)):
         (tmp_path / f"eval_{row}_t0.json").write_text(json.dumps({"acceptance_length": tau, "num_prompts": 4, "speedup": 1.5}))
-    main(["table", str(tmp_path), "--rows", "spec_default", "ours_recipe", "--temperatures", "0", "0.8"])
+    main(["table", str(tmp_path), "--rows", "spec_default", "spec_paper", "ours_recipe", "--temperatures", "0", "0.8"])
     results = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert results[0]["tau_t0"] == 2.5 and results[0]["tau_t0.8"] is None and results[0]["minutes"] == 3.0
+    assert [r["row"] for r in results] == ["spec_default", "ours_recipe"]  # the table: rows with results
+    assert results[0]["tau_t0"] == 2.5 and results[0]["tau_t0.8"] is None and results[0]["minutes"] == 3.0  # both calls' training
     assert results[1]["samples_per_s"] == 25.0 and results[1]["steps"] == 3 and results[1]["minutes"] == 1.5
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["spec_default"]["trained"] and state["spec_default"]["evaluated"] == ["0"] and not state["spec_default"]["done"]
+    assert state["spec_paper"] == {"trained": False, "steps_done": 75, "steps": 654, "attempts": 1, "last_attempt": "stopped",
+                                   "evaluated": [], "done": False}
+    assert state["ours_recipe"]["trained"] is False  # a train_log without final/model.safetensors: cut short
+
+
+def test_resume_bookkeeping(tmp_path):
+    """speculators resumes from its highest numbered checkpoint folder; the steps a cut-short run logged
+    after it are dropped (logged again when resumed); rates leave out each attempt's compile steps."""
+    checkpoints = tmp_path / "checkpoints"
+    assert resumed_step(checkpoints) == 0
+    for epoch, step in ((0, 109), (1, 134)):
+        (checkpoints / str(epoch)).mkdir(parents=True)
+        (checkpoints / str(epoch) / "training_state.json").write_text(json.dumps({"epoch": epoch, "local_step": 25, "global_step": step}))
+    (checkpoints / "epoch1_step25").symlink_to("1")
+    (checkpoints / "interrupted").mkdir()  # speculators never resumes from it by itself
+    assert resumed_step(checkpoints) == 134
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"global_step": s, "attempt": 1, "profile": {"tokens_per_s": 10.0 * s}}) + "\n" for s in range(140)))
+    kept = keep_records_before(log, 134)
+    assert [r["global_step"] for r in kept] == list(range(134)) and len(log.read_text().splitlines()) == 134
+    # attempt 1: rates 0, 10, ..., 90 (its first fifth, 0 and 10, left out); attempt 2: 1, 2, 3, 4, 1000 (first fifth: 1)
+    rows = [{"global_step": s, "attempt": 1, "profile": {"tokens_per_s": float(s)}} for s in range(0, 100, 10)]
+    rows += [{"global_step": 100 + i, "attempt": 2, "profile": {"tokens_per_s": r}} for i, r in enumerate((1.0, 2.0, 3.0, 4.0, 1000.0))]
+    assert warm_median(rows) == 45.0  # median of 2, 3, 4, 20, ..., 90, 1000
+    assert warm_median([]) is None
+
+
+def test_stop_before_deadline(monkeypatch):
+    """After each checkpoint: stop when the last interval, repeated, would end past the deadline; never
+    after the last step, nor after speculators' own interrupt checkpoint."""
+    clock = [1000.0]
+    monkeypatch.setattr(compare.time, "time", lambda: clock[0])
+
+    class Trainer:  # the two things of speculators' Trainer the wrapper reads
+        def __init__(self):
+            self.global_step, self.saved, self.config = 0, [], SimpleNamespace(max_steps=654)
+
+        def maybe_save_checkpoint(self, epoch, local_step=0):
+            self.saved.append((epoch, local_step))
+
+    stop_before_deadline(Trainer, deadline=1100.0)
+    trainer = Trainer()
+    for now, step in ((1030.0, 25), (1060.0, 50), (1075.0, 75)):  # intervals 30, 30, 15: each next one ends by 1100
+        clock[0], trainer.global_step = now, step
+        trainer.maybe_save_checkpoint(0, local_step=step)
+    clock[0], trainer.global_step = 1095.0, 654
+    trainer.maybe_save_checkpoint(5)  # the last step's checkpoint: training is complete, nothing to stop
+    clock[0], trainer.global_step = 1096.0, 100
+    trainer.maybe_save_checkpoint("interrupted")  # speculators' interrupt checkpoint, not one it resumes from
+    clock[0] = 1099.0
+    with pytest.raises(CallTimeSpent, match="after step 100"):
+        trainer.maybe_save_checkpoint(0, local_step=100)  # the next interval (3 s) would end at 1102
+    assert trainer.saved[-1] == (0, 100)  # saved first, then stopped
+
+
+def test_fused_loss_traces_with_the_prune_hook_detached(monkeypatch):
+    """speculators' fused CE loss, forward and backward, in one Dynamo graph (as speculators compiles its
+    drafter's forward with the loss). On torch 2.11 it fails without the fix, with the assertion the
+    GPU run met; with the prune hook detached it traces. The kernels never run (a CPU has no Triton
+    driver): Dynamo treats them as on a GPU and a recording backend takes the graph."""
+    pytest.importorskip("triton")
+    fused = pytest.importorskip("speculators.losses.fused")
+    import torch.utils._triton
+
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    for kernel in (fused.loss_forward_kernel, fused.loss_backward_kernel):
+        monkeypatch.setattr(kernel, "early_config_prune", kernel.early_config_prune)  # restored after the test
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def trace():
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda logits, targets: fused.fused_ce_loss(logits, targets).sum(), backend=record, fullgraph=True)
+        try:
+            compiled(torch.randn(1, 8, 64, requires_grad=True), torch.randn(1, 8, 64))
+        except RuntimeError as error:  # running the traced graph launches the kernel: no driver here
+            assert "active drivers" in str(error)
+
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12):
+        with pytest.raises(Exception, match="ListVariable\\(length=21\\) is already tracked for mutation"):
+            trace()
+    assert compare.detach_fused_loss_prune_hook()
+    trace()
+    assert len(graphs) == 1

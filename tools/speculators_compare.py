@@ -166,19 +166,27 @@ def features_main(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# train: speculators' trainer, measured
+# train: speculators' trainer, measured, resumable across capped calls
+
+STOPPED = 3  # train's exit code when it stopped after a checkpoint for the call's time: run it again to go on
+
+
+class CallTimeSpent(Exception):
+    """Raised after a checkpoint when the next one would end past the call's deadline."""
 
 
 class _MetricRecords:
-    """A logging handler that keeps speculators' per-step metric records (train loss, eal, profile)."""
+    """A logging handler that keeps speculators' per-step metric records (train loss, eal, profile),
+    each tagged with the attempt (one process of `train`) that logged it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, attempt: int):
         import logging
 
         class Handler(logging.Handler):
             def emit(inner, record):
                 message = record.msg
                 if isinstance(message, dict) and "train" in message:
+                    message = {**message, "attempt": attempt}
                     self.rows.append(message)
                     with open(path, "a") as f:
                         f.write(json.dumps(message, default=float) + "\n")
@@ -195,20 +203,104 @@ def packed_batches_per_epoch(lengths: list[int], total_seq_len: int, seed: int) 
     return len(sampler)
 
 
-def train_main(args: argparse.Namespace, flags: list[str]) -> None:
+def resumed_step(checkpoints: Path) -> int:
+    """The optimizer steps speculators' trainer has behind it when it resumes from `checkpoints`: the
+    `global_step` of the training_state.json in its highest numbered epoch folder (where it resumes
+    from), 0 when there is none."""
+    epochs = [p for p in checkpoints.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()] if checkpoints.is_dir() else []
+    if not epochs:
+        return 0
+    state = max(epochs, key=lambda p: int(p.name)) / "training_state.json"
+    return int(json.loads(state.read_text()).get("global_step", 0)) if state.is_file() else 0
+
+
+def keep_records_before(path: Path, step: int) -> list[dict]:
+    """Drop the metric records of steps >= `step` from the JSONL file `path` (a run cut short logged
+    steps after its last checkpoint; the resumed run logs them again) and return those kept."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows = [r for r in rows if r["global_step"] < step]
+    path.write_text("".join(json.dumps(r, default=float) + "\n" for r in rows))
+    return rows
+
+
+def warm_median(rows: list[dict], key: str = "tokens_per_s") -> float | None:
+    """The median of each record's profile[key], leaving out the first fifth of every attempt's records
+    (each attempt compiles again)."""
+    values = []
+    for attempt in sorted({r.get("attempt", 1) for r in rows}):
+        rates = [r["profile"][key] for r in rows if r.get("attempt", 1) == attempt and r.get("profile")]
+        values += rates[len(rates) // 5 :] or rates
+    return statistics.median(values) if values else None
+
+
+def detach_fused_loss_prune_hook() -> bool:
+    """Let torch 2.11's Dynamo trace speculators' fused losses (the default, Triton kernels). Returns
+    whether they were found (False without Triton: the CPU trial, which trains with the eager losses).
+
+    speculators 0.9.0 builds its forward and backward loss kernels with one `triton.autotune`
+    decorator, so both autotuners hold the same list of 21 tile configs, and gives them an
+    `early_config_prune` hook. For a kernel with such a hook, Dynamo in torch 2.11 wraps the autotuner's
+    config list with `VariableBuilder._wrap`, which registers it for mutation tracking without looking
+    for an earlier registration. speculators compiles the drafter's forward with its loss, and Dynamo
+    traces the loss's autograd.Function forward and backward in that one graph: the second launch
+    registers the same list again and fails, `AssertionError: ListVariable(length=21) is already
+    tracked for mutation` (torch 2.12.1 and 2.13 route the wrap through `VariableBuilder.__call__`,
+    which reuses the tracked list). Without the hook Dynamo never wraps the list. The hook only drops
+    tiles wider than the vocabulary's next power of two: none for a vocabulary above 16,384 tokens
+    (SmolLM2: 49,152), and a wider tile still masks correctly."""
+    try:
+        from speculators.losses import fused
+    except ImportError:
+        return False
+    for kernel in (fused.loss_forward_kernel, fused.loss_backward_kernel):
+        kernel.early_config_prune = None
+    return True
+
+
+def stop_before_deadline(trainer_class, deadline: float) -> None:
+    """After each checkpoint speculators' Trainer saves, raise CallTimeSpent when the time the last
+    checkpoint interval took (the first one: from here, start-up and compiles included) would end
+    past `deadline` (seconds since the epoch), unless training is complete. A run stopped this way
+    resumes from that checkpoint: model, optimizers, schedulers and the step within the epoch."""
+    save = trainer_class.maybe_save_checkpoint
+    last = [time.time()]
+
+    def maybe_save_checkpoint(self, epoch, local_step: int = 0):
+        save(self, epoch, local_step=local_step)
+        now = time.time()
+        interval, last[0] = now - last[0], now
+        finished = self.config.max_steps is not None and self.global_step >= self.config.max_steps
+        if isinstance(epoch, int) and not finished and now + interval > deadline:
+            raise CallTimeSpent(f"stopped after step {self.global_step}: the next checkpoint would end "
+                                f"{now + interval - deadline:.0f} s past the call's deadline")
+
+    trainer_class.maybe_save_checkpoint = maybe_save_checkpoint
+
+
+def train_main(args: argparse.Namespace, flags: list[str]) -> int:
+    """speculators' trainer on a features folder, resumable: returns 0 when `args.steps` steps are done
+    (RUN_DIR/summary.json written), STOPPED when it stopped after a checkpoint for `args.deadline`.
+    RUN_DIR/progress.json says after every attempt how far the run is."""
     import logging
 
     import speculators.train.cli as spec_cli
+    import speculators.train.trainer as spec_trainer
     from speculators.train.config import TrainConfig
 
     run, data = Path(args.run_dir), Path(args.data)
     meta = json.loads((data / "meta.json").read_text())
     if (run / "summary.json").is_file():
         print(f"{run}: already trained")
-        return
-    # A run cut short (a capped device call) continues from its last epoch checkpoint: speculators resumes
-    # from save_path by default. Its step times then add up in timings.tsv.
+        return 0
+    # A run cut short continues from its last checkpoint: speculators resumes from save_path by default,
+    # mid-epoch from the step its training_state.json records (checkpoints every checkpoint_steps steps).
     run.mkdir(parents=True, exist_ok=True)
+    progress_path = run / "progress.json"
+    progress = _read_json(progress_path)
+    attempt = progress.get("attempts", 0) + 1
+    start_step = resumed_step(run / "checkpoints")
+    log = run / "metrics.jsonl"
+    keep_records_before(log, start_step)
     # A packed row of about batch_samples replies: the replies (and anchors) one of our steps trains on.
     total_seq_len = max(meta["max_tokens"], math.ceil(args.batch_samples * meta["mean_tokens"] / 128) * 128)
     per_epoch = packed_batches_per_epoch(_train_lengths(data, meta), total_seq_len, args.seed)
@@ -217,11 +309,11 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> None:
         "--data-path", str(data), "--save-path", str(run / "checkpoints"), "--log-dir", str(run / "logs"),
         "--on-missing", "raise", "--train-data-ratio", repr(meta["train_data_ratio"]),
         "--total-seq-len", str(total_seq_len), "--max-steps", str(args.steps), "--epochs", str(epochs),
-        "--seed", str(args.seed),
+        "--checkpoint-freq", repr(min(1.0, args.checkpoint_steps / per_epoch)), "--seed", str(args.seed),
         *flags,
     ]
     (run / "argv.json").write_text(json.dumps(argv, indent=2))
-    records = _MetricRecords(run / "metrics.jsonl")
+    records = _MetricRecords(log, attempt)
     original = spec_cli.setup_metric_logger
 
     def setup_metric_logger(*a, **k):  # speculators' dictConfig replaces handlers: add ours after it
@@ -231,33 +323,56 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> None:
     spec_cli.setup_metric_logger = setup_metric_logger
     if not torch.accelerator.is_available():
         _run_speculators_on_cpu()
+    detach_fused_loss_prune_hook()
+    if args.deadline:
+        stop_before_deadline(spec_trainer.Trainer, args.deadline)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    print(f"{run}: attempt {attempt}, from step {start_step} of {args.steps} ({per_epoch} steps per epoch, "
+          f"a checkpoint every {min(args.checkpoint_steps, per_epoch)})", flush=True)
     start = time.perf_counter()
-    spec_cli.main(TrainConfig.resolve(argv))
+    stopped = None
+    try:
+        spec_cli.main(TrainConfig.resolve(argv))
+    except CallTimeSpent as error:
+        stopped = str(error)
     wall = time.perf_counter() - start
-    log = run / "metrics.jsonl"  # this attempt's steps and those of earlier ones
     logged = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-    steps = [r["global_step"] for r in logged]
-    rates = [r["profile"]["tokens_per_s"] for r in records.rows if r.get("profile")]
-    warm = rates[len(rates) // 5 :] or rates  # past the compiles of the first steps
-    tokens_per_s = statistics.median(warm) if warm else None
+    steps_done = resumed_step(run / "checkpoints")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     checkpoints = sorted((p for p in (run / "checkpoints").iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()
                           and (p / "config.json").is_file()), key=lambda p: int(p.name))
+    progress = {
+        "steps": args.steps,
+        "steps_done": steps_done,
+        "attempts": attempt,
+        "state": "stopped" if stopped else "done",
+        "train_seconds": progress.get("train_seconds", 0.0) + wall,
+        "attempt_seconds": [*progress.get("attempt_seconds", []), round(wall, 1)],
+        "peak_memory_gb": max([p for p in (progress.get("peak_memory_gb"), peak) if p is not None], default=None),
+        "checkpoint": str(checkpoints[-1]) if checkpoints else None,
+    }
+    progress_path.write_text(json.dumps(progress, indent=2, default=float))
+    if stopped:
+        print(f"{run}: {stopped}; {steps_done} of {args.steps} steps are in {progress['checkpoint']}: run it again to go on")
+        return STOPPED
+    tokens_per_s = warm_median(logged)
     summary = {
-        "steps": (max(steps) + 1) if steps else 0,
+        "steps": (max(r["global_step"] for r in logged) + 1) if logged else 0,
         "epochs": epochs,
         "batches_per_epoch": per_epoch,
         "total_seq_len": total_seq_len,
-        "wall_s": wall,
+        "wall_s": progress["train_seconds"],
+        "attempts": attempt,
         "tokens_per_s": tokens_per_s,
         "samples_per_s": tokens_per_s / meta["mean_tokens"] if tokens_per_s else None,
-        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "peak_memory_gb": progress["peak_memory_gb"],
         "last_train": logged[-1]["train"] if logged else None,
-        "checkpoint": str(checkpoints[-1]) if checkpoints else None,
+        "checkpoint": progress["checkpoint"],
     }
     (run / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     print(json.dumps(summary, default=float))
+    return 0
 
 
 def _run_speculators_on_cpu() -> None:
@@ -265,9 +380,11 @@ def _run_speculators_on_cpu() -> None:
     autocasts on the accelerator's type ('cuda' when there is none): on a machine without one (the CPU
     trial of the script) both become 'cpu'. Pass --draft-attn-impl sdpa and --loss-implementation
     eager there too (flex attention has no CPU backward; the fused losses are Triton kernels)."""
+    import speculators.train.checkpointer as spec_checkpointer
     import speculators.train.trainer as spec_trainer
 
     spec_trainer.get_local_rank = lambda: "cpu"
+    spec_checkpointer.get_current_device = lambda: "cpu"  # where a resumed run loads its checkpoint ('cuda:0' without an accelerator)
     init = spec_trainer.Trainer.__init__
 
     def cpu_init(self, *a, **k):
@@ -331,6 +448,23 @@ def row_result(out: Path, row: str, temperatures: list[str], timings: dict[str, 
     return result
 
 
+def row_state(out: Path, row: str, temperatures: list[str]) -> dict:
+    """What is done of one row: trained (speculators: steps done of its target, attempts, whether the
+    last attempt stopped for the call's time), and the temperatures evaluated."""
+    if row.startswith("spec"):
+        progress = _read_json(out / row / "progress.json")
+        state = {"trained": (out / row / "summary.json").is_file(), "steps_done": progress.get("steps_done"),
+                 "steps": progress.get("steps"), "attempts": progress.get("attempts", 0), "last_attempt": progress.get("state")}
+    else:
+        log = out / row / "train_log.jsonl"
+        logs = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+        state = {"trained": (out / row / "final" / "model.safetensors").is_file(),
+                 "steps_done": max((r["step"] for r in logs if "step" in r), default=None)}
+    state["evaluated"] = [t for t in temperatures if (out / f"eval_{row}_t{t}.json").is_file()]
+    state["done"] = state["trained"] and len(state["evaluated"]) == len(temperatures)
+    return state
+
+
 def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -341,7 +475,7 @@ def table_main(args: argparse.Namespace) -> None:
     rows = [row_result(out, row, args.temperatures, timings) for row in args.rows]
     rows = [r for r in rows if r["steps"] is not None or any(r[f"tau_t{t}"] is not None for t in args.temperatures)]
     temps = args.temperatures
-    header = ["row", *[f"tau T={t}" for t in temps], "steps", "samples/s", "H200-minutes", "peak GB"]
+    header = ["row", *[f"tau T={t}" for t in temps], "steps", "samples/s", "GPU-minutes", "peak GB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         minutes = _fmt(r["minutes"], ".1f")
@@ -354,12 +488,22 @@ def table_main(args: argparse.Namespace) -> None:
     lines.append("")
     lines.append(f"tau on {'/'.join(map(str, prompts)) or '-'} held-out prompts (top_p 1.0, seed 0). samples/s: speculators' median "
                  "tokens/s per step (after the first fifth) over the replies' mean length; ours, the median of the logged windows "
-                 "after the first. Minutes: the training step's wall time (start-up and compiles included), plus, for "
-                 "speculators, writing the target's hidden states once (shared by its rows). Peak GB: torch's peak allocation.")
+                 "after the first. Minutes: the training step's wall time (start-up and compiles included, those of every call "
+                 "a resumed speculators row took), plus, for speculators, writing the target's hidden states once (shared by "
+                 "its rows). Peak GB: torch's peak allocation.")
     meta = _read_json(out / "features" / "meta.json")
     extra = {k: round(v / 60, 2) for k, v in timings.items()}
     (out / "results.json").write_text(json.dumps({"rows": rows, "features": meta, "step_minutes": extra}, indent=2, default=float))
     print("\n".join(lines))
+    # What is done so far, for the next call (OUT_DIR/state.json and one line per row).
+    states = {row: row_state(out, row, temps) for row in args.rows}
+    (out / "state.json").write_text(json.dumps(states, indent=2))
+    for row, state in states.items():
+        trained = "trained" if state["trained"] else "not trained"
+        if state.get("steps") and not state["trained"]:
+            trained = f"trained {state['steps_done'] or 0} of {state['steps']} steps in {state['attempts']} attempts (resumes)"
+        evaluated = " ".join(f"T={t}" for t in state["evaluated"]) or "none"
+        print(f"state: {row}: {trained}; evaluated: {evaluated}{'; done' if state['done'] else ''}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,6 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("--batch_samples", type=int, default=64, help="replies per packed row, on average")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint_steps", type=int, default=25, help="a checkpoint every this many steps (the most a stop loses)")
+    t.add_argument("--deadline", type=float, default=0.0,
+                   help="unix seconds: stop after the last checkpoint that ends before it (exit code 3; 0: no deadline)")
     b = commands.add_parser("table", help="the comparison table")
     b.add_argument("out_dir")
     b.add_argument("--rows", nargs="+", default=list(ROWS))
@@ -398,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "features":
         features_main(args)
     elif args.command == "train":
-        train_main(args, flags)
+        sys.exit(train_main(args, flags))
     else:
         table_main(args)
 

@@ -3,7 +3,10 @@
 # recipe's GGUF), the same replies (the recipe's 6,973 greedy ones; regenerated when missing), the same
 # number of optimizer steps over them (6 epochs at batch 64: 654), each drafter then measured by
 # eval_dflash.py on the recipe's held-out questions at T=0 and T=0.8 (top_p 1.0, seed 0). Every step is
-# resumable: a step whose output exists is skipped, so rerun the script after a crash or a capped call.
+# resumable: a step whose output exists is skipped, and a speculators training resumes from its last
+# checkpoint (one every 25 steps). Each call stops before CALL_SECONDS (default 540: a 10-minute device
+# call less start-up) and exits 3 with OUT/state.json saying what is done: run the same command again,
+# on the same machine (OUT/features and the checkpoints live on its disk), until it exits 0.
 #
 # Rows (ROWS, in this order by default):
 #   spec_default  speculators' defaults: 5 layers, block 16, D-PACE weights, CE on the target's argmax,
@@ -28,35 +31,47 @@
 #   EVAL_PROMPTS=50 TEMPS="0" BEST_ARGS="--drafter dflash2 --loss_weighting dpace" bash ... OUT
 #   TINY=1 bash tools/gpu/speculators_compare.sh /tmp/trial   # the CPU trial: 24 demo replies, 3 steps,
 #                                                             # 1-layer drafters, 2 prompts at T=0
-# Writes OUT/table.md and OUT/results.json (every row's numbers: bring back these two), OUT/eval_ROW_tT.json,
-# a log per step (OUT/ROW.log, OUT/eval_ROW_tT.log) and OUT/timings.tsv.
+# Writes OUT/table.md and OUT/results.json (every row's numbers: bring back these two), OUT/state.json
+# (per row: trained, steps done of its target, temperatures evaluated), OUT/eval_ROW_tT.json, a log per
+# step (OUT/ROW.log, OUT/eval_ROW_tT.log) and OUT/timings.tsv. Exit code 0: every row of ROWS trained and
+# evaluated; 3: not yet (stopped for the call's time, or a step failed: its log's tail is printed), run again.
 #
-# Cost on one H200 (estimates, not measured): regeneration 1 min (skipped when the recipe's
-# greedy.jsonl exists), the target's hidden states 1-3 min (6 slots x 576 x 2 bytes per token: ~14 GB
-# on disk, in OUT/features), ours_recipe ~4 min (654 steps at ~235 ms plus start-up), ours_best the
-# same, each speculators row 3-6 min (unmeasured: its step at 8,192 anchors), evaluation ~2.5 min per
-# row (100 questions, both temperatures side by side). ~35 minutes in all, more than one session's 30
-# minutes of device time: set EVAL_PROMPTS=50 (~1.3 min per row), and spread the rows over calls of
-# at most 10 minutes on one machine (OUT/features lives on its disk), e.g. ROWS="spec_default", then
-# ROWS="spec_paper", ROWS="ours_recipe ours_best"; a speculators row cut short resumes from its last
-# epoch checkpoint, ours starts over (--save_steps 0). The table takes every row with results so far.
+# Cost on one H100 (an outside run, BENCHMARKS.md 2026-12-05, rows side by side): regeneration 58 s
+# (skipped when the recipe's greedy.jsonl exists), the target's hidden states 52 s (6 slots x 576 x 2
+# bytes per token: ~14 GB on disk, in OUT/features), ours_recipe with dpace 212 s of training, DFlash2
+# 374 s; evaluation ~2.5 min per row (100 questions, both temperatures side by side; estimate). A
+# speculators row: start-up and compiles ~145 s, then (eager loss) ~28.8k tokens/s, 555 of 654 steps in
+# ~8.5 minutes; the fused loss is unmeasured. A speculators row thus takes 1-2 calls from a bare machine
+# (the first also stages, regenerates and writes the features), each later call ~2.5 minutes of compiles.
+# One call per speculators row, ours_recipe and ours_best in one more (each starts over when cut: it
+# needs NEED_OURS, 330 s, left to start): ROWS="spec_default", ROWS="spec_paper", ROWS="ours_recipe ours_best",
+# each repeated until it exits 0. EVAL_PROMPTS=50 halves the evaluations. The table takes every row
+# with results so far.
+#
+# speculators' default loss (--loss-implementation fused, Triton kernels) fails to compile on torch 2.11:
+# tools/speculators_compare.py (detach_fused_loss_prune_hook) says why and detaches the kernels' config
+# prune hook, a no-op at SmolLM2's vocabulary, so the rows train with speculators' own fused loss.
 #
 # speculators is not on the GPU image. Fetch its wheels here (a machine with pip and internet), into
 # .whl/speculators, and carry .whl (tools/gpu/setup.sh installs only .whl/*.whl; this script installs
 # .whl/speculators/*.whl into $ROOT/speculators-site, used by the speculators steps alone, so its pins,
 # datasets<=5.1 among them, never reach our trainer). The versions are those of a tested CPU set; the
 # image has torch 2.11, transformers 5.17 (speculators wants <= 5.19), typer, rich, click, aiohttp,
-# psutil and protobuf. openai 3 imports httpx2, not httpx. 7 MB:
+# psutil, protobuf and httpx (speculators' render client imports it). openai 3 imports httpx2. 7 MB:
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl/speculators speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 pydantic==2.14.4 \
 #     pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions pydantic-settings==2.16.3 \
 #     python-dotenv openai==3.63.0 httpx2==2.17.0 httpcore2==2.17.0 truststore anyio==4.16.0 jiter sniffio \
 #     'idna>=3.18' 'h11>=0.16' datasets==5.1.0 'dill<0.4.2' 'multiprocess<0.70.20'
-# (not torchvision or torchaudio: the image's match its torch). Check them in the first call:
-#   PYTHONPATH=$HOME/.cache/dflash-gpu/speculators-site python3 -c "import speculators.train.cli"
-# after a run of this script with ROWS naming a speculators row (it installs them first).
+# (not torchvision or torchaudio: the image's match its torch). The first call with a speculators row
+# installs them and prints "speculators 0.9.0" (the version from its package metadata: 0.9.0 has no
+# __version__), or speculators' own import error.
 set -uo pipefail
+# This call stops before CALL_SECONDS have passed (0: no limit; the default of the CPU trial).
+CALL_SECONDS=${CALL_SECONDS:-$([[ ${TINY:-0} == 1 ]] && echo 0 || echo 540)}
+CALL_END=$(($(date +%s) + CALL_SECONDS))
+((CALL_SECONDS == 0)) && CALL_END=$((1 << 40))
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:-outputs/speculators-compare}")
 RECIPE=$(realpath -m "${2:-outputs/smollm2-gsm8k-gpu}")
@@ -88,6 +103,10 @@ MAX_SAMPLES=""
 SPEC_EXTRA=()   # speculators flags the CPU needs
 OURS_EXTRA=()
 OURS_LAUNCH=(accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py)
+CHECKPOINT_STEPS=25         # a speculators row stopped for the call's time loses at most these steps
+# Seconds a step needs before it is worth starting in this call (estimates, see the cost above). A
+# speculators training needs its start-up and compiles plus one checkpoint interval; ours starts over.
+NEED_FEATURES=150 NEED_SPEC=240 NEED_OURS=${NEED_OURS:-330} NEED_EVAL=$((30 + 150 * ${EVAL_PROMPTS} / 100))
 if [[ $TINY == 1 ]]; then  # the CPU trial: the demo's replies and prompts, everything tiny
   REPLIES=${REPLIES_TINY:-data/demo_conversations.jsonl}
   HELDOUT=${HELDOUT_TINY:-data/demo_heldout_prompts.jsonl}
@@ -95,7 +114,25 @@ if [[ $TINY == 1 ]]; then  # the CPU trial: the demo's replies and prompts, ever
   SPEC_EXTRA=(--draft-attn-impl sdpa --loss-implementation eager --num-workers 0)  # no flex backward, no Triton on CPU
   OURS_EXTRA=(--num_draft_layers 1 --target_cuda_graphs false --pad_to_multiple_of 1 --num_proc 1 --logging_steps 1)
   OURS_LAUNCH=(python3 train_dflash.py)
+  CHECKPOINT_STEPS=1 NEED_FEATURES=10 NEED_SPEC=10 NEED_OURS=10 NEED_EVAL=10
 fi
+left() { echo $((CALL_END - $(date +%s))); }
+# The table and OUT/state.json (what is done) so far, then exit: 3 when this call stopped for its time.
+finish() {  # exit code
+  # shellcheck disable=SC2086  # the temperatures and rows are words
+  python3 tools/speculators_compare.py table "$OUT" --temperatures $TEMPS | tee "$OUT/table.md"
+  [[ $1 == 3 ]] && echo "speculators_compare.sh: stopped for the call's time ($(left) s left of it): run the same command again to go on"
+  # shellcheck disable=SC2086
+  python3 -c 'import json, sys; state = json.load(open(sys.argv[1])); sys.exit(0 if all(state[r]["done"] for r in sys.argv[2:]) else 3)' \
+    "$OUT/state.json" $ROWS ||
+    { echo "speculators_compare.sh: not every row of ROWS is done ($OUT/state.json): run the same command again"; exit 3; }
+  exit "$1"
+}
+enough() {  # seconds a step needs, its name: true when this call has them left
+  (($(left) >= $1)) && return 0
+  echo "speculators_compare.sh: $2 needs ~$1 s, $(left) s are left in this call" >&2
+  return 1
+}
 
 # 1. The replies: the recipe's greedy ones (tools/gpu/smollm2_gsm8k.sh, step 1), regenerated here when missing.
 if [[ ! -f $HELDOUT || ! -f $REPLIES ]]; then
@@ -111,18 +148,26 @@ echo "speculators_compare: $rows replies ($REPLIES), $STEPS steps at batch $BATC
 
 # 2. speculators (its rows only), from the carried wheels unless it is importable already.
 SPEC_SITE=$ROOT/speculators-site
-spec_python() { PYTHONPATH=$SPEC_SITE${PYTHONPATH:+:$PYTHONPATH} python3 "$@"; }
-if [[ $ROWS == *spec_* ]] && ! spec_python -c "import speculators" 2>/dev/null; then
-  if ls .whl/speculators/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SPEC_SITE" .whl/speculators/*.whl
+SPEC_PYTHON=(env "PYTHONPATH=$SPEC_SITE${PYTHONPATH:+:$PYTHONPATH}" python3)
+spec_python() { "${SPEC_PYTHON[@]}" "$@"; }
+# speculators 0.9.0 has no __version__: its version comes from the installed package's metadata.
+spec_check='import importlib.metadata as m, speculators.train.cli; print("speculators", m.version("speculators"))'
+if [[ $ROWS == *spec_* ]] && ! spec_python -c "$spec_check" 2>/dev/null; then
+  if ! ls .whl/speculators/*.whl >/dev/null 2>&1; then
+    echo "speculators_compare.sh: speculators is not installed and .whl/speculators has no wheels: fetch them (this script's header)" >&2; exit 2
   fi
-  spec_python -c "import speculators; print('speculators', speculators.__version__)" ||
-    { echo "speculators_compare.sh: speculators is not importable: fetch its wheels into .whl/speculators (this script's header)" >&2; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SPEC_SITE" .whl/speculators/*.whl
+  # an import error is reported as itself (its last lines), not as a missing package
+  if ! found=$(spec_python -c "$spec_check" 2>&1); then
+    echo "$found" | tail -n 5 >&2; echo "speculators_compare.sh: speculators does not import (above)" >&2; exit 2
+  fi
+  echo "$found" | tail -n 1
 fi
 
 # 3. The target's hidden states of every reply, once, for the speculators rows.
 FEAT=$OUT/features
 if [[ $ROWS == *spec_* && ! -f $FEAT/meta.json ]]; then
+  enough $NEED_FEATURES features || finish 3
   timed features python3 tools/speculators_compare.py features --target_model "$SMOLLM2" --train_data "$REPLIES" \
     --target_layer_ids $LAYER_IDS --max_seq_length "$MAXLEN" --batch_size 64 ${MAX_SAMPLES:+--max_samples $MAX_SAMPLES} \
     --output "$FEAT" > "$OUT/features.log" 2>&1 || { tail -n 20 "$OUT/features.log"; exit 1; }
@@ -143,9 +188,15 @@ for row in $ROWS; do
   esac
   if [[ $row == spec_* ]]; then
     if [[ ! -f $OUT/$row/summary.json ]]; then
-      timed "train_$row" spec_python tools/speculators_compare.py train "$OUT/$row" --data "$FEAT" --steps "$STEPS" \
-        --batch_samples "$BATCH" -- "${SPEC_COMMON[@]}" "${flags[@]}" > "$OUT/$row.log" 2>&1 ||
-        { tail -n 30 "$OUT/$row.log"; continue; }
+      enough $NEED_SPEC "train_$row" || finish 3
+      # It stops itself after the last checkpoint that ends before the call's end (exit code 3; the next call
+      # resumes from it); the timeout is the backstop, a few seconds later (the steps since the last checkpoint lost).
+      rc=0
+      timed "train_$row" timeout -s KILL $(($(left) - 5)) "${SPEC_PYTHON[@]}" tools/speculators_compare.py train "$OUT/$row" \
+        --data "$FEAT" --steps "$STEPS" --batch_samples "$BATCH" --checkpoint_steps "$CHECKPOINT_STEPS" \
+        --deadline $((CALL_END - 20)) -- "${SPEC_COMMON[@]}" "${flags[@]}" >> "$OUT/$row.log" 2>&1 || rc=$?
+      if ((rc == 3 || rc == 137)); then tail -n 3 "$OUT/$row.log"; finish 3; fi
+      ((rc == 0)) || { tail -n 30 "$OUT/$row.log"; continue; }
     fi
     drafter=$OUT/$row/zlab
     if [[ ! -f $drafter/model.safetensors ]]; then
@@ -157,8 +208,9 @@ for row in $ROWS; do
     fi
   else
     if [[ ! -f $OUT/$row/final/model.safetensors ]]; then
+      enough $NEED_OURS "train_$row" || finish 3
       # shellcheck disable=SC2086  # MAX_SAMPLES: a flag and its value, or nothing
-      timed "train_$row" "${OURS_LAUNCH[@]}" --config "$CONFIG" --target_model "$SMOLLM2" --train_data "$REPLIES" \
+      timed "train_$row" timeout -s KILL $(($(left) - 5)) "${OURS_LAUNCH[@]}" --config "$CONFIG" --target_model "$SMOLLM2" --train_data "$REPLIES" \
         --eval_data "" --eval_steps 0 --save_steps 0 --per_device_batch_size "$BATCH" --num_anchors "$ANCHORS" \
         --max_steps "$STEPS" ${MAX_SAMPLES:+--max_samples $MAX_SAMPLES} --output_dir "$OUT/$row" --overwrite_output_dir \
         "${OURS_EXTRA[@]}" "${flags[@]}" > "$OUT/$row.log" 2>&1 || { tail -n 30 "$OUT/$row.log"; continue; }
@@ -167,9 +219,12 @@ for row in $ROWS; do
   fi
   # The temperatures side by side: a 135M target's decode leaves the GPU mostly idle (tau is unaffected;
   # the tokens/s in the JSON are then not speeds).
+  todo=0
+  for t in $TEMPS; do [[ -f $OUT/eval_${row}_t$t.json ]] || todo=1; done
+  ((todo)) && { enough $NEED_EVAL "eval_$row" || finish 3; }
   for t in $TEMPS; do
     [[ -f $OUT/eval_${row}_t$t.json ]] && continue
-    timed "eval_${row}_t$t" python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$drafter" --data "$HELDOUT" \
+    timed "eval_${row}_t$t" timeout -s KILL $(($(left) - 5)) python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$drafter" --data "$HELDOUT" \
       --num_prompts "$EVAL_PROMPTS" --max_new_tokens "$EVAL_MAX_NEW" --block_size "$BLOCK" --baseline none \
       --temperature "$t" --top_p 1.0 --seed 0 --output "$OUT/eval_${row}_t$t.json" > "$OUT/eval_${row}_t$t.log" 2>&1 &
   done
@@ -178,5 +233,4 @@ for row in $ROWS; do
 done
 
 # Every row with results so far, whichever ROWS this call ran.
-# shellcheck disable=SC2086  # the temperatures are words
-python3 tools/speculators_compare.py table "$OUT" --temperatures $TEMPS | tee "$OUT/table.md"
+finish 0
