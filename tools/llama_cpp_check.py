@@ -334,6 +334,12 @@ def accepted_as_llama_cpp_counts(stats: dict, max_new_tokens: int) -> int:
     return total
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length if one is a prefix), or None."""
+    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else index
+
+
 def strip_eos(tokens: list[int], eos: list[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in eos else tokens
 
@@ -459,6 +465,9 @@ def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2:
             "llama_cpp_drafted": timings.get("draft_n", 0),
             "blocks_compared": None if dflash2 else len(pairs),
             "blocks_equal": None if dflash2 else same_blocks,
+            # where they differ: (block index, llama.cpp's drafts, ours)
+            "differing_blocks": [(j, theirs, mine) for j, (theirs, mine) in enumerate(pairs) if theirs != mine],
+            "llama_cpp_target_alone_first_difference": first_difference(strip_eos(a["tokens"], eos), reference),
             "llama_cpp_equals_target": strip_eos(s["tokens"], eos) == reference,
             "llama_cpp_target_alone_equals_ours": strip_eos(a["tokens"], eos) == reference,
             "ours_equals_target": strip_eos(row["speculative"], eos) == reference,
