@@ -27,13 +27,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def save_tiny_drafter(target_dir, folder, drafter: str, **layout):
-    """A random 2-layer drafter (block size 8, target layers 1 and 3) for the tiny target, saved as our export."""
+def save_tiny_drafter(target_dir, folder, drafter: str, target_layer_ids=(0, 2)):
+    """A random 2-layer drafter (block size 8, reading target layers 0 and 2 of 4) for the tiny target, saved as our export."""
     from transformers import AutoConfig
 
     torch.manual_seed(5)
     config = drafter_config_for_target(AutoConfig.from_pretrained(target_dir), mask_token_id=151669, num_draft_layers=2,
-                                       block_size=8, target_layer_ids=[1, 3], drafter=drafter, **layout)
+                                       block_size=8, target_layer_ids=list(target_layer_ids), drafter=drafter,
+                                       selector_top_k=4 if drafter == "dflash2" else None)  # llama.cpp: top_k x (top_k + 1) <= hidden 64
     model = (DFlash2DraftModel if drafter == "dflash2" else DFlashDraftModel)(config)
     model.save_pretrained(folder)
     return folder
@@ -57,10 +58,25 @@ def test_llama_cpp_drafts_like_our_evaluator(trainable_qwen3_target, prompts, tm
     totals, per_prompt = results["totals"], results["per_prompt"]
     for prompt in per_prompt:
         assert prompt["generated_tokens"] == 24  # the random target never says <|im_end|>
-        assert prompt["ours_equals_target"] and prompt["llama_cpp_target_alone_equals_ours"] and prompt["llama_cpp_equals_target"]
-        assert prompt["llama_cpp_accepted_drafts"] == prompt["our_accepted_drafts"], prompt
-    if drafter == "dflash":  # llama.cpp logs DFlash's drafted tokens (DFlash2's selector walk it does not)
-        assert totals["blocks_compared"] >= 2 * 3 and totals["blocks_equal"] == totals["blocks_compared"], totals
+        assert prompt["ours_equals_target"] and prompt["llama_cpp_equals_its_target_alone"]  # both sides lossless
+    # Where llama.cpp's f32 target and ours agree token for token (a near-tie of this random target can
+    # part them: prompt 0 at token 12 on the machine this was written on), the drafts must agree too.
+    agreeing = [prompt for prompt in per_prompt if prompt["llama_cpp_target_alone_equals_ours"]]
+    assert agreeing, per_prompt
+    for prompt in agreeing:
+        assert prompt["llama_cpp_equals_target"] and prompt["llama_cpp_accepted_drafts"] == prompt["our_accepted_drafts"], prompt
+        if drafter == "dflash":  # llama.cpp logs DFlash's drafted tokens (DFlash2's selector walk it does not)
+            assert prompt["blocks_compared"] >= 3 and prompt["blocks_equal"] == prompt["blocks_compared"], prompt
+
+
+def test_a_feature_from_the_last_target_layer_is_refused_before_serving(trainable_qwen3_target, prompts, tmp_path):
+    # llama.cpp reads feature i as the input of target layer i + 1: there is none after the last layer
+    export = save_tiny_drafter(trainable_qwen3_target, tmp_path / "export", "dflash", target_layer_ids=(1, 3))
+    with pytest.raises(llama_cpp_check.CheckError, match=r"target_layer_ids \[1, 3\] includes 3, the target's last layer"):
+        llama_cpp_check.main([
+            "--draft_model", str(export), "--target_model", str(trainable_qwen3_target), "--data", str(prompts),
+            "--llama_cpp_dir", LLAMA_CPP_DIR, "--work_dir", str(tmp_path / "work"),
+        ])
 
 
 def test_a_refused_export_fails_in_one_line(trainable_qwen3_target, prompts, tmp_path, capsys):

@@ -34,6 +34,7 @@ config key or tensor it names). tokens/s are llama.cpp's own generation timings 
 
 import argparse
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -167,6 +168,30 @@ def target_hf_folder(target_model: str, gguf_file: str | None, work_dir: str) ->
     return folder
 
 
+def check_llama_cpp_reads(draft_config: dict, target_dir: str) -> None:
+    """Refuse, before serving, what llama.cpp b11434 cannot run: a context feature from the target's
+    last layer. llama.cpp takes feature i as the INPUT of target layer i + 1 (the converter writes
+    dflash.target_layers = our ids + 1), and the last layer's output is the input of no layer: the
+    server aborts on the first request (`layer input tensor is null`)."""
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target_config = json.load(f)
+    num_layers = target_config.get("text_config", target_config)["num_hidden_layers"]
+    layer_ids = draft_config["dflash_config"].get("target_layer_ids", [])
+    if num_layers - 1 in layer_ids:
+        raise CheckError(
+            f"dflash_config.target_layer_ids {layer_ids} includes {num_layers - 1}, the target's last layer: llama.cpp reads "
+            f"feature i as the input of target layer i + 1 and has none after the last, so llama-server aborts; train with "
+            f"--target_layer_ids below {num_layers - 1}"
+        )
+    # DFlash2: llama.cpp passes the selector's candidates and their scores in one hidden-size row per position
+    top_k = draft_config["dflash_config"].get("selector_top_k")
+    if top_k is not None and draft_config["hidden_size"] < top_k * (top_k + 1):
+        raise CheckError(
+            f"dflash_config.selector_top_k {top_k} needs hidden_size >= {top_k * (top_k + 1)} in llama.cpp (its selector lattice "
+            f"is one hidden-size row: top_k ids + top_k x top_k scores); this drafter's hidden_size is {draft_config['hidden_size']}"
+        )
+
+
 def engine_notes(draft_config: dict) -> list[str]:
     """Where llama.cpp b11434 reads this export's attention differently from us (dflash_model.py's
     window table), known before anything runs."""
@@ -239,7 +264,13 @@ class Server:
             raise CheckError("--timeout_s reached while sending prompts to llama-server")
         body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
                 "return_tokens": True}
-        return post(self.url + "/completion", body, timeout)
+        try:
+            return post(self.url + "/completion", body, timeout)
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError) as error:
+            if self.process.poll() is not None:
+                self.log.flush()
+                raise CheckError(f"llama-server stopped while decoding (exit {self.process.returncode}): {server_reason(self.log_path)}") from error
+            raise CheckError(f"llama-server did not answer a completion ({error}); log: {self.log_path}") from error
 
     def log_size(self) -> int:
         self.log.flush()
@@ -264,7 +295,7 @@ class Server:
 def server_reason(log_path: str) -> str:
     """The line of a server log that says why loading failed (the tensor or key it names), else its last line."""
     lines = [line.strip() for line in open(log_path, errors="replace") if line.strip()]
-    for marker in ("error loading model", "missing tensor", "key not found", "failed to", "error:", "exception"):
+    for marker in ("ggml_assert", "error loading model", "missing tensor", "key not found", "failed to", "error:", "exception"):
         found = [line for line in lines if marker in line.lower()]
         if found:
             return found[0]
@@ -411,6 +442,7 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
         print(f"note: {note}")
 
     target_dir = target_hf_folder(args.target_model, args.target_gguf_file, work_dir)
+    check_llama_cpp_reads(draft_config, target_dir)
     # a --work_dir's target GGUF is reused (the target's conversion is the slow one); the drafter's is always redone
     target_gguf = convert(paths, target_dir, os.path.join(work_dir, "target-f32.gguf"), "target", reuse=True)
     drafter_gguf = convert(paths, args.draft_model, os.path.join(work_dir, "drafter-f32.gguf"), "drafter", target_dir)
@@ -470,6 +502,7 @@ def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2:
             "llama_cpp_target_alone_first_difference": first_difference(strip_eos(a["tokens"], eos), reference),
             "llama_cpp_equals_target": strip_eos(s["tokens"], eos) == reference,
             "llama_cpp_target_alone_equals_ours": strip_eos(a["tokens"], eos) == reference,
+            "llama_cpp_equals_its_target_alone": s["tokens"] == a["tokens"],
             "ours_equals_target": strip_eos(row["speculative"], eos) == reference,
             "target_alone_tokens_per_s": a["timings"]["predicted_per_second"],
             "speculative_tokens_per_s": timings.get("predicted_per_second"),
