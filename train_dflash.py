@@ -18,7 +18,7 @@ A target too large for one GPU: target ranks in tensor-parallel groups of 2 (Dee
         --train_data my_chats.jsonl --target_ranks 4 --target_tp_size 2
 
 Long samples sharded over drafter ranks: sequence-parallel groups of 4 (DeepSpeed Ulysses; docs/training.md):
-    python launch.py --config_file accelerate_configs/8gpu_sp4.yaml train_dflash.py --config configs/qwen3-8b.yaml --max_seq_length 32768
+    accelerate launch --config_file accelerate_configs/8gpu_sp4.yaml train_dflash.py --config configs/qwen3-8b.yaml --max_seq_length 32768
 
 Two nodes (the same command on each, with its --machine_rank; --output_dir on a shared filesystem):
     accelerate launch --config_file accelerate_configs/2x8gpu.yaml --machine_rank 0 --main_process_ip NODE0 \
