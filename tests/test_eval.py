@@ -351,7 +351,8 @@ def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path, monkeypatch):
     def no_target_load(*args, **kwargs):
         raise AssertionError("the target was loaded before the settings were checked")
 
-    monkeypatch.setattr(dflash_target, "load_target", no_target_load)
+    for loader in ("load_target", "load_target_model"):  # eval's main loads through load_target_model
+        monkeypatch.setattr(dflash_target, loader, no_target_load)
     with pytest.raises(ValueError, match="block_size 7"):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--block_size", "7", "--baseline", "none"])
     missing = base[:2] + ["--data", str(tmp_path / "missing.jsonl")] + base[4:]
@@ -475,7 +476,8 @@ def test_cli_refuses_a_drafter_whose_weights_do_not_fit_its_config_before_any_we
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the drafter's files were checked")
 
-    monkeypatch.setattr(dflash_target, "load_target", no_weights)
+    for loader in ("load_target", "load_target_model"):
+        monkeypatch.setattr(dflash_target, loader, no_weights)
     monkeypatch.setattr(DFlashDraftModel, "from_pretrained", no_weights)
     mixed = tmp_path / "mixed"
     shutil.copytree(drafter_dir, mixed)
