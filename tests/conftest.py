@@ -175,15 +175,20 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch_ranks(args, env, world, log_dir, rank_env=None):
     """Start the ranks of one run as plain processes, each with torchrun's environment, around a
     TCPStore hosted here (as torchrun's agent hosts it). Not torchrun itself: its agent kills the
     other ranks as soon as one dies, which would hide whether the trainer notices by itself; and
     each rank can have an environment of its own (`rank_env[rank]`, added to `env`). Returns (the
     store, which must outlive the ranks; the processes), each rank's output in log_dir/rank{r}.log."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     procs = []
     for rank in range(world):

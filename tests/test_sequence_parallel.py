@@ -5,7 +5,6 @@ SP=2 exports the drafter of the same run at SP=1."""
 import copy
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from test_split import accelerate_launch, final_weights, read_jsonl
-from conftest import run_args
+from conftest import free_port, run_args
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, MASK_ID, HIDDEN, BLOCK, ANCHORS, SEQ = 64, 63, 32, 4, 8, 24
@@ -27,11 +26,6 @@ VOCAB, MASK_ID, HIDDEN, BLOCK, ANCHORS, SEQ = 64, 63, 32, 4, 8, 24
 # along each block and its selector's loss beside the drafter's).
 CASES = [("dflash", "exp", "weights"), ("dflash", "dpace", "count"), ("dflash2", "exp", "weights")]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_case(case, sp):

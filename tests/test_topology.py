@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, TINY_QWEN3, launch_ranks
+from conftest import REPO_ROOT, TINY_QWEN3, free_port, launch_ranks
 from conftest import run_args as tiny_run_args
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -68,11 +67,6 @@ def finish(procs, timeout=300):
                 proc.wait()
     return results
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_jsonl(path):
