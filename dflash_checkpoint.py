@@ -98,6 +98,18 @@ def finished_run(settings) -> str | None:
             f"or a new --output_dir")
 
 
+def check_same_optimizer(checkpoint: Path, optimizer: str) -> None:
+    """Raise ValueError (one line) when `checkpoint` was saved by another --optimizer: its optimizer state
+    (AdamW's moments, or Muon's momentum and parameter groups) cannot continue another optimizer's run.
+    Checkpoints saved before the flag existed were AdamW's."""
+    saved = checkpoint / "training_settings.json"
+    was = json.loads(saved.read_text()).get("optimizer", "adamw") if saved.is_file() else "adamw"
+    if was != optimizer:
+        raise ValueError(f"--resume_from_checkpoint {checkpoint}: that run trained with --optimizer {was}, this one asks for "
+                         f"--optimizer {optimizer}, and one's state cannot continue the other: resume with --optimizer {was}, "
+                         f"or start over (--overwrite_output_dir, or a new --output_dir)")
+
+
 def find_resume_point(settings, accelerator: Accelerator, rank: int) -> ResumePoint:
     """The checkpoint to resume (every rank needs it: the target ranks make the batches from there on).
     A fresh run clears an earlier run's checkpoints and log only with --overwrite_output_dir, or with
@@ -119,6 +131,7 @@ def find_resume_point(settings, accelerator: Accelerator, rank: int) -> ResumePo
             raise ValueError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (no trainer_state.json)")
         check_checkpoint(Path(resume), settings.output_dir)
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
+        check_same_optimizer(Path(resume), settings.optimizer)
     point = ResumePoint(resume, state)
     log_file = Path(settings.output_dir) / "train_log.jsonl"
     earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [log_file] if p.is_file()]

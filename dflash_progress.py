@@ -309,7 +309,8 @@ def window_scalars(progress: Progress, supply: FeatureSupply, settings, layout, 
         "samples_per_s": stats[3].item() / elapsed,  # end to end
         "step_time_s": elapsed / steps,
         "drafter_samples_per_s": stats[5].item(),  # demand: what the drafter ranks would take without waiting
-        "lr": scheduler.get_last_lr()[0],
+        # --learning_rate times the schedule's factor now (Muon's matrices each run at a multiple of it)
+        "lr": settings.learning_rate * scheduler.get_last_lr()[0] / scheduler.base_lrs[0],
         "epoch": progress.epoch,
         "elapsed_s": time.perf_counter() - progress.loop_start,  # wall time of the loop so far (compiles and evaluations included)
     }

@@ -75,7 +75,7 @@ from accelerate import Accelerator
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from dflash_checkpoint import check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
 from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
@@ -141,6 +141,8 @@ logger = logging.getLogger("train_dflash")
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning)
 REPO_DIR = Path(__file__).resolve().parent
 DEMO_CONFIG = REPO_DIR / "configs" / "demo.yaml"
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULERS = ("cosine", "linear")
 
 # ----------------------------------------------------------------------------------------------
 # Settings: one typed block; YAML (--config) fills it, command-line flags override the YAML.
@@ -191,10 +193,14 @@ class TrainSettings:
     max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps; > 0 overrides num_train_epochs"})
     per_device_batch_size: int = field(default=1, metadata={"group": "optimisation", "help": "Sequences per micro-batch per rank"})
     gradient_accumulation_steps: int = field(default=1, metadata={"group": "optimisation", "help": "Micro-batches per optimizer step"})
-    learning_rate: float = field(default=6e-4, metadata={"group": "optimisation", "help": "Peak AdamW learning rate"})
-    weight_decay: float = field(default=0.0, metadata={"group": "optimisation", "help": "AdamW weight decay"})
-    warmup_ratio: float = field(default=0.04, metadata={"group": "optimisation", "help": "Fraction of steps of linear warmup before the cosine decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"group": "optimisation", "help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU"})
+    optimizer: str = field(default="adamw", metadata={"group": "optimisation", "help": "adamw (every parameter) or muon (DeepSpeed's Muon on every matrix, AdamW on the norm gains; docs/training.md#the-optimizer)"})
+    learning_rate: float = field(default=6e-4, metadata={"group": "optimisation", "help": "Peak learning rate; with --optimizer muon the AdamW-equivalent rate: the norm gains take it, each matrix takes it x 0.2 x sqrt(its input width) (torch's match_rms_adamw)"})
+    weight_decay: float | None = field(default=None, metadata={"group": "optimisation", "help": "Decoupled weight decay (default: 0 with adamw; 0.1 on the matrices with muon)"})
+    muon_momentum: float = field(default=0.95, metadata={"group": "optimisation", "help": "--optimizer muon: Nesterov momentum of the matrices"})
+    muon_adamw_weight_decay: float = field(default=0.01, metadata={"group": "optimisation", "help": "--optimizer muon: weight decay of the parameters AdamW trains beside Muon (the norm gains)"})
+    lr_scheduler: str = field(default="cosine", metadata={"group": "optimisation", "help": "Decay after the warmup: cosine (to 0) or linear (to 0)"})
+    warmup_ratio: float = field(default=0.04, metadata={"group": "optimisation", "help": "Fraction of steps of linear warmup before the decay"})
+    max_grad_norm: float | None = field(default=None, metadata={"group": "optimisation", "help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU (default: 1.0 with adamw; 0 with muon, where ZeRO computes the update in the backward and would clip the update itself)"})
     seed: int = field(default=0, metadata={"group": "optimisation", "help": "Seed for data order, anchors and init"})
     deepspeed_config: str = field(default="ds_configs/zero2.json", metadata={"group": "optimisation", "help": "DeepSpeed config; 'auto' fields are filled from these settings"})
     # speed and memory
@@ -324,9 +330,25 @@ class TrainSettings:
         # Checked here, not by AdamW after the target loaded (its message names no flag); nan fails every comparison.
         if not (0 < self.learning_rate < math.inf):
             raise ValueError(f"--learning_rate must be a number > 0, got {self.learning_rate}")
-        for name in ("weight_decay", "max_grad_norm"):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ValueError(f"--lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
+        muon = self.optimizer == "muon"
+        if muon and self.max_grad_norm:
+            # ZeRO-2 orthogonalizes each matrix's gradient while it reduces it, in the backward; DeepSpeed's
+            # clipping then scales the orthogonalized update, not the gradient (15-200x smaller steps).
+            raise ValueError(f"--max_grad_norm {self.max_grad_norm} with --optimizer muon would clip Muon's update, not the "
+                             "gradient (ZeRO computes the update during the backward): pass --max_grad_norm 0, or --optimizer adamw")
+        if self.weight_decay is None:
+            self.weight_decay = 0.1 if muon else 0.0
+        if self.max_grad_norm is None:
+            self.max_grad_norm = 0.0 if muon else 1.0
+        for name in ("weight_decay", "max_grad_norm", "muon_adamw_weight_decay"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"--{name} must be a number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"--muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"--warmup_ratio must be between 0 and 1, got {self.warmup_ratio}")
 
@@ -689,17 +711,63 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
     return config
 
 
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """Whether DeepSpeed's Muon trains `param`: every weight of two or more dimensions whose name holds
+    neither "embed" nor "lm_head" (DeepSpeed's own rule, `deepspeed.set_optimizer_flags`; the drafter
+    registers no embedding or LM head, so that is every matrix); the rest (norm gains) go to AdamW."""
+    return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
+
+
+def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list[dict]:
+    """The drafter's parameters in groups for DeepSpeed's Muon, with learning rates that give each
+    matrix the update size of torch.optim.Muon(adjust_lr_fn="match_rms_adamw") at --learning_rate.
+
+    torch scales a [rows, cols] matrix's orthogonalized update by lr x 0.2 x sqrt(max(rows, cols));
+    DeepSpeed by lr x sqrt(max(1, rows / cols)). The two agree when DeepSpeed's lr is
+    lr x 0.2 x sqrt(cols): e.g. at lr 1e-3, 4.8e-3 for a matrix reading SmolLM2's 576 hidden units,
+    1.07e-2 for fc reading 5 x 576. Both decay a weight by (1 - lr x weight_decay) with their own lr,
+    so each group's decay is weight_decay x lr / its lr. The groups' ratios stay fixed under the
+    schedule (a LambdaLR scales every group alike). Norm gains: AdamW at lr, decay
+    --muon_adamw_weight_decay. Returns a list of {"params", "lr", "weight_decay", "name"} dicts.
+    """
+    groups: dict[str, dict] = {}
+    for name, param in drafter.named_parameters():
+        if not param.requires_grad:
+            continue
+        if uses_muon(name, param):
+            lr = settings.learning_rate * 0.2 * math.sqrt(param.shape[-1])
+            key, decay = f"muon_in{param.shape[-1]}", settings.weight_decay * settings.learning_rate / lr
+        else:
+            key, lr, decay = "adamw", settings.learning_rate, settings.muon_adamw_weight_decay
+        groups.setdefault(key, {"params": [], "lr": lr, "weight_decay": decay, "name": key})["params"].append(param)
+    return list(groups.values())
+
+
 def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, schedule: Schedule, compute: Compute,
                     resume: ResumePoint):
-    """AdamW with a cosine schedule under DeepSpeed ZeRO-2 over the drafter group; the resumed
-    checkpoint's state and this rank's RNG. Returns (engine, scheduler)."""
-    total_steps = schedule.total_steps
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(settings.warmup_ratio * total_steps), total_steps)
+    """The optimizer (AdamW, or DeepSpeed's Muon with AdamW on the norm gains) and its schedule
+    (linear warmup, then cosine or linear decay to 0) under DeepSpeed ZeRO-2 over the drafter group;
+    the resumed checkpoint's state and this rank's RNG. Returns (engine, scheduler)."""
+    total_steps, warmup_steps = schedule.total_steps, math.ceil(settings.warmup_ratio * schedule.total_steps)
+    decay = get_cosine_schedule_with_warmup if settings.lr_scheduler == "cosine" else get_linear_schedule_with_warmup
     ds_config = resolve_deepspeed_config(settings, layout.dp_world, bf16=compute.dtype == torch.bfloat16, split=layout.split)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=DrafterGroupMPU(layout)
-    )
+    if settings.optimizer == "muon":
+        # DeepSpeed builds Muon from its config (torch.optim.Muon cannot step ZeRO's flat 1-D partitions),
+        # so the scheduler comes as a callable that it applies to that optimizer.
+        ds_config["optimizer"] = {"type": "Muon", "params": {
+            "lr": settings.learning_rate, "momentum": settings.muon_momentum, "ns_method": "standard",  # torch's Newton-Schulz
+            "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True,  # torch's AdamW on the norm gains: no fused-op build
+        }}
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=drafter, model_parameters=muon_param_groups(drafter, settings), config=ds_config, mpu=DrafterGroupMPU(layout),
+            lr_scheduler=lambda optimizer: decay(optimizer, warmup_steps, total_steps),
+        )
+    else:
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
+        scheduler = decay(optimizer, warmup_steps, total_steps)
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=DrafterGroupMPU(layout)
+        )
     if resume.path:
         resume_engine(engine, resume, layout.dp_rank)
     return engine, scheduler

@@ -72,10 +72,12 @@ def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8
     assert not any("embed_tokens" in k or "lm_head" in k for k in weights)
 
 
-def test_resume_is_bit_identical_and_cuts_the_log_back(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
-    # 2 micro-batches per optimizer step: a checkpoint must fall on an accumulation boundary.
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
+    # 2 micro-batches per optimizer step: a checkpoint must fall on an accumulation boundary. Muon's
+    # momentum lives in ZeRO's optimizer state: a resume that lost it would train other weights.
     common = dict(max_steps=6, save_steps=3, logging_steps=2, max_samples=48, target_layer_ids="1 3", per_device_batch_size=2,
-                  gradient_accumulation_steps=2)
+                  gradient_accumulation_steps=2, optimizer=optimizer)
     out = tmp_path / "run"
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]

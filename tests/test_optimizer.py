@@ -1,0 +1,148 @@
+"""The optimizers: AdamW, and DeepSpeed's Muon under ZeRO-2 matched to torch.optim.Muon's update size;
+the learning-rate schedules; the refusals (clipping a Muon update, resuming another optimizer's run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port
+from dflash_checkpoint import check_same_optimizer
+from dflash_model import DFlashConfig, DFlashDraftModel
+from train_dflash import TrainSettings, muon_param_groups, parse_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_drafter() -> DFlashDraftModel:
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          num_hidden_layers=2, vocab_size=64, block_size=4, num_target_layers=4, rope_theta=10000.0,
+                          dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]})
+    return DFlashDraftModel(config)
+
+
+def test_muon_groups_scale_each_matrix_as_torch_match_rms_adamw():
+    settings = TrainSettings(target_model="t", train_data=["d"], optimizer="muon", learning_rate=1e-3)
+    assert (settings.weight_decay, settings.max_grad_norm) == (0.1, 0.0)  # Muon's defaults
+    drafter = tiny_drafter()
+    groups = {g["name"]: g for g in muon_param_groups(drafter, settings)}
+    # fc reads 2 target layers x 32; q/k/v/gate/up read 32; o reads 4 x 8 = 32; down reads 64
+    assert set(groups) == {"muon_in64", "muon_in32", "adamw"}
+    assert groups["muon_in32"]["lr"] == pytest.approx(1e-3 * 0.2 * 32**0.5)
+    assert groups["muon_in64"]["lr"] == pytest.approx(1e-3 * 0.2 * 8)
+    for name in ("muon_in32", "muon_in64"):  # lr x decay = torch's 1e-3 x 0.1, whatever the group's lr
+        assert groups[name]["lr"] * groups[name]["weight_decay"] == pytest.approx(1e-4)
+    assert (groups["adamw"]["lr"], groups["adamw"]["weight_decay"]) == (1e-3, 0.01)
+    assert all(p.ndim == 1 for p in groups["adamw"]["params"])
+    assert sum(len(g["params"]) for g in groups.values()) == len(list(drafter.parameters()))
+    in64 = {id(p) for p in groups["muon_in64"]["params"]}
+    assert id(drafter.fc.weight) in in64 and id(drafter.layers[0].mlp.down_proj.weight) in in64
+
+
+# One ZeRO-2 step of start_deepspeed's optimizer on a given gradient (a loss linear in the weights),
+# in a process of its own (torch.distributed, world of 1 on gloo); prints the weights before and after.
+STEP_SCRIPT = r"""
+import sys, types, torch
+sys.path.insert(0, sys.argv[1])
+import train_dflash as t
+from dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_schedule import ResumePoint
+torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+world = torch.distributed.group.WORLD
+layout = types.SimpleNamespace(dp_world=1, dp_rank=0, drafter_group=world, drafter_ranks=[0], self_group=world, split=False)
+torch.manual_seed(0)
+config = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      num_hidden_layers=2, vocab_size=64, block_size=4, num_target_layers=4, rope_theta=10000.0,
+                          dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]})
+drafter = DFlashDraftModel(config)
+settings = t.TrainSettings(target_model="t", train_data=["d"], optimizer=sys.argv[3], learning_rate=1e-3, warmup_ratio=0.0,
+                           lr_scheduler="linear", max_grad_norm=float(sys.argv[4]) if sys.argv[4] != "default" else None)
+compute = t.Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
+before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+grads = {n: 10 * torch.randn_like(p) for n, p in drafter.named_parameters()}  # a gradient norm far above 1
+engine, scheduler = t.start_deepspeed(settings, drafter, layout, types.SimpleNamespace(total_steps=10), compute, ResumePoint(None, {}))
+loss = sum((p * grads[n]).sum() for n, p in engine.module.named_parameters())
+engine.backward(loss)
+engine.step()
+after = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+torch.save({"before": before, "after": after, "grads": grads, "lr": scheduler.get_last_lr()}, sys.argv[5])
+"""
+
+
+def zero2_step(tmp_path, optimizer: str, max_grad_norm: str = "default") -> dict:
+    out = tmp_path / f"step_{optimizer}.pt"
+    port = str(free_port())
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    result = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(REPO), port, optimizer, max_grad_norm, str(out)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_deepspeed_muon_step_equals_torch_muon_unclipped(tmp_path):
+    step = zero2_step(tmp_path, "muon")
+    before, after, grads = step["before"], step["after"], step["grads"]
+    # The reference: torch.optim.Muon on the matrices (speculators' settings), torch's AdamW on the norm gains.
+    reference = {n: p.clone().requires_grad_() for n, p in before.items()}
+    matrices = [p for n, p in reference.items() if p.ndim >= 2]
+    gains = [p for n, p in reference.items() if p.ndim < 2]
+    muon = torch.optim.Muon(matrices, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(gains, lr=1e-3, weight_decay=0.01)
+    for n, p in reference.items():
+        p.grad = grads[n].clone()
+    muon.step()
+    adamw.step()
+    for n in before:
+        ours, theirs = after[n] - before[n], reference[n].detach() - before[n]
+        assert theirs.abs().max() > 1e-5, n  # the step moved the weight
+        if before[n].ndim < 2:  # the norm gains: torch's AdamW on both sides
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-8)
+            continue
+        # The two Newton-Schulz iterations round differently (measured: sizes within 0.9%, cosine >= 0.9989). A no-op
+        # flag (AdamW's first step, ~lr x sqrt(numel): 5x larger) or a clipped update (gradient norm ~400: 1/400) is far outside.
+        ratio = (ours.norm() / theirs.norm()).item()
+        cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0).item()
+        assert abs(ratio - 1) < 0.02 and cosine > 0.998, f"{n}: DeepSpeed's Muon step differs from torch's: size x{ratio:.4f}, cosine {cosine:.5f}"
+
+
+def test_muon_refuses_clipping_and_schedules_decay_to_zero(tmp_path):
+    with pytest.raises(ValueError, match=r"--max_grad_norm 1.0 with --optimizer muon would clip Muon's update"):
+        TrainSettings(target_model="t", train_data=["d"], optimizer="muon", max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="--optimizer must be one of adamw, muon"):
+        TrainSettings(target_model="t", train_data=["d"], optimizer="sgd")
+    with pytest.raises(ValueError, match="--lr_scheduler must be one of cosine, linear"):
+        TrainSettings(target_model="t", train_data=["d"], lr_scheduler="step")
+    settings, _ = parse_settings(["--target_model", "t", "--train_data", "d", "--lr_scheduler", "linear", "--warmup_ratio", "0.1"])
+    assert (settings.lr_scheduler, settings.warmup_ratio, settings.max_grad_norm, settings.weight_decay) == ("linear", 0.1, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_schedules_warm_up_then_decay_to_zero(kind):
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    make = get_cosine_schedule_with_warmup if kind == "cosine" else get_linear_schedule_with_warmup
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = make(optimizer, 2, 10)
+    factors = []
+    for _ in range(10):
+        factors.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert factors[:3] == pytest.approx([0.0, 0.5, 1.0])
+    midpoint = 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 4 / 8))).item() if kind == "cosine" else 4 / 8
+    assert factors[6] == pytest.approx(midpoint)  # step 6: 4 of the 8 decay steps done
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_resume_refuses_a_checkpoint_of_another_optimizer(tmp_path):
+    checkpoint = tmp_path / "checkpoint-10"
+    checkpoint.mkdir()
+    check_same_optimizer(checkpoint, "adamw")  # no settings file: an AdamW run of before the flag
+    (checkpoint / "training_settings.json").write_text(json.dumps({"optimizer": "muon"}))
+    check_same_optimizer(checkpoint, "muon")
+    with pytest.raises(ValueError, match=r"trained with --optimizer muon, this one asks for --optimizer adamw.*resume with --optimizer muon"):
+        check_same_optimizer(checkpoint, "adamw")
