@@ -6,6 +6,14 @@ the last 5 logged steps (OUT_DIR/<run>/train_log.jsonl; runs with one seed log t
 so their estimates compare on the same samples).
 
     python3 tools/gpu/ablation_table.py OUT_DIR
+
+With --runs, the table of tools/gpu/optimizer_ablation.sh: per run folder OUT_DIR/RUN (a
+speculators_compare.sh output with one row), held-out tau at T=0 and T=0.8 (sampled drafts, and the
+argmax proposal where OUT_DIR/RUN/eval_argmax_t0.8.json exists), acceptance by position at T=0, how the
+T=0 outputs compare with plain greedy decoding (identical / diverging at near-ties / otherwise; and in
+float32 where OUT_DIR/RUN/eval_fp32_t0.json exists), training minutes and peak GB (its results.json):
+
+    python3 tools/gpu/ablation_table.py --runs OUT_DIR RUN [RUN ...]
 """
 
 import json
@@ -13,7 +21,41 @@ import sys
 from pathlib import Path
 
 
+def read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def tau(evaluation: dict) -> str:
+    value = evaluation.get("acceptance_length")
+    return "-" if value is None else f"{value:.2f}"
+
+
+def compared(evaluation: dict) -> str:
+    """'identical / near-tie / other' divergences from plain greedy decoding at T=0."""
+    if evaluation.get("identical_prompts") is None:
+        return "-"
+    return f"{evaluation['identical_prompts']} / {evaluation['near_tie_divergences']} / {evaluation['other_divergences']}"
+
+
+def runs_table(out: Path, runs: list[str]) -> None:
+    print("| run | tau T=0 | tau T=0.8 | T=0.8 argmax | acceptance by position, T=0 (1-8) | vs greedy: identical / near-tie / other "
+          "(bf16; fp32) | training min | peak GB |\n|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        folder = out / run
+        row = run if run.startswith("spec_") else "ours_best"
+        greedy, sampled = read(folder / f"eval_{row}_t0.json"), read(folder / f"eval_{row}_t0.8.json")
+        fp32 = read(folder / "eval_fp32_t0.json")
+        rates = greedy.get("acceptance_rate_by_position") or []
+        numbers = next(iter(read(folder / "results.json").get("rows", [])), {})
+        minutes, peak = numbers.get("train_minutes"), numbers.get("peak_memory_gb")
+        print(f"| {run} | {tau(greedy)} | {tau(sampled)} | {tau(read(folder / 'eval_argmax_t0.8.json'))} | "
+              f"{' '.join(f'{r:.2f}'.lstrip('0') for r in rates[:8]) or '-'} | {compared(greedy)}; {compared(fp32)} | "
+              f"{'-' if minutes is None else f'{minutes:.1f}'} | {'-' if peak is None else f'{peak:.1f}'} |")
+
+
 def main() -> None:
+    if sys.argv[1] == "--runs":
+        return runs_table(Path(sys.argv[2]), sys.argv[3:])
     out = Path(sys.argv[1])
     print("| run | held-out tau | prompts | held-out tau, T=0.8 | tau estimate from training (last 5 logs) | steps | training wall time (s) |\n"
           "|---|---|---|---|---|---|---|")

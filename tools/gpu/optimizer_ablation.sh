@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The levers that may explain speculators' lead, side by side on one GPU, each trained and evaluated as
+# tools/gpu/speculators_compare.sh does (654 steps at batch 64 x 128 anchors on the recipe's greedy replies,
+# the recipe's 100 held-out questions at T=0 and T=0.8), each in its own folder OUT/RUN:
+#   spec_default          speculators 0.9.0 with its defaults (speculators_compare.sh's row)
+#   base                  ours, --loss_weighting dpace (8 layers, AdamW 8e-4, cosine, 4% warmup)
+#   muon                  + --optimizer muon at speculators' lr 1e-3 (weight decay 0.1 on the matrices, 0.01 on the gains)
+#   muon_linear           + --lr_scheduler linear --warmup_ratio 0.01 (speculators' schedule)
+#   muon_linear_sliding   + every layer sliding, window 2048 (causal inside the block, as speculators trains
+#                         and as the engines serve sliding layers; the window never binds at 512 tokens)
+#   muon_linear_5layers   muon_linear at speculators' 5 layers
+#   dflash2_muon_linear   --drafter dflash2 with muon_linear
+#   muon_linear_seed1     muon_linear with --seed 1 (a second seed for a lever worth < 0.15)
+# Predictions, written before the first run (T=0, 100 held-out questions): spec_default 3.2-3.3; base 2.95
+# (+-0.06, its repeats); muon +0.20 to +0.35 over base; muon_linear +0.0 to +0.1 over muon; sliding -0.05 to
+# +0.05; 5 layers 0.10-0.18 below 8; at T=0.8 the argmax proposal +0.3 to +0.5 over sampled drafts.
+#
+#   RUNS="spec_default base muon" bash tools/gpu/optimizer_ablation.sh [OUT] [RECIPE_DIR]
+#   ARGMAX_RUNS="base muon"   also evaluate these at T=0.8 with --proposal argmax (OUT/RUN/eval_argmax_t0.8.json)
+#   FP32_RUNS="muon"          also evaluate these at T=0 in float32 (OUT/RUN/eval_fp32_t0.json): the strict lossless check
+#   TINY=1 ...                the CPU trial (speculators_compare.sh's TINY settings)
+# Every run starts at once (a 135M target leaves the GPU mostly idle; ~23 GB each, speculators' ~39 GB); the
+# replies are regenerated first when missing. Rerun the same command to finish what a lost machine left:
+# each step skips what exists. OUT/table.md gathers every run's numbers (tools/gpu/ablation_table.py).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=$(realpath -m "${1:-outputs/optimizer-ablation}")
+RECIPE=$(realpath -m "${2:-outputs/smollm2-gsm8k-gpu}")
+source tools/gpu/setup.sh
+mkdir -p "$OUT"
+RUNS=${RUNS:-spec_default base muon muon_linear muon_linear_sliding}
+ARGMAX_RUNS=${ARGMAX_RUNS:-}
+FP32_RUNS=${FP32_RUNS:-}
+TINY=${TINY:-0}
+MUON="--loss_weighting dpace --optimizer muon --learning_rate 1e-3"
+LINEAR="--lr_scheduler linear --warmup_ratio 0.01"
+args_of() {  # run name: our trainer's flags on top of the recipe
+  case $1 in
+    base) echo "--loss_weighting dpace" ;;
+    muon) echo "$MUON" ;;
+    muon_linear) echo "$MUON $LINEAR" ;;
+    muon_linear_sliding) echo "$MUON $LINEAR --layer_types all_sliding --sliding_window 2048" ;;
+    muon_linear_5layers) echo "$MUON $LINEAR --num_draft_layers 5" ;;
+    dflash2_muon_linear) echo "--drafter dflash2 $MUON $LINEAR" ;;
+    muon_linear_seed1) echo "$MUON $LINEAR --seed 1" ;;
+    *) echo "optimizer_ablation.sh: unknown run $1" >&2; return 2 ;;
+  esac
+}
+for run in $RUNS; do [[ $run == spec_* ]] || args_of "$run" > /dev/null || exit 2; done
+
+# 1. The replies, once, before the runs that all read them.
+if [[ $TINY != 1 && ! -f $RECIPE/data/greedy.jsonl ]]; then
+  recipe_greedy_replies "$RECIPE/data" || exit 1
+fi
+
+# 2. Every run side by side; a run's extra evaluations follow its own training.
+MAX_NEW=$([[ $TINY == 1 ]] && echo 24 || echo 256)
+PROMPTS=$([[ $TINY == 1 ]] && echo 2 || echo 100)
+HELDOUT=$([[ $TINY == 1 ]] && echo data/demo_heldout_prompts.jsonl || echo "$RECIPE/data/heldout_questions.jsonl")
+extra_eval() {  # run, name, eval_dflash.py flags...
+  local run=$1 name=$2 drafter
+  shift 2
+  drafter=$([[ $run == spec_* ]] && echo "$OUT/$run/$run/zlab" || echo "$OUT/$run/ours_best/final")
+  [[ -f $OUT/$run/eval_$name.json || ! -d $drafter ]] && return 0
+  python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$drafter" --data "$HELDOUT" --num_prompts "$PROMPTS" \
+    --max_new_tokens "$MAX_NEW" --baseline none --seed 0 --output "$OUT/$run/eval_$name.json" "$@" > "$OUT/$run/eval_$name.log" 2>&1
+}
+for run in $RUNS; do
+  (
+    if [[ $run == spec_* ]]; then
+      ROWS=$run CALL_SECONDS=100000 bash tools/gpu/speculators_compare.sh "$OUT/$run" "$RECIPE"
+    else
+      ROWS=ours_best BEST_ARGS="$(args_of "$run")" CALL_SECONDS=100000 bash tools/gpu/speculators_compare.sh "$OUT/$run" "$RECIPE"
+    fi
+    [[ " $ARGMAX_RUNS " == *" $run "* ]] && extra_eval "$run" argmax_t0.8 --temperature 0.8 --top_p 1.0 --proposal argmax &
+    [[ " $FP32_RUNS " == *" $run "* ]] && extra_eval "$run" fp32_t0 --temperature 0 --dtype float32 &
+    wait
+  ) > "$OUT/$run.log" 2>&1 &
+done
+wait
+python3 tools/gpu/ablation_table.py --runs "$OUT" $RUNS | tee "$OUT/table.md"
