@@ -54,6 +54,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field, fields, replace
@@ -188,7 +189,7 @@ class TrainSettings:
     loss_decay_gamma: float | None = field(default=None, metadata={"group": "objective", "help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     # optimisation
     num_train_epochs: int = field(default=6, metadata={"group": "optimisation", "help": "Epochs over the training data"})
-    max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps; > 0 overrides num_train_epochs"})
+    max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps in all, overriding --num_train_epochs; -1 (the default): --num_train_epochs sets the length"})
     per_device_batch_size: int = field(default=1, metadata={"group": "optimisation", "help": "Sequences per micro-batch per rank"})
     gradient_accumulation_steps: int = field(default=1, metadata={"group": "optimisation", "help": "Micro-batches per optimizer step"})
     learning_rate: float = field(default=6e-4, metadata={"group": "optimisation", "help": "Peak AdamW learning rate"})
@@ -302,6 +303,11 @@ class TrainSettings:
                      "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps != -1 and self.max_steps < 1:
+            raise ValueError(f"--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs < 1:
+            raise ValueError(f"--num_train_epochs must be >= 1, got {self.num_train_epochs}; or pass --max_steps for a run "
+                             "of so many optimizer steps")
         if self.context_chunk_size < 0:
             raise ValueError(f"--context_chunk_size must be >= 0 (0 = the context in one piece), got {self.context_chunk_size}")
         if self.anchor_slots_multiple < 0:
@@ -394,6 +400,14 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
                     if p.exists())
     if not existing.is_dir():
         raise ValueError(f"--output_dir {settings.output_dir}: {existing} is a file, not a folder; pass a folder (it is made if missing)")
+    # A file written and removed there: permission bits say nothing for root, nor about a read-only filesystem.
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-check-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"--output_dir {settings.output_dir}: cannot write in {existing} ({error.strerror}); pass a folder "
+                         f"you can write to, or make {existing} writable") from None
     return settings, config_path
 
 

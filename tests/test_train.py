@@ -5,6 +5,7 @@ import base64
 import gzip
 import http.server
 import json
+import os
 import re
 import socket
 import stat
@@ -252,8 +253,9 @@ def weightless_target(path, tokenizer, **config) -> Path:
 
 
 def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, train_env, tmp_path):
-    """A flag of the wrong type, a bad data line, a target without a mask token and a target whose
-    config.json is cut short each stop the run with one line that names the problem, as the last line,
+    """A flag of the wrong type, a bad data line, a target without a mask token, a target whose
+    config.json is cut short, an --output_dir that cannot be written, a negative --max_steps and
+    --num_train_epochs 0 each stop the run with one line that names the problem, as the last line,
     no traceback and no traceback hint, and before the target's weights are read (their garbage file
     would fail otherwise)."""
     data = tmp_path / "chats.jsonl"
@@ -270,6 +272,10 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
         "mask": tiny_args(full, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out2", max_steps=1),
         "flag": tiny_args(target, data, tmp_path / "out3", max_steps="five"),
         "config": tiny_args(cut, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out4", max_steps=1),
+        # Not writable even for root; written to only after the target loaded, it failed with a traceback there.
+        "output": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", "/proc/dflash-out", max_steps=1),
+        "steps": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out5", max_steps=-5),
+        "epochs": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out6", max_steps=-1, num_train_epochs=0),
     }
     procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in commands.items()}
@@ -305,6 +311,13 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
     last = results["config"][1].strip().splitlines()[-1]  # transformers' own message would take two lines
     assert last.startswith(f"error: --target_model '{cut}': {cut}/config.json is not valid JSON (line "), last
     assert last.endswith("; the file is cut short or damaged: copy or download it again"), last
+    assert results["output"][1].strip().splitlines()[-1] == (
+        "error: --output_dir /proc/dflash-out: cannot write in /proc (No such file or directory); pass a folder you can "
+        "write to, or make /proc writable")
+    assert results["steps"][1].strip().splitlines()[-1] == (
+        "error: --max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got -5")
+    assert results["epochs"][1].strip().splitlines()[-1] == (
+        "error: --num_train_epochs must be >= 1, got 0; or pass --max_steps for a run of so many optimizer steps")
     # Not the 200-line usage text: one line naming the flag and what it expects.
     assert results["flag"][1].strip().splitlines()[-1] == (
         "error: --max_steps expects an integer, got 'five'; see `python train_dflash.py --help`")
@@ -393,10 +406,23 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
         (["--output_dir", str(tmp_path / "run.yaml")], f"--output_dir {tmp_path}/run.yaml: {tmp_path}/run.yaml is a file, not a folder; "
                                                        f"pass a folder (it is made if missing)"),
         (["--output_dir", str(tmp_path / "run.yaml" / "out")], f"--output_dir {tmp_path}/run.yaml/out: {tmp_path}/run.yaml is a file, not a folder"),
+        # A folder nobody can write in, root included: the check writes a file there, not only reads the mode.
+        (["--output_dir", "/proc/dflash"], "--output_dir /proc/dflash: cannot write in /proc (No such file or directory); "
+                                           "pass a folder you can write to, or make /proc writable"),
+        (["--max_steps", "-5"], "--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got -5"),
+        (["--max_steps", "0"], "--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got 0"),
+        (["--num_train_epochs", "0"], "--num_train_epochs must be >= 1, got 0; or pass --max_steps"),
     ]:
         with pytest.raises(ValueError) as error:
             parse_settings(base + argv)
         assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+    assert parse_settings(base + ["--num_train_epochs", "0", "--max_steps", "5"])[0].max_steps == 5  # the steps set the length
+    assert parse_settings(base)[0].max_steps == -1
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    if os.geteuid() != 0:  # the mode binds everyone but root
+        with pytest.raises(ValueError, match=f"^--output_dir {read_only}/out: cannot write in {read_only} \\(Permission denied\\)"):
+            parse_settings(base + ["--output_dir", str(read_only / "out")])
     config = tmp_path / "run.yaml"
     config.write_text("target_model: x\ntrain_data: [a]\nlearning_rat: 0.1\n")
     with pytest.raises(ValueError, match=r"unknown settings \['learning_rat'\]; learning_rat: did you mean learning_rate\?"):
