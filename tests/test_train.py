@@ -447,8 +447,10 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
     entries = re.split(r"\n  --", help_text)
     assert len(entries) > 50 and not [e for e in entries if e.lower().count("default") > 1]
     flat = " ".join(help_text.split())
-    assert "--num_anchors NUM_ANCHORS, --num-anchors NUM_ANCHORS Anchors (blocks)" in flat and "(default: 512)" in flat
+    assert "--num_anchors NUM_ANCHORS Anchors (blocks)" in flat and "(default: 512)" in flat
     assert "(default: None)" not in flat
+    # --help shows --x_y alone; --x-y is still accepted.
+    assert parse_settings(base + ["--num-anchors", "32"])[0].num_anchors == 32
 
 
 def test_only_unexpected_errors_get_the_traceback_hint():
@@ -1008,6 +1010,10 @@ def test_help_renders_every_flag_in_its_group_with_its_default():
     for section in sections[2:]:
         for entry in re.split(r"\n  (?=--)", section)[1:]:
             assert " ".join(entry.split()).lower().count("default") == 1, entry
+    # Each flag once, in the form the docs use: not `--x_y X_Y, --x-y X_Y` (HfArgumentParser's alias, still accepted).
+    invocations = re.findall(r"^  (-\S.*?)(?:  |$)", text, re.M)
+    listed = [option for invocation in invocations for option in re.findall(r"(?:^|, )(--?[\w-]+)", invocation)]
+    assert sorted(listed) == sorted(["-h", "--help", "--config", *(f"--{f.name}" for f in fields(TrainSettings))]), listed
     flat = " ".join(text.split())
     assert "eta of --loss lk (3.0 is speculators' value too; 0 gives plain KL) (default: 3.0)" in flat
     assert "speculators trains with unless told otherwise" in flat and "the drafter's detached confidence) (default: exp)" in flat
@@ -1017,4 +1023,5 @@ def test_help_renders_every_flag_in_its_group_with_its_default():
     assert result.returncode == 0, result.stderr[-2000:]
     flat = " ".join(result.stdout.split())
     assert "Evaluate a DFlash drafter by real speculative decoding on the target" in flat and "(default: None)" not in flat
-    assert "--num_prompts NUM_PROMPTS, --num-prompts NUM_PROMPTS Use only the first N prompts of --data (default: every prompt)." in flat
+    assert "--num_prompts NUM_PROMPTS Use only the first N prompts of --data (default: every prompt)." in flat
+    assert "--num-prompts" not in flat
