@@ -742,15 +742,17 @@ def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: Trai
 def evaluate_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
                  device: torch.device) -> dict:
     """tau on the held-out prompts (and prompt lookup's, with --eval_prompt_lookup), for the lead
-    (the other drafter ranks wait at the next barrier): colocated on the lead itself, in split mode on
-    the first target group, which receives the weights."""
+    (the other drafter ranks wait at the next barrier): colocated on the lead itself, with a bar over
+    the prompts on a terminal (a minute or so of decoding), in split mode on the first target group,
+    which receives the weights."""
     if layout.split:
         broadcast_drafter_weights(drafter, layout.eval_group, src=layout.rank)
         values = broadcast_scalars(None, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
         result = {key: None if math.isnan(value) else value for key, value in zip(EVAL_RESULTS, values)}
     else:
         result = evaluate_acceptance(target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens,
-                                     chat_template_kwargs=data.chat_kwargs, prompt_lookup=settings.eval_prompt_lookup)
+                                     chat_template_kwargs=data.chat_kwargs, prompt_lookup=settings.eval_prompt_lookup,
+                                     progress=layout.is_lead and sys.stderr.isatty())
     scalars = {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
     if settings.eval_prompt_lookup:
         scalars["eval_prompt_lookup_tau"] = result["prompt_lookup_acceptance_length"]

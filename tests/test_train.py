@@ -151,6 +151,40 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
     assert (out / "train_log.jsonl").read_text() == log
 
 
+def test_the_held_out_evaluation_shows_a_bar_over_its_prompts_on_a_terminal(tiny_qwen3_target, monkeypatch):
+    """The lead's held-out evaluation (a minute or so on a CPU) draws a bar over its prompts on stderr
+    when that is a terminal, and writes nothing there when it is not (a log file)."""
+    import io
+    from types import SimpleNamespace
+
+    from dflash_model import DFlashDraftModel
+    from dflash_target import drafter_config_for_target, load_target
+    from train_dflash import TrainData, evaluate_tau, parse_settings
+
+    target, tokenizer = load_target(str(tiny_qwen3_target), device="cpu")
+    drafter = DFlashDraftModel(drafter_config_for_target(target.config, mask_token_id=151669, num_draft_layers=1, block_size=4,
+                                                         target_layer_ids=[1, 3]))
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in range(3)]
+    data = TrainData(dataset=None, lengths=[], eval_prompts=prompts, chat_kwargs=None)
+    settings, _ = parse_settings(["--target_model", "x", "--train_data", "a", "--eval_max_new_tokens", "3"])
+    lead = SimpleNamespace(split=False, is_lead=True)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream in (Terminal(), io.StringIO()):
+        monkeypatch.setattr(sys, "stderr", stream)
+        scalars = evaluate_tau(drafter, target, tokenizer, data, settings, lead, torch.device("cpu"))
+        assert scalars["eval_tau"] >= 1
+        shown = stream.getvalue()
+        if stream.isatty():
+            assert "tau eval:" in shown and "0/3 [" in shown, shown
+        else:
+            assert shown == ""
+
+
 def test_checkpoint_check_reads_every_rank_shard_in_either_deepspeed_naming(tmp_path):
     """damaged_file: each drafter rank's optimizer shard, named as DeepSpeed names it with or without
     bf16 ("bf16_zero_pp_rank_..." on a GPU run), must be there and load; the RNG states too."""
