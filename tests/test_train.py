@@ -76,7 +76,7 @@ def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8
 def test_resume_is_bit_identical_and_cuts_the_log_back(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     # 2 micro-batches per optimizer step: a checkpoint must fall on an accumulation boundary.
     common = dict(max_steps=6, save_steps=3, logging_steps=2, max_samples=48, target_layer_ids="1 3", per_device_batch_size=2,
-                  gradient_accumulation_steps=2)
+                  gradient_accumulation_steps=2, report_to="tensorboard")
     out = tmp_path / "run"
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -97,6 +97,12 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(tiny_qwen3_target, gsm8k_
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
     assert [row["step"] for row in read_log(out)] == [2, 4, 6]
+    # TensorBoard, read back as its UI reads it: steps 4 and 6 once, the resumed run's (the first run's are hidden).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "runs")).Reload()
+    assert len(list((out / "runs").glob("events.out.tfevents.*"))) == 2  # one file per run
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(row["step"], pytest.approx(row["loss"])) for row in read_log(out)]
 
 
 def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qwen3_target, train_env, tmp_path):
