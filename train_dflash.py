@@ -78,7 +78,7 @@ from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_checkpoint import check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
+from dflash_checkpoint import check_checkpoint, check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
 from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
@@ -854,6 +854,31 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         tracker.finish()
 
 
+def finished_at_named_checkpoint(settings: TrainSettings, data: TrainData) -> str | None:
+    """`finished_run` for --resume_from_checkpoint CHECKPOINT, which needs the run's length: its
+    optimizer steps in all with these settings and data, on the drafter ranks that wrote the checkpoint."""
+    if settings.resume_from_checkpoint in (None, "latest"):
+        return None
+    try:
+        state = json.loads((Path(settings.resume_from_checkpoint) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None  # missing or damaged: find_resume_point names it
+    total_steps = make_schedule(settings, data, ResumePoint(None, state), state.get("drafter_ranks", 1)).total_steps
+    finished = finished_run(settings, total_steps)
+    if finished:
+        check_checkpoint(Path(settings.resume_from_checkpoint), settings.output_dir)  # a damaged one is named all the same
+    return finished
+
+
+def end_finished_run(cluster, line: str) -> None:
+    """End a run that has nothing to do (`finished_run`): `line` once, as a warning; nothing written."""
+    if cluster.rank == 0:
+        logger.warning(line)
+    if cluster.liveness:
+        cluster.liveness.finish()
+    cluster.accelerator.end_training()
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -862,12 +887,7 @@ def main(argv: list[str]) -> None:
     cluster = setup_distributed(settings)
     finished = finished_run(settings)
     if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
-        if cluster.rank == 0:
-            logger.warning(finished)
-        if cluster.liveness:
-            cluster.liveness.finish()
-        cluster.accelerator.end_training()
-        return
+        return end_finished_run(cluster, finished)
     if config_path == str(DEMO_CONFIG):
         logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
     if settings.push_to_hub and cluster.rank == 0:
@@ -879,6 +899,9 @@ def main(argv: list[str]) -> None:
     draft_config = drafter_config_for(settings, target_config, tokenizer, compute)
     weights = loss_weights_for(settings, device)
     data = load_data(settings, tokenizer, cluster.accelerator)
+    finished = finished_at_named_checkpoint(settings, data)
+    if finished:  # the same, for the checkpoint of a finished run's last step, named
+        return end_finished_run(cluster, finished)
     resume = find_resume_point(settings, cluster.accelerator, cluster.rank)
 
     # Topology: what this rank loads, then (auto) the split timed on both sides, then the split settled.

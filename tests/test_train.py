@@ -111,7 +111,7 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
     cut in half after a crash (no final/), resumed with latest: each one `error:` line naming the
     file and checkpoint-2, the newest intact one, and train_log.jsonl byte for byte as it was. The
     finished run itself, resumed with latest: it says so and exits 0, with no evaluation and no
-    record appended."""
+    record appended; and the same when it is resumed from its last checkpoint by name."""
     import shutil
 
     data = REPO / "data" / "demo_conversations.jsonl"
@@ -124,9 +124,10 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
     assert [(row["step"], "eval_tau" in row) for row in read_log(out)] == [(2, False), (4, False), (4, True)]
     # The closing command asks for no more prompts than the held-out file has (10).
     assert re.search(r"Measure it on more prompts: python eval_dflash.py .* --num_prompts 10 --max_new_tokens 4 ", result.stderr)
-    model_cut, optim_cut = tmp_path / "model_cut", tmp_path / "optim_cut"
-    shutil.copytree(out, model_cut)
-    shutil.copytree(out, optim_cut)
+    model_cut, optim_cut, named = tmp_path / "model_cut", tmp_path / "optim_cut", tmp_path / "named"
+    for copy in (model_cut, optim_cut, named):
+        shutil.copytree(out, copy)  # the files' times too: final/ stays the newest
+    card = (named / "final" / "README.md").stat().st_mtime_ns
     model_states = model_cut / "checkpoint-4" / "deepspeed" / "mp_rank_00_model_states.pt"
     model_states.write_bytes(model_states.read_bytes()[:1000])
     optimizer = optim_cut / "checkpoint-4" / "deepspeed" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -136,6 +137,7 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
         model_cut: tiny_args(tiny_qwen3_target, data, model_cut, resume_from_checkpoint=model_cut / "checkpoint-4", **common),
         optim_cut: tiny_args(tiny_qwen3_target, data, optim_cut, resume_from_checkpoint="latest", **common),
         out: tiny_args(tiny_qwen3_target, data, out, resume_from_checkpoint="latest", **common),
+        named: tiny_args(tiny_qwen3_target, data, named, resume_from_checkpoint=named / "checkpoint-4", **common),
     }
     procs = {folder: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE) for folder, args in commands.items()}
@@ -155,6 +157,15 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
             f"{out}/checkpoint-4); to train again, pass --overwrite_output_dir or a new --output_dir") in finished[0]
     assert "Held-out tau" not in stderr[out] and "Resumed from" not in stderr[out]
     assert (out / "train_log.jsonl").read_text() == log
+    # Its last checkpoint named instead of latest: the same, after the data (the run's length) is read.
+    assert procs[named].returncode == 0, stderr[named][-3000:]
+    finished = [line for line in stderr[named].splitlines() if "has finished" in line]
+    assert len(finished) == 1 and "WARNING" in finished[0], stderr[named][-3000:]
+    assert (f"--resume_from_checkpoint {named}/checkpoint-4: the run in {named} has finished (its export final/ was written "
+            f"after that checkpoint, of its last step), so there is nothing to resume") in finished[0]
+    assert "Held-out tau" not in stderr[named] and "Resumed from" not in stderr[named]
+    assert (named / "train_log.jsonl").read_text() == log
+    assert (named / "final" / "README.md").stat().st_mtime_ns == card
 
 
 def test_the_held_out_evaluation_shows_a_bar_over_its_prompts_on_a_terminal(tiny_qwen3_target, monkeypatch):
