@@ -78,24 +78,36 @@ def check_checkpoint(checkpoint: Path, output_dir: str) -> None:
     raise ValueError(f"checkpoint {checkpoint} is damaged, nothing was changed: {damage}; {advice}")
 
 
-def finished_run(settings) -> str | None:
-    """With --resume_from_checkpoint latest in an --output_dir whose run has ended (its export final/
-    written after its newest checkpoint and its log's last line, as a run's last act), the line that
-    says so; None otherwise. Such a run has nothing to resume: training on from its last checkpoint
-    would measure it again and append a second copy of its last records to train_log.jsonl."""
+def finished_run(settings, total_steps: int | None = None) -> str | None:
+    """The line that says the run in --output_dir has ended, so that there is nothing to resume, or
+    None. It has ended when its export final/ was written after its log's last line and after the
+    checkpoint resumed (a run's last act), and:
+    - with --resume_from_checkpoint latest, that is its newest checkpoint;
+    - with --resume_from_checkpoint CHECKPOINT, that checkpoint is of this run's last step or later
+      (`total_steps`: the run's optimizer steps in all, `Schedule.total_steps`; None: not checked).
+    Training on would train nothing, measure the held-out tau again, append a second copy of its
+    last record to train_log.jsonl and write the export and its card again."""
     output_dir = Path(settings.output_dir)
     export = output_dir / "final" / "config.json"
-    if settings.resume_from_checkpoint != "latest" or not export.is_file():
-        return None
     checkpoints = checkpoint_dirs(settings.output_dir)
-    written_later = [p / "trainer_state.json" for p in checkpoints] + [output_dir / "train_log.jsonl"]
+    resume = settings.resume_from_checkpoint
+    if resume == "latest":
+        named = checkpoints
+    elif resume and total_steps is not None and (Path(resume) / "trainer_state.json").is_file():
+        step = json.loads((Path(resume) / "trainer_state.json").read_text()).get("global_step", 0)
+        named = [Path(resume)] if step >= total_steps else []
+    else:
+        named = []
+    if not export.is_file() or (resume != "latest" and not named):
+        return None
+    written_later = [p / "trainer_state.json" for p in named] + [output_dir / "train_log.jsonl"]
     if any(p.is_file() and p.stat().st_mtime_ns > export.stat().st_mtime_ns for p in written_later):
         return None  # an earlier run's export, left by --overwrite_output_dir until this run exports its own
     further = (f"to train it further, name its last checkpoint with a larger --max_steps (--resume_from_checkpoint "
                f"{checkpoints[-1]}); " if checkpoints else "")
-    return (f"--resume_from_checkpoint latest: the run in {output_dir} has finished (its export final/ was written after "
-            f"its last checkpoint), so there is nothing to resume; {further}to train again, pass --overwrite_output_dir "
-            f"or a new --output_dir")
+    return (f"--resume_from_checkpoint {resume}: the run in {output_dir} has finished (its export final/ was written after "
+            f"{'its last checkpoint' if resume == 'latest' else 'that checkpoint, of its last step'}), so there is nothing to "
+            f"resume; {further}to train again, pass --overwrite_output_dir or a new --output_dir")
 
 
 def check_same_optimizer(checkpoint: Path, optimizer: str) -> None:

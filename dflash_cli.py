@@ -16,12 +16,20 @@ from transformers import HfArgumentParser
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's '(default: X)' suffix, left out where the help text already says what the default
-    is, and for None (an unset optional setting, whose help text says what unset means)."""
+    is, and for None (an unset optional setting, whose help text says what unset means). Each flag
+    is shown in one form, --x_y: HfArgumentParser also accepts --x-y, and listing both doubled every
+    line of --help."""
 
     def _get_help_string(self, action):
         if action.default is None or "default" in (action.help or "").lower():
             return action.help
         return super()._get_help_string(action)
+
+    def _format_action_invocation(self, action):
+        action = copy.copy(action)  # the parser's own action keeps every form: --x-y is still accepted
+        action.option_strings = [option for option in action.option_strings
+                                 if not ("-" in option[2:] and "--" + option[2:].replace("-", "_") in action.option_strings)]
+        return super()._format_action_invocation(action)
 
 
 # argparse's type names -> what the flag expects, in words.

@@ -122,10 +122,12 @@ def weights_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
-def start_trackers(settings, hparams: dict) -> list:
+def start_trackers(settings, hparams: dict, resumed_step: int = 0) -> list:
     """accelerate's trackers for --report_to, started on the calling rank (the lead). accelerate
     runs them on global rank 0 only, which in split mode is a target rank, so the instances made
-    here have that gate switched off. TensorBoard writes to {output_dir}/runs/."""
+    here have that gate switched off. TensorBoard writes to {output_dir}/runs/; a run resumed from
+    the checkpoint of step `resumed_step` hides the events the earlier run wrote after that step
+    (SummaryWriter's purge_step), which it logs again."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers
 
     if settings.report_to == "none":
@@ -135,7 +137,8 @@ def start_trackers(settings, hparams: dict) -> list:
         tracker_class = LOGGER_TYPE_TO_CLASS[str(kind)]
         if tracker_class.requires_logging_directory:
             # The run name is the subfolder of output_dir (TensorBoard: {output_dir}/runs/events.out.tfevents.*).
-            tracker = tracker_class("runs", settings.output_dir)
+            purge = {"purge_step": resumed_step + 1} if resumed_step and str(kind) == "tensorboard" else {}
+            tracker = tracker_class("runs", settings.output_dir, **purge)
         else:
             tracker = tracker_class("dflash")  # the project name (wandb, ...)
         tracker.main_process_only = False
@@ -340,7 +343,7 @@ def start_progress(settings, layout, schedule: Schedule, resume: ResumePoint, nu
         os.makedirs(settings.output_dir, exist_ok=True)
     # Trackers take flat scalars; lists and None become strings.
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(settings).items()}
-    trackers = start_trackers(settings, hparams) if layout.is_lead else []
+    trackers = start_trackers(settings, hparams, resume.global_step) if layout.is_lead else []
     logger.info(
         "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
         num_samples, world, layout.dp_world, schedule.total_steps, schedule.steps_per_epoch, schedule.num_epochs,

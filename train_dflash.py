@@ -54,6 +54,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field, fields, replace
@@ -77,7 +78,7 @@ from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-from dflash_checkpoint import check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
+from dflash_checkpoint import check_checkpoint, check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
 from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
@@ -190,7 +191,7 @@ class TrainSettings:
     loss_decay_gamma: float | None = field(default=None, metadata={"group": "objective", "help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
     # optimisation
     num_train_epochs: int = field(default=6, metadata={"group": "optimisation", "help": "Epochs over the training data"})
-    max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps; > 0 overrides num_train_epochs"})
+    max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps in all, overriding --num_train_epochs; -1 (the default): --num_train_epochs sets the length"})
     per_device_batch_size: int = field(default=1, metadata={"group": "optimisation", "help": "Sequences per micro-batch per rank"})
     gradient_accumulation_steps: int = field(default=1, metadata={"group": "optimisation", "help": "Micro-batches per optimizer step"})
     optimizer: str = field(default="adamw", metadata={"group": "optimisation", "help": "adamw (every parameter) or muon (DeepSpeed's Muon on every matrix, AdamW on the norm gains; docs/training.md#the-optimizer)"})
@@ -308,6 +309,11 @@ class TrainSettings:
                      "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps != -1 and self.max_steps < 1:
+            raise ValueError(f"--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs < 1:
+            raise ValueError(f"--num_train_epochs must be >= 1, got {self.num_train_epochs}; or pass --max_steps for a run "
+                             "of so many optimizer steps")
         if self.context_chunk_size < 0:
             raise ValueError(f"--context_chunk_size must be >= 0 (0 = the context in one piece), got {self.context_chunk_size}")
         if self.anchor_slots_multiple < 0:
@@ -416,6 +422,14 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
                     if p.exists())
     if not existing.is_dir():
         raise ValueError(f"--output_dir {settings.output_dir}: {existing} is a file, not a folder; pass a folder (it is made if missing)")
+    # A file written and removed there: permission bits say nothing for root, nor about a read-only filesystem.
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-check-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"--output_dir {settings.output_dir}: cannot write in {existing} ({error.strerror}); pass a folder "
+                         f"you can write to, or make {existing} writable") from None
     return settings, config_path
 
 
@@ -796,15 +810,17 @@ def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: Trai
 def evaluate_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
                  device: torch.device) -> dict:
     """tau on the held-out prompts (and prompt lookup's, with --eval_prompt_lookup), for the lead
-    (the other drafter ranks wait at the next barrier): colocated on the lead itself, in split mode on
-    the first target group, which receives the weights."""
+    (the other drafter ranks wait at the next barrier): colocated on the lead itself, with a bar over
+    the prompts on a terminal (a minute or so of decoding), in split mode on the first target group,
+    which receives the weights."""
     if layout.split:
         broadcast_drafter_weights(drafter, layout.eval_group, src=layout.rank)
         values = broadcast_scalars(None, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
         result = {key: None if math.isnan(value) else value for key, value in zip(EVAL_RESULTS, values)}
     else:
         result = evaluate_acceptance(target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens,
-                                     chat_template_kwargs=data.chat_kwargs, prompt_lookup=settings.eval_prompt_lookup)
+                                     chat_template_kwargs=data.chat_kwargs, prompt_lookup=settings.eval_prompt_lookup,
+                                     progress=layout.is_lead and sys.stderr.isatty())
     scalars = {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
     if settings.eval_prompt_lookup:
         scalars["eval_prompt_lookup_tau"] = result["prompt_lookup_acceptance_length"]
@@ -906,6 +922,31 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         tracker.finish()
 
 
+def finished_at_named_checkpoint(settings: TrainSettings, data: TrainData) -> str | None:
+    """`finished_run` for --resume_from_checkpoint CHECKPOINT, which needs the run's length: its
+    optimizer steps in all with these settings and data, on the drafter ranks that wrote the checkpoint."""
+    if settings.resume_from_checkpoint in (None, "latest"):
+        return None
+    try:
+        state = json.loads((Path(settings.resume_from_checkpoint) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None  # missing or damaged: find_resume_point names it
+    total_steps = make_schedule(settings, data, ResumePoint(None, state), state.get("drafter_ranks", 1)).total_steps
+    finished = finished_run(settings, total_steps)
+    if finished:
+        check_checkpoint(Path(settings.resume_from_checkpoint), settings.output_dir)  # a damaged one is named all the same
+    return finished
+
+
+def end_finished_run(cluster, line: str) -> None:
+    """End a run that has nothing to do (`finished_run`): `line` once, as a warning; nothing written."""
+    if cluster.rank == 0:
+        logger.warning(line)
+    if cluster.liveness:
+        cluster.liveness.finish()
+    cluster.accelerator.end_training()
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -914,12 +955,7 @@ def main(argv: list[str]) -> None:
     cluster = setup_distributed(settings)
     finished = finished_run(settings)
     if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
-        if cluster.rank == 0:
-            logger.warning(finished)
-        if cluster.liveness:
-            cluster.liveness.finish()
-        cluster.accelerator.end_training()
-        return
+        return end_finished_run(cluster, finished)
     if config_path == str(DEMO_CONFIG):
         logger.info("No --config or --target_model given: running the offline CPU demo (%s)", DEMO_CONFIG.name)
     if settings.push_to_hub and cluster.rank == 0:
@@ -931,6 +967,9 @@ def main(argv: list[str]) -> None:
     draft_config = drafter_config_for(settings, target_config, tokenizer, compute)
     weights = loss_weights_for(settings, device)
     data = load_data(settings, tokenizer, cluster.accelerator)
+    finished = finished_at_named_checkpoint(settings, data)
+    if finished:  # the same, for the checkpoint of a finished run's last step, named
+        return end_finished_run(cluster, finished)
     resume = find_resume_point(settings, cluster.accelerator, cluster.rank)
 
     # Topology: what this rank loads, then (auto) the split timed on both sides, then the split settled.

@@ -5,6 +5,7 @@ import base64
 import gzip
 import http.server
 import json
+import os
 import re
 import socket
 import stat
@@ -77,7 +78,7 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_tar
     # 2 micro-batches per optimizer step: a checkpoint must fall on an accumulation boundary. Muon's
     # momentum lives in ZeRO's optimizer state: a resume that lost it would train other weights.
     common = dict(max_steps=6, save_steps=3, logging_steps=2, max_samples=48, target_layer_ids="1 3", per_device_batch_size=2,
-                  gradient_accumulation_steps=2, optimizer=optimizer)
+                  gradient_accumulation_steps=2, optimizer=optimizer, report_to="tensorboard")
     out = tmp_path / "run"
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -98,6 +99,12 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_tar
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
     assert [row["step"] for row in read_log(out)] == [2, 4, 6]
+    # TensorBoard, read back as its UI reads it: steps 4 and 6 once, the resumed run's (the first run's are hidden).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "runs")).Reload()
+    assert len(list((out / "runs").glob("events.out.tfevents.*"))) == 2  # one file per run
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(row["step"], pytest.approx(row["loss"])) for row in read_log(out)]
 
 
 def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qwen3_target, train_env, tmp_path):
@@ -106,7 +113,7 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
     cut in half after a crash (no final/), resumed with latest: each one `error:` line naming the
     file and checkpoint-2, the newest intact one, and train_log.jsonl byte for byte as it was. The
     finished run itself, resumed with latest: it says so and exits 0, with no evaluation and no
-    record appended."""
+    record appended; and the same when it is resumed from its last checkpoint by name."""
     import shutil
 
     data = REPO / "data" / "demo_conversations.jsonl"
@@ -119,9 +126,10 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
     assert [(row["step"], "eval_tau" in row) for row in read_log(out)] == [(2, False), (4, False), (4, True)]
     # The closing command asks for no more prompts than the held-out file has (10).
     assert re.search(r"Measure it on more prompts: python eval_dflash.py .* --num_prompts 10 --max_new_tokens 4 ", result.stderr)
-    model_cut, optim_cut = tmp_path / "model_cut", tmp_path / "optim_cut"
-    shutil.copytree(out, model_cut)
-    shutil.copytree(out, optim_cut)
+    model_cut, optim_cut, named = tmp_path / "model_cut", tmp_path / "optim_cut", tmp_path / "named"
+    for copy in (model_cut, optim_cut, named):
+        shutil.copytree(out, copy)  # the files' times too: final/ stays the newest
+    card = (named / "final" / "README.md").stat().st_mtime_ns
     model_states = model_cut / "checkpoint-4" / "deepspeed" / "mp_rank_00_model_states.pt"
     model_states.write_bytes(model_states.read_bytes()[:1000])
     optimizer = optim_cut / "checkpoint-4" / "deepspeed" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -131,6 +139,7 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
         model_cut: tiny_args(tiny_qwen3_target, data, model_cut, resume_from_checkpoint=model_cut / "checkpoint-4", **common),
         optim_cut: tiny_args(tiny_qwen3_target, data, optim_cut, resume_from_checkpoint="latest", **common),
         out: tiny_args(tiny_qwen3_target, data, out, resume_from_checkpoint="latest", **common),
+        named: tiny_args(tiny_qwen3_target, data, named, resume_from_checkpoint=named / "checkpoint-4", **common),
     }
     procs = {folder: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE) for folder, args in commands.items()}
@@ -150,6 +159,49 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
             f"{out}/checkpoint-4); to train again, pass --overwrite_output_dir or a new --output_dir") in finished[0]
     assert "Held-out tau" not in stderr[out] and "Resumed from" not in stderr[out]
     assert (out / "train_log.jsonl").read_text() == log
+    # Its last checkpoint named instead of latest: the same, after the data (the run's length) is read.
+    assert procs[named].returncode == 0, stderr[named][-3000:]
+    finished = [line for line in stderr[named].splitlines() if "has finished" in line]
+    assert len(finished) == 1 and "WARNING" in finished[0], stderr[named][-3000:]
+    assert (f"--resume_from_checkpoint {named}/checkpoint-4: the run in {named} has finished (its export final/ was written "
+            f"after that checkpoint, of its last step), so there is nothing to resume") in finished[0]
+    assert "Held-out tau" not in stderr[named] and "Resumed from" not in stderr[named]
+    assert (named / "train_log.jsonl").read_text() == log
+    assert (named / "final" / "README.md").stat().st_mtime_ns == card
+
+
+def test_the_held_out_evaluation_shows_a_bar_over_its_prompts_on_a_terminal(tiny_qwen3_target, monkeypatch):
+    """The lead's held-out evaluation (a minute or so on a CPU) draws a bar over its prompts on stderr
+    when that is a terminal, and writes nothing there when it is not (a log file)."""
+    import io
+    from types import SimpleNamespace
+
+    from dflash_model import DFlashDraftModel
+    from dflash_target import drafter_config_for_target, load_target
+    from train_dflash import TrainData, evaluate_tau, parse_settings
+
+    target, tokenizer = load_target(str(tiny_qwen3_target), device="cpu")
+    drafter = DFlashDraftModel(drafter_config_for_target(target.config, mask_token_id=151669, num_draft_layers=1, block_size=4,
+                                                         target_layer_ids=[1, 3]))
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in range(3)]
+    data = TrainData(dataset=None, lengths=[], eval_prompts=prompts, chat_kwargs=None)
+    settings, _ = parse_settings(["--target_model", "x", "--train_data", "a", "--eval_max_new_tokens", "3"])
+    lead = SimpleNamespace(split=False, is_lead=True)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream in (Terminal(), io.StringIO()):
+        monkeypatch.setattr(sys, "stderr", stream)
+        scalars = evaluate_tau(drafter, target, tokenizer, data, settings, lead, torch.device("cpu"))
+        assert scalars["eval_tau"] >= 1
+        shown = stream.getvalue()
+        if stream.isatty():
+            assert "tau eval:" in shown and "0/3 [" in shown, shown
+        else:
+            assert shown == ""
 
 
 def test_checkpoint_check_reads_every_rank_shard_in_either_deepspeed_naming(tmp_path):
@@ -254,8 +306,9 @@ def weightless_target(path, tokenizer, **config) -> Path:
 
 
 def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, train_env, tmp_path):
-    """A flag of the wrong type, a bad data line, a target without a mask token and a target whose
-    config.json is cut short each stop the run with one line that names the problem, as the last line,
+    """A flag of the wrong type, a bad data line, a target without a mask token, a target whose
+    config.json is cut short, an --output_dir that cannot be written, a negative --max_steps and
+    --num_train_epochs 0 each stop the run with one line that names the problem, as the last line,
     no traceback and no traceback hint, and before the target's weights are read (their garbage file
     would fail otherwise)."""
     data = tmp_path / "chats.jsonl"
@@ -272,6 +325,10 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
         "mask": tiny_args(full, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out2", max_steps=1),
         "flag": tiny_args(target, data, tmp_path / "out3", max_steps="five"),
         "config": tiny_args(cut, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out4", max_steps=1),
+        # Not writable even for root; written to only after the target loaded, it failed with a traceback there.
+        "output": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", "/proc/dflash-out", max_steps=1),
+        "steps": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out5", max_steps=-5),
+        "epochs": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out6", max_steps=-1, num_train_epochs=0),
     }
     procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in commands.items()}
@@ -307,6 +364,13 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
     last = results["config"][1].strip().splitlines()[-1]  # transformers' own message would take two lines
     assert last.startswith(f"error: --target_model '{cut}': {cut}/config.json is not valid JSON (line "), last
     assert last.endswith("; the file is cut short or damaged: copy or download it again"), last
+    assert results["output"][1].strip().splitlines()[-1] == (
+        "error: --output_dir /proc/dflash-out: cannot write in /proc (No such file or directory); pass a folder you can "
+        "write to, or make /proc writable")
+    assert results["steps"][1].strip().splitlines()[-1] == (
+        "error: --max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got -5")
+    assert results["epochs"][1].strip().splitlines()[-1] == (
+        "error: --num_train_epochs must be >= 1, got 0; or pass --max_steps for a run of so many optimizer steps")
     # Not the 200-line usage text: one line naming the flag and what it expects.
     assert results["flag"][1].strip().splitlines()[-1] == (
         "error: --max_steps expects an integer, got 'five'; see `python train_dflash.py --help`")
@@ -395,10 +459,23 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
         (["--output_dir", str(tmp_path / "run.yaml")], f"--output_dir {tmp_path}/run.yaml: {tmp_path}/run.yaml is a file, not a folder; "
                                                        f"pass a folder (it is made if missing)"),
         (["--output_dir", str(tmp_path / "run.yaml" / "out")], f"--output_dir {tmp_path}/run.yaml/out: {tmp_path}/run.yaml is a file, not a folder"),
+        # A folder nobody can write in, root included: the check writes a file there, not only reads the mode.
+        (["--output_dir", "/proc/dflash"], "--output_dir /proc/dflash: cannot write in /proc (No such file or directory); "
+                                           "pass a folder you can write to, or make /proc writable"),
+        (["--max_steps", "-5"], "--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got -5"),
+        (["--max_steps", "0"], "--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got 0"),
+        (["--num_train_epochs", "0"], "--num_train_epochs must be >= 1, got 0; or pass --max_steps"),
     ]:
         with pytest.raises(ValueError) as error:
             parse_settings(base + argv)
         assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+    assert parse_settings(base + ["--num_train_epochs", "0", "--max_steps", "5"])[0].max_steps == 5  # the steps set the length
+    assert parse_settings(base)[0].max_steps == -1
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    if os.geteuid() != 0:  # the mode binds everyone but root
+        with pytest.raises(ValueError, match=f"^--output_dir {read_only}/out: cannot write in {read_only} \\(Permission denied\\)"):
+            parse_settings(base + ["--output_dir", str(read_only / "out")])
     config = tmp_path / "run.yaml"
     config.write_text("target_model: x\ntrain_data: [a]\nlearning_rat: 0.1\n")
     with pytest.raises(ValueError, match=r"unknown settings \['learning_rat'\]; learning_rat: did you mean learning_rate\?"):
@@ -423,8 +500,10 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
     entries = re.split(r"\n  --", help_text)
     assert len(entries) > 50 and not [e for e in entries if e.lower().count("default") > 1]
     flat = " ".join(help_text.split())
-    assert "--num_anchors NUM_ANCHORS, --num-anchors NUM_ANCHORS Anchors (blocks)" in flat and "(default: 512)" in flat
+    assert "--num_anchors NUM_ANCHORS Anchors (blocks)" in flat and "(default: 512)" in flat
     assert "(default: None)" not in flat
+    # --help shows --x_y alone; --x-y is still accepted.
+    assert parse_settings(base + ["--num-anchors", "32"])[0].num_anchors == 32
 
 
 def test_only_unexpected_errors_get_the_traceback_hint():
@@ -984,6 +1063,10 @@ def test_help_renders_every_flag_in_its_group_with_its_default():
     for section in sections[2:]:
         for entry in re.split(r"\n  (?=--)", section)[1:]:
             assert " ".join(entry.split()).lower().count("default") == 1, entry
+    # Each flag once, in the form the docs use: not `--x_y X_Y, --x-y X_Y` (HfArgumentParser's alias, still accepted).
+    invocations = re.findall(r"^  (-\S.*?)(?:  |$)", text, re.M)
+    listed = [option for invocation in invocations for option in re.findall(r"(?:^|, )(--?[\w-]+)", invocation)]
+    assert sorted(listed) == sorted(["-h", "--help", "--config", *(f"--{f.name}" for f in fields(TrainSettings))]), listed
     flat = " ".join(text.split())
     assert "eta of --loss lk (3.0 is speculators' value too; 0 gives plain KL) (default: 3.0)" in flat
     assert "speculators trains with unless told otherwise" in flat and "the drafter's detached confidence) (default: exp)" in flat
@@ -993,4 +1076,5 @@ def test_help_renders_every_flag_in_its_group_with_its_default():
     assert result.returncode == 0, result.stderr[-2000:]
     flat = " ".join(result.stdout.split())
     assert "Evaluate a DFlash drafter by real speculative decoding on the target" in flat and "(default: None)" not in flat
-    assert "--num_prompts NUM_PROMPTS, --num-prompts NUM_PROMPTS Use only the first N prompts of --data (default: every prompt)." in flat
+    assert "--num_prompts NUM_PROMPTS Use only the first N prompts of --data (default: every prompt)." in flat
+    assert "--num-prompts" not in flat
