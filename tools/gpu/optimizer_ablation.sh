@@ -18,9 +18,10 @@
 #   RUNS="spec_default base muon" bash tools/gpu/optimizer_ablation.sh [OUT] [RECIPE_DIR]
 #   ARGMAX_RUNS="base muon"   also evaluate these at T=0.8 with --proposal argmax (OUT/RUN/eval_argmax_t0.8.json)
 #   FP32_RUNS="muon"          also evaluate these at T=0 in float32 (OUT/RUN/eval_fp32_t0.json): the strict lossless check
+#   AT_ONCE=2                 at most this many runs at a time, started in RUNS order (default: all at once; an
+#                             H100's 80 GB holds speculators' row, ~39 GB, beside one of ours, ~23 GB)
 #   TINY=1 ...                the CPU trial (speculators_compare.sh's TINY settings)
-# Every run starts at once (a 135M target leaves the GPU mostly idle; ~23 GB each, speculators' ~39 GB); the
-# replies are regenerated first when missing. Rerun the same command to finish what a lost machine left:
+# A 135M target leaves the GPU mostly idle, so runs share it; the replies are regenerated first when missing. Rerun the same command to finish what a lost machine left:
 # each step skips what exists. OUT/table.md gathers every run's numbers (tools/gpu/ablation_table.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -76,6 +77,7 @@ for run in $RUNS; do
     [[ " $FP32_RUNS " == *" $run "* ]] && extra_eval "$run" fp32_t0 --temperature 0 --dtype float32 &
     wait
   ) > "$OUT/$run.log" 2>&1 &
+  while (($(jobs -rp | wc -l) >= ${AT_ONCE:-1000})); do sleep 5; done
 done
 wait
 python3 tools/gpu/ablation_table.py --runs "$OUT" $RUNS | tee "$OUT/table.md"
