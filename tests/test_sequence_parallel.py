@@ -146,3 +146,25 @@ def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target,
     worst = max((weights1[k] - weights2[k]).abs().max().item() for k in weights1)
     print(f"max abs weight difference SP=1 vs SP=2: {worst:.1e}")
     assert worst < 1e-5
+
+
+@pytest.mark.parametrize("backend, pad_to, sp, expected", [
+    ("sdpa", None, 3, 24), ("flex", None, 3, 384), ("sdpa", 5, 2, 10), ("sdpa", None, 2, 8),
+])
+def test_batches_pad_to_a_multiple_of_the_sequence_parallel_size(backend, pad_to, sp, expected):
+    """Every rank of a group holds 1/P of a batch's positions, so batches pad to the least common
+    multiple of the backend's multiple (or --pad_to_multiple_of) and P. Samples of 13 and 7 tokens:
+    padded to the backend's 8 or 128 alone they would not split in 3, nor padded to 5 (15) in 2."""
+    from dflash_data import collate_batch
+    from dflash_model import SequenceParallel
+    from train_dflash import TrainSettings, resolve_compute
+
+    settings = TrainSettings(target_model="x", train_data=["x"], sequence_parallel_size=sp, num_anchors=6 * sp,
+                             pad_to_multiple_of=pad_to, attention_backend=backend)
+    compute = resolve_compute(settings, torch.device("cpu"))
+    assert compute.pad_multiple == expected
+    samples = [{"input_ids": list(range(1, 14)), "loss_mask": [True] * 13}, {"input_ids": list(range(1, 8)), "loss_mask": [True] * 7}]
+    batch = collate_batch(samples, pad_token_id=0, pad_to_multiple_of=compute.pad_multiple)
+    assert batch["input_ids"].shape == (2, expected * -(-13 // expected))
+    shards = [SequenceParallel(None, rank, sp).shard(batch["input_ids"]) for rank in range(sp)]
+    assert torch.equal(torch.cat(shards, dim=1), batch["input_ids"])
