@@ -168,3 +168,38 @@ def test_batches_pad_to_a_multiple_of_the_sequence_parallel_size(backend, pad_to
     assert batch["input_ids"].shape == (2, expected * -(-13 // expected))
     shards = [SequenceParallel(None, rank, sp).shard(batch["input_ids"]) for rank in range(sp)]
     assert torch.equal(torch.cat(shards, dim=1), batch["input_ids"])
+
+
+def test_a_checkpoint_resumes_only_at_the_sequence_parallel_size_that_wrote_it(monkeypatch, tmp_path):
+    """The order of micro-batches depends on --sequence_parallel_size (each appears once per rank of a
+    group), so a checkpoint records it and resuming at another size is refused, in one line naming the
+    checkpoint and both sizes. Checked through save_checkpoint's trainer_state.json (the DeepSpeed
+    engine and the barriers replaced) and make_schedule, both ways: SP=2 resumed at 1, SP=1 at 2."""
+    import json
+
+    from dflash_checkpoint import save_checkpoint
+    from dflash_schedule import ResumePoint, make_schedule
+    from train_dflash import TrainData, TrainSettings
+
+    class Engine:
+        def save_checkpoint(self, path, tag):
+            os.makedirs(Path(path) / tag)
+
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: None)
+    layout = type("Layout", (), dict(is_lead=True, drafter_group=None, dp_rank=0, dp_world=2, target_ranks_per_node=0))()
+    data = TrainData(dataset=None, lengths=[(7 * i) % 23 + 1 for i in range(12)], eval_prompts=None, chat_kwargs=None)
+
+    def settings(sp):
+        return TrainSettings(target_model="x", train_data=["x"], output_dir=str(tmp_path / f"sp{sp}"), per_device_batch_size=2,
+                             sequence_parallel_size=sp, save_steps=1)
+
+    for written, resumed in ((2, 1), (1, 2)):
+        save_checkpoint(Engine(), settings(written), layout, 1, 0, 2)
+        path = tmp_path / f"sp{written}" / "checkpoint-1"
+        state = json.loads((path / "trainer_state.json").read_text())
+        assert make_schedule(settings(written), data, ResumePoint(str(path), state), 2).micro_steps_left > 0  # the same size resumes
+        with pytest.raises(ValueError) as refused:
+            make_schedule(settings(resumed), data, ResumePoint(str(path), state), 2)
+        assert str(refused.value).startswith(f"--resume_from_checkpoint {path} was written with --sequence_parallel_size {written}, "
+                                             f"this run has {resumed}")
+        assert "\n" not in str(refused.value)
