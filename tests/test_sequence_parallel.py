@@ -5,6 +5,7 @@ SP=2 exports the drafter of the same run at SP=1."""
 import copy
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -122,7 +123,8 @@ def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target,
     """3 optimizer steps on the tiny Qwen3 target (2 samples of <= 192 tokens per step, 16 anchors,
     2 drafter layers), once on one rank and once on 2 ranks launched with
     accelerate_configs/cpu_sp2.yaml (one sequence-parallel group, SP=2 from the accelerate config):
-    the same loss log and the same exported drafter, up to float32 summation order.
+    the same loss log and the same exported drafter, up to float32 summation order; both logs count
+    each step's 2 samples and their tokens once (a group's ranks do not each add them).
     Measured max abs weight difference: 4.7e-7 (the tolerance is 1e-5); the same with 1 target rank
     feeding the 2 (--target_ranks 1, run by hand). ~55 s on 2 busy cores."""
     args = dict(max_samples=6, max_steps=3, num_train_epochs=1, logging_steps=1)
@@ -140,7 +142,14 @@ def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target,
     for row1, row2 in zip(log1, log2):
         assert row1["loss"] == pytest.approx(row2["loss"], abs=1e-5)
         assert row1["tau_estimate"] == pytest.approx(row2["tau_estimate"], abs=1e-5)
-        assert row1["tokens_per_s"] > 0 and row2["tokens_per_s"] > 0
+    # Each step trains one micro-batch of 2 samples, once: a group counts its samples and tokens once,
+    # not once per rank. A row's rate times its step time (one step per row) is the count.
+    total_tokens = int(re.search(r"Training data: 6 samples, (\d+) tokens", one.stderr).group(1))
+    for log in (log1, log2):
+        assert [round(row["samples_per_s"] * row["step_time_s"], 6) for row in log] == [2, 2, 2]
+        tokens = [round(row["tokens_per_s"] * row["step_time_s"], 6) for row in log]
+        assert all(t == int(t) for t in tokens) and sum(tokens) == total_tokens, (tokens, total_tokens)
+    assert [row["tokens_per_s"] * row["step_time_s"] for row in log1] == pytest.approx([row["tokens_per_s"] * row["step_time_s"] for row in log2])
     weights1, weights2 = final_weights(tmp_path / "sp1"), final_weights(tmp_path / "sp2")
     assert set(weights1) == set(weights2)
     worst = max((weights1[k] - weights2[k]).abs().max().item() for k in weights1)
