@@ -212,3 +212,45 @@ def test_a_checkpoint_resumes_only_at_the_sequence_parallel_size_that_wrote_it(m
         assert str(refused.value).startswith(f"--resume_from_checkpoint {path} was written with --sequence_parallel_size {written}, "
                                              f"this run has {resumed}")
         assert "\n" not in str(refused.value)
+
+
+def test_target_rank_counts_each_sample_once_for_a_sequence_parallel_group(monkeypatch, caplog):
+    """Split mode at SP=2: one target rank feeds one group of 2 drafter ranks, sending each micro-batch
+    to both; its closing line and the counters in its headers (the supply rate the log compares with
+    the drafters' demand) count the 6 samples and their tokens once, not twice. The feature
+    sends are recorded instead of made (as test_split's transport test does)."""
+    import logging
+
+    from datasets import Dataset
+
+    import dflash_split
+    from dflash_features import serve_context_features
+    from dflash_schedule import train_plan
+    from dflash_split import END, HEADER, RankLayout
+    from train_dflash import TrainSettings
+
+    lengths = [5, 9, 7, 12, 6, 11]
+    dataset = Dataset.from_dict({"input_ids": [list(range(1, n + 1)) for n in lengths], "loss_mask": [[1] * n for n in lengths]})
+    headers = []
+
+    def record_send(tensor, dest, group=None):
+        if tensor.shape == (len(HEADER),):
+            headers.append(tensor.tolist())
+
+    class Extractor:  # the target's forward: features of width 8
+        predict_next = last_hidden = False
+
+        def __call__(self, input_ids, attention_mask):
+            return torch.zeros(*input_ids.shape, 8)
+
+    monkeypatch.setattr(dflash_split.dist, "send", record_send)
+    settings = TrainSettings(target_model="x", train_data=["x"], per_device_batch_size=2, sequence_parallel_size=2, save_steps=0)
+    layout = RankLayout(0, 3, [[0, 1, 2]], [[0]], [1, 2], None, None, None, None, None)
+    plan = train_plan(lengths, settings, 0, 0, 3, drafter_ranks=2)  # one epoch: 3 micro-batches, each for both ranks
+    with caplog.at_level(logging.INFO, logger="train_dflash"):
+        serve_context_features(plan, dataset, type("Tokenizer", (), {"pad_token_id": 0}), Extractor(), layout, settings,
+                               torch.device("cpu"), 8, 0)
+    assert len(headers) == 2 * 3 + 2  # every micro-batch to both drafter ranks, then END to each
+    assert f"Target rank 0 done: 6 samples, {sum(lengths)} tokens" in caplog.text
+    samples, tokens = HEADER.index("target_samples"), HEADER.index("target_tokens")
+    assert [(h[0], h[samples], h[tokens]) for h in headers[-2:]] == [(END, 6, sum(lengths))] * 2
