@@ -254,3 +254,78 @@ def test_target_rank_counts_each_sample_once_for_a_sequence_parallel_group(monke
     assert f"Target rank 0 done: 6 samples, {sum(lengths)} tokens" in caplog.text
     samples, tokens = HEADER.index("target_samples"), HEADER.index("target_tokens")
     assert [(h[0], h[samples], h[tokens]) for h in headers[-2:]] == [(END, 6, sum(lengths))] * 2
+
+
+def sp_layout(rank, nodes, num_target_ranks):
+    """A RankLayout of one-rank target groups, without process groups (those need a distributed run)."""
+    from dflash_split import RankLayout
+
+    groups = [[members[i]] for members in nodes for i in range(num_target_ranks)]
+    targets = {g[0] for g in groups}
+    return RankLayout(rank, sum(map(len, nodes)), nodes, groups, [r for m in nodes for r in m if r not in targets],
+                      None, None, None, None, None)
+
+
+@pytest.mark.parametrize("nodes, num_target_ranks, size, expected", [
+    (2, 2, 2, [[2, 3], [4, 5], [6, 7], [10, 11], [12, 13], [14, 15]]),
+    (2, 0, 4, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]),
+    (1, 1, 3, [[1, 2, 3], [4, 5, 6]]),
+    (2, 1, 2, "each of the 2 nodes has 7 drafter ranks, not a multiple of 2"),  # [7, 9] would span the nodes
+    (2, 0, 3, "each of the 2 nodes has 8 drafter ranks, not a multiple of 3"),  # 16 ranks in all are not either
+    (2, 2, 4, "each of the 2 nodes has 6 drafter ranks, not a multiple of 4"),  # 12 in all are: [6, 7, 10, 11] would span
+])
+def test_sequence_parallel_groups_lie_within_a_node(monkeypatch, nodes, num_target_ranks, size, expected):
+    """make_sequence_parallel_groups on 8 ranks per node (7 on one node): groups of `size` consecutive
+    drafter ranks, never across a node, the ones the schedule gives one micro-batch (consecutive
+    drafter ranks); where a node's drafter ranks do not divide into groups, one error line before any
+    group is made. torch.distributed.new_group records the groups instead of making them."""
+    from dflash_topology import make_sequence_parallel_groups
+    from test_model import tiny_drafter
+
+    per_node = 7 if nodes == 1 else 8
+    node_list = [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
+    made = []
+    monkeypatch.setattr(torch.distributed, "new_group", lambda ranks: made.append(list(ranks)) or tuple(ranks))
+    config = tiny_drafter().config
+    config.num_attention_heads = config.num_key_value_heads = 12  # divisible by 2, 3 and 4
+    if isinstance(expected, str):
+        with pytest.raises(ValueError) as refused:
+            make_sequence_parallel_groups(sp_layout(node_list[0][-1], node_list, num_target_ranks), size, config)
+        assert str(refused.value).startswith(f"--sequence_parallel_size {size}: {expected}, and a group must lie within one node")
+        assert "\n" not in str(refused.value) and made == []
+        return
+    for rank in range(nodes * per_node):
+        made.clear()
+        layout = sp_layout(rank, node_list, num_target_ranks)
+        mine = make_sequence_parallel_groups(layout, size, config)
+        assert made == expected  # every rank makes every group, in the same order
+        if layout.is_target:
+            assert mine is None
+        else:
+            group = next(g for g in expected if rank in g)
+            assert (mine.group, mine.rank, mine.size) == (tuple(group), group.index(rank), size)
+            assert group == layout.drafter_ranks[layout.dp_rank // size * size :][:size]  # the schedule's group
+
+
+def test_a_node_whose_drafter_ranks_do_not_divide_into_groups_is_refused_before_anything_loads(monkeypatch):
+    """setup_distributed, the first thing a rank does after parsing its settings: on 2 nodes of 8 ranks
+    with --target_ranks 1 and SP 2 (14 drafter ranks in all, 7 per node) it refuses in one line. The
+    process group, compile caches and liveness are replaced; node_ranks gives the 2 nodes."""
+    import types
+
+    import dflash_topology
+    from train_dflash import TrainSettings
+
+    accelerator = types.SimpleNamespace(process_index=0, num_processes=16, device=torch.device("cpu"))
+    for name, value in (("setup_compile_cache", lambda *a, **k: None), ("init_distributed", lambda on_cuda: accelerator),
+                        ("start_liveness", lambda *a: None), ("check_shared_output_dir", lambda *a: None),
+                        ("node_ranks", lambda rank, world, device: [list(range(8)), list(range(8, 16))])):
+        monkeypatch.setattr(dflash_topology, name, value)
+
+    def settings(target_ranks):
+        return TrainSettings(target_model="x", train_data=["x"], target_ranks=target_ranks, sequence_parallel_size=2)
+
+    with pytest.raises(ValueError) as refused:
+        dflash_topology.setup_distributed(settings("1"))
+    assert str(refused.value).startswith("--sequence_parallel_size 2: each of the 2 nodes has 7 drafter ranks, not a multiple of 2")
+    assert dflash_topology.setup_distributed(settings("2")).nodes == [list(range(8)), list(range(8, 16))]
