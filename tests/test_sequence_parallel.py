@@ -329,3 +329,33 @@ def test_a_node_whose_drafter_ranks_do_not_divide_into_groups_is_refused_before_
         dflash_topology.setup_distributed(settings("1"))
     assert str(refused.value).startswith("--sequence_parallel_size 2: each of the 2 nodes has 7 drafter ranks, not a multiple of 2")
     assert dflash_topology.setup_distributed(settings("2")).nodes == [list(range(8)), list(range(8, 16))]
+
+
+def test_heads_that_do_not_split_are_refused_before_the_target_loads(tiny_qwen3_target, monkeypatch, tmp_path):
+    """The tiny Qwen3 target gives the drafter 4 attention and 2 KV heads: SP 4 is refused in one line
+    from the target's config alone, before the rank layout is planned and the target loads. With 4 KV
+    heads the run goes on to that point. The process group and the data are replaced (a world of 4)."""
+    import types
+
+    import train_dflash
+    from dflash_schedule import ResumePoint
+    from dflash_topology import Cluster
+
+    def target_loads(*args, **kwargs):
+        raise AssertionError("the target was about to load")
+
+    cluster = Cluster(types.SimpleNamespace(), 0, 4, torch.device("cpu"), [[0, 1, 2, 3]], None)
+    monkeypatch.setattr(train_dflash, "setup_distributed", lambda settings: cluster)
+    monkeypatch.setattr(train_dflash, "load_data", lambda *args: None)
+    monkeypatch.setattr(train_dflash, "find_resume_point", lambda *args: ResumePoint(None, {}))
+    monkeypatch.setattr(train_dflash, "plan_rank_roles", target_loads)
+    monkeypatch.setattr(train_dflash, "load_target_parts", target_loads)
+    argv = ["--target_model", str(tiny_qwen3_target), "--train_data", "README.md", "--output_dir", str(tmp_path),
+            "--sequence_parallel_size", "4", "--num_draft_layers", "1", "--report_to", "none"]
+    with pytest.raises(ValueError) as refused:
+        train_dflash.main(argv)
+    assert str(refused.value) == ("--sequence_parallel_size 4: Ulysses gives each rank 1/4 of the drafter's heads, but it has 4 "
+                                  "attention heads and 2 KV heads; pick a size that divides both, or set "
+                                  "--draft_num_attention_heads / --draft_num_key_value_heads")
+    with pytest.raises(AssertionError, match="the target was about to load"):
+        train_dflash.main(argv + ["--draft_num_key_value_heads", "4"])
