@@ -1,6 +1,8 @@
 """Sequence parallelism (DeepSpeed Ulysses, --sequence_parallel_size) on CPU over gloo: one sample
 sharded over 2 ranks gives the loss and gradients of the unsharded step, and a short training run at
-SP=2 exports the drafter of the same run at SP=1."""
+SP=2 exports the drafter of the same run at SP=1, counting each sample once. In one process: padding
+to a multiple of the size, the refusal to resume at another size, the target side's sample count,
+groups within a node, and the checks made before the target loads."""
 
 import copy
 import dataclasses
