@@ -252,7 +252,9 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
     group's first rank to the drafter rank that trains them (the other ranks of a tensor-parallel
     group run the same forward, whose collectives need them, and send nothing). Joins the drafters'
     checkpoint saves at the same steps; `evaluate` (the first group, with --eval_data) runs the
-    lead's held-out evaluations at the same steps as the lead."""
+    lead's held-out evaluations at the same steps as the lead. With --sequence_parallel_size P every
+    rank of a group gets the group's micro-batch; its samples and tokens count once, in the copy for
+    the group's first rank, so the supply rate is in samples trained, as the drafters' demand is."""
     sender = None
     if layout.is_sender:
         sender = FeatureSender(layout.transport_group, layout.drafters_of(layout.rank), device, settings.prefetch_batches)
@@ -277,7 +279,8 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
                 done.record()
                 done.synchronize()
             sender.put(layout.drafter_ranks[d], BATCH if trains else PADDING, epoch, index, input_ids, loss_mask,
-                       label_ids, features, int(batch["attention_mask"].sum()), time.perf_counter() - busy)
+                       label_ids, features, int(batch["attention_mask"].sum()), time.perf_counter() - busy,
+                       counted=d % settings.sequence_parallel_size == 0)
         if micro_done % settings.gradient_accumulation_steps == 0:
             global_step += 1
             if is_save_step(global_step, settings):

@@ -346,13 +346,14 @@ class FeatureSender:
         self.thread.start()
 
     def put(self, dest: int, kind: int, epoch: int, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            label_ids: torch.Tensor, features: torch.Tensor, num_tokens: int, busy_s: float) -> None:
+            label_ids: torch.Tensor, features: torch.Tensor, num_tokens: int, busy_s: float, counted: bool = True) -> None:
         """Queue one micro-batch for drafter rank `dest`. input_ids, loss_mask, label_ids (the token
         each position is trained to predict) [batch, S] and features [batch, S, feature_dim] on the
-        target's device; busy_s: time spent making it."""
+        target's device; busy_s: time spent making it. counted: False for the copies of a micro-batch
+        that a sequence-parallel group's other ranks get (its samples and tokens are counted once)."""
         batch, seq_len, feature_dim = features.shape
         self.busy_s += busy_s
-        if kind == BATCH:
+        if kind == BATCH and counted:
             self.samples += batch
             self.tokens += num_tokens
         tokens = torch.stack([input_ids, loss_mask.long(), label_ids])  # [3, batch, S]

@@ -114,11 +114,8 @@ def setup_distributed(settings) -> Cluster:
     check_shared_output_dir(settings.output_dir, nodes, rank, device)
     if settings.target_ranks != "auto":
         check_split(int(settings.target_ranks), settings.target_tp_size, len(nodes[0]), len(nodes))
-        drafter_ranks = world - int(settings.target_ranks) * len(nodes)
-        if drafter_ranks % settings.sequence_parallel_size:  # now, not after the target's weights load
-            raise ValueError(f"--sequence_parallel_size {settings.sequence_parallel_size}: the {drafter_ranks} drafter ranks do not "
-                             f"divide into groups of {settings.sequence_parallel_size}; launch a multiple of "
-                             f"{settings.sequence_parallel_size} drafter ranks, or change --target_ranks")
+        # Now, not after the target's weights load.
+        check_sequence_parallel_ranks(settings.sequence_parallel_size, len(nodes[0]) - int(settings.target_ranks), len(nodes))
     elif settings.target_tp_size > 1:  # auto picks N among the multiples of --target_tp_size
         check_split(settings.target_tp_size, settings.target_tp_size, len(nodes[0]), len(nodes))
     return Cluster(accelerator, rank, world, device, nodes, liveness)
@@ -307,9 +304,62 @@ def settle_split(layout, settings, draft_config: DFlashConfig, parts: TargetPart
         )
 
 
+def check_sequence_parallel_ranks(size: int, drafters_per_node: int, num_nodes: int) -> None:
+    """Reject a --sequence_parallel_size whose groups cannot be laid out within nodes: each node's
+    drafter ranks must be a multiple of it. A group's ranks exchange activations all-to-all in every
+    attention layer of every step, which between nodes would run over the network.
+    Raises ValueError naming the flag and the fix."""
+    if drafters_per_node % size == 0:
+        return
+    if num_nodes == 1:
+        raise ValueError(f"--sequence_parallel_size {size}: the {drafters_per_node} drafter ranks do not divide into groups of "
+                         f"{size}; launch a multiple of {size} drafter ranks, or change --target_ranks")
+    raise ValueError(f"--sequence_parallel_size {size}: each of the {num_nodes} nodes has {drafters_per_node} drafter ranks, not a "
+                     f"multiple of {size}, and a group must lie within one node (its all-to-alls run in every attention layer); "
+                     f"launch a multiple of {size} drafter ranks per node, or change --target_ranks")
+
+
+def check_sequence_parallel_heads(size: int, draft_config: DFlashConfig) -> None:
+    """Reject a --sequence_parallel_size that does not divide the drafter's attention and KV heads
+    (Ulysses gives each rank of a group 1/size of them); checked before any weight loads.
+    Raises ValueError naming the flag, both head counts and the fix."""
+    heads, kv_heads = draft_config.num_attention_heads, draft_config.num_key_value_heads
+    if heads % size or kv_heads % size:
+        raise ValueError(f"--sequence_parallel_size {size}: Ulysses gives each rank 1/{size} of the drafter's heads, but it has "
+                         f"{heads} attention heads and {kv_heads} KV heads; pick a size that divides both, or set "
+                         f"--draft_num_attention_heads / --draft_num_key_value_heads")
+
+
+def sequence_parallel_groups(nodes: list[list[int]], drafter_ranks: list[int], size: int) -> list[list[int]]:
+    """The sequence-parallel groups: `size` consecutive drafter ranks each, node by node, so that no
+    group spans two nodes. The schedule gives drafter ranks drafter_ranks[k*size : (k+1)*size] one
+    micro-batch together (`dflash_schedule.epoch_batches`), so those are the groups: with each
+    node's drafter ranks a multiple of size (and a node's ranks consecutive global ranks, as
+    torchrun numbers them), every such slice lies within a node.
+
+    Example: 2 nodes of 8 ranks, --target_ranks 2, size 2: [[2, 3], [4, 5], [6, 7], [10, 11],
+    [12, 13], [14, 15]]. With --target_ranks 1 each node has 7 drafter ranks, and [7, 9] would span
+    the nodes: refused.
+
+    Args:
+        nodes: each node's global ranks, in local-rank order (`dflash_split.node_ranks`).
+        drafter_ranks: the drafter ranks in global order (`RankLayout.drafter_ranks`).
+    Raises:
+        ValueError: a node's drafter ranks are not a multiple of size (`check_sequence_parallel_ranks`).
+    """
+    per_node = [[r for r in drafter_ranks if r in members] for members in nodes]
+    for ranks in per_node:
+        check_sequence_parallel_ranks(size, len(ranks), len(nodes))
+    groups = [ranks[i : i + size] for ranks in per_node for i in range(0, len(ranks), size)]
+    assert [r for group in groups for r in group] == list(drafter_ranks), \
+        f"the nodes' drafter ranks {per_node} are not consecutive global ranks: the schedule's groups would span nodes"
+    return groups
+
+
 def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig) -> SequenceParallel | None:
-    """Sequence-parallel groups (DeepSpeed Ulysses) of `size` consecutive drafter ranks; collective
-    (every rank, target ranks too, creates every group in the same order).
+    """Sequence-parallel groups (DeepSpeed Ulysses) of `size` consecutive drafter ranks within a node
+    (`sequence_parallel_groups`); collective (every rank, target ranks too, creates every group in
+    the same order).
 
     A group trains one sample together: the schedule gives its ranks the same micro-batches
     (`dflash_schedule.epoch_batches`), each computes 1/size of its context positions and anchors'
@@ -320,26 +370,22 @@ def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig)
     sample's features as before, once for every rank of its group.
 
     Returns this rank's `SequenceParallel`, or None with size 1 or on a target rank.
-    Raises ValueError when the drafter's heads or KV heads are not multiples of size (the drafter
-    ranks are, `setup_distributed` checked it).
+    Raises ValueError when the drafter's heads or KV heads are not multiples of size, or a node's
+    drafter ranks are not (both checked before the target loads too: `check_sequence_parallel_heads`,
+    `setup_distributed`).
     """
     if size == 1:
         return None
-    heads, kv_heads = draft_config.num_attention_heads, draft_config.num_key_value_heads
-    if heads % size or kv_heads % size:
-        raise ValueError(f"--sequence_parallel_size {size}: Ulysses gives each rank 1/{size} of the drafter's heads, but it has "
-                         f"{heads} attention heads and {kv_heads} KV heads; pick a size that divides both")
+    check_sequence_parallel_heads(size, draft_config)
+    groups = sequence_parallel_groups(layout.nodes, layout.drafter_ranks, size)
     mine = None
-    for start in range(0, layout.dp_world, size):
-        ranks = layout.drafter_ranks[start : start + size]
+    for ranks in groups:
         group = torch.distributed.new_group(ranks)
         if layout.rank in ranks:
             mine = SequenceParallel(group, ranks.index(layout.rank), size)
     if layout.is_lead:
         logger.info("Sequence parallelism: drafter ranks in groups of %d (%s), each group one sample at a time; "
-                    "data parallelism over %d groups", size, ", ".join(str(layout.drafter_ranks[i : i + size])
-                                                                        for i in range(0, layout.dp_world, size)),
-                    layout.dp_world // size)
+                    "data parallelism over %d groups", size, ", ".join(map(str, groups)), len(groups))
     return mine
 
 

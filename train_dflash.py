@@ -126,6 +126,7 @@ from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, drafter_confi
 from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
+    check_sequence_parallel_heads,
     load_target_parts,
     make_sequence_parallel_groups,
     plan_rank_roles,
@@ -965,6 +966,7 @@ def main(argv: list[str]) -> None:
     # The target's tokenizer and config (seconds): everything below is checked before its weights load.
     target_config, tokenizer = load_target_config(settings.target_model, gguf_file=settings.target_gguf_file)
     draft_config = drafter_config_for(settings, target_config, tokenizer, compute)
+    check_sequence_parallel_heads(settings.sequence_parallel_size, draft_config)
     weights = loss_weights_for(settings, device)
     data = load_data(settings, tokenizer, cluster.accelerator)
     finished = finished_at_named_checkpoint(settings, data)

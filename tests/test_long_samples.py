@@ -10,7 +10,7 @@ import torch
 import dflash_model
 from dflash_loss import dflash_loss, loss_weights
 from dflash_model import block_labels, create_anchor_block_mask, sample_anchors
-from test_model import VOCAB, tiny_drafter
+from test_model import VOCAB, _batch, tiny_drafter
 
 BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -87,6 +87,44 @@ def test_chunked_context_saves_the_context_intermediates():
         assert saved_bytes(seq_len, 64, checkpointed=True) < chunked
     saving = lambda seq_len: saved_bytes(seq_len) - saved_bytes(seq_len, 64)  # noqa: E731
     assert saving(800) > 3 * saving(200)  # grows with the length
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_checkpoint_drafter_layers_reruns_every_layer_in_backward(compiled, monkeypatch, tmp_path):
+    """--checkpoint_drafter_layers, through the trainer's drafter build: backward runs each decoder
+    layer's forward again (counted with forward pre-hooks: a non-reentrant checkpoint stops its
+    recompute as soon as it has what backward needs, so a hook after the forward would not see it),
+    on eager layers and on compiled ones (the GPU default; on CPU through SDPA, which has a
+    backward there; test_compile's shapes, so its compiled graphs serve). Without the flag backward
+    runs none."""
+    from dflash_compile import COMPILE_LOCK_DIR_ENV
+    from dflash_topology import TargetParts
+    from train_dflash import Compute, TrainSettings, build_drafter
+
+    monkeypatch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path))
+    config = tiny_drafter(block_size=4).config  # 2 layers
+    embed, head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB, bias=False)
+    compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=compiled, compile_target=False, dtype=torch.float32, on_cuda=False)
+    rerun = {}
+    for checkpointed in (False, True):
+        settings = TrainSettings(target_model="x", train_data=["x"], checkpoint_drafter_layers=checkpointed)
+        drafter = build_drafter(settings, config, TargetParts(None, None, embed, head), compute).train()
+        layers = drafter._compiled_layers if compiled else drafter.layers
+        assert len(layers) == 2
+        in_backward, calls = [False], [0, 0]
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + in_backward[0]))
+        input_ids, loss_mask = _batch()
+        features = torch.randn(2, input_ids.shape[1], len(config.target_layer_ids) * 16)
+        anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
+        hidden = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
+        labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
+        loss, _ = dflash_loss(hidden[:, :, 1:], head.weight, labels, label_valid, loss_weights(4, gamma=2.0))
+        in_backward[0] = True
+        loss.backward()
+        assert drafter.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+        rerun[checkpointed] = calls
+    assert rerun == {False: [0, 0], True: [1, 1]}
 
 
 def test_chunk_context_rejects_a_negative_size():

@@ -1,10 +1,13 @@
 """Sequence parallelism (DeepSpeed Ulysses, --sequence_parallel_size) on CPU over gloo: one sample
 sharded over 2 ranks gives the loss and gradients of the unsharded step, and a short training run at
-SP=2 exports the drafter of the same run at SP=1."""
+SP=2 exports the drafter of the same run at SP=1, counting each sample once. In one process: padding
+to a multiple of the size, the refusal to resume at another size, the target side's sample count,
+groups within a node, and the checks made before the target loads."""
 
 import copy
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -122,7 +125,8 @@ def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target,
     """3 optimizer steps on the tiny Qwen3 target (2 samples of <= 192 tokens per step, 16 anchors,
     2 drafter layers), once on one rank and once on 2 ranks launched with
     accelerate_configs/cpu_sp2.yaml (one sequence-parallel group, SP=2 from the accelerate config):
-    the same loss log and the same exported drafter, up to float32 summation order.
+    the same loss log and the same exported drafter, up to float32 summation order; both logs count
+    each step's 2 samples and their tokens once (a group's ranks do not each add them).
     Measured max abs weight difference: 4.7e-7 (the tolerance is 1e-5); the same with 1 target rank
     feeding the 2 (--target_ranks 1, run by hand). ~55 s on 2 busy cores."""
     args = dict(max_samples=6, max_steps=3, num_train_epochs=1, logging_steps=1)
@@ -140,9 +144,220 @@ def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target,
     for row1, row2 in zip(log1, log2):
         assert row1["loss"] == pytest.approx(row2["loss"], abs=1e-5)
         assert row1["tau_estimate"] == pytest.approx(row2["tau_estimate"], abs=1e-5)
-        assert row1["tokens_per_s"] > 0 and row2["tokens_per_s"] > 0
+    # Each step trains one micro-batch of 2 samples, once: a group counts its samples and tokens once,
+    # not once per rank. A row's rate times its step time (one step per row) is the count.
+    total_tokens = int(re.search(r"Training data: 6 samples, (\d+) tokens", one.stderr).group(1))
+    for log in (log1, log2):
+        assert [round(row["samples_per_s"] * row["step_time_s"], 6) for row in log] == [2, 2, 2]
+        tokens = [round(row["tokens_per_s"] * row["step_time_s"], 6) for row in log]
+        assert all(t == int(t) for t in tokens) and sum(tokens) == total_tokens, (tokens, total_tokens)
+    assert [row["tokens_per_s"] * row["step_time_s"] for row in log1] == pytest.approx([row["tokens_per_s"] * row["step_time_s"] for row in log2])
     weights1, weights2 = final_weights(tmp_path / "sp1"), final_weights(tmp_path / "sp2")
     assert set(weights1) == set(weights2)
     worst = max((weights1[k] - weights2[k]).abs().max().item() for k in weights1)
     print(f"max abs weight difference SP=1 vs SP=2: {worst:.1e}")
     assert worst < 1e-5
+
+
+@pytest.mark.parametrize("backend, pad_to, sp, expected", [
+    ("sdpa", None, 3, 24), ("flex", None, 3, 384), ("sdpa", 5, 2, 10), ("sdpa", None, 2, 8),
+])
+def test_batches_pad_to_a_multiple_of_the_sequence_parallel_size(backend, pad_to, sp, expected):
+    """Every rank of a group holds 1/P of a batch's positions, so batches pad to the least common
+    multiple of the backend's multiple (or --pad_to_multiple_of) and P. Samples of 13 and 7 tokens:
+    padded to the backend's 8 or 128 alone they would not split in 3, nor padded to 5 (15) in 2."""
+    from dflash_data import collate_batch
+    from dflash_model import SequenceParallel
+    from train_dflash import TrainSettings, resolve_compute
+
+    settings = TrainSettings(target_model="x", train_data=["x"], sequence_parallel_size=sp, num_anchors=6 * sp,
+                             pad_to_multiple_of=pad_to, attention_backend=backend)
+    compute = resolve_compute(settings, torch.device("cpu"))
+    assert compute.pad_multiple == expected
+    samples = [{"input_ids": list(range(1, 14)), "loss_mask": [True] * 13}, {"input_ids": list(range(1, 8)), "loss_mask": [True] * 7}]
+    batch = collate_batch(samples, pad_token_id=0, pad_to_multiple_of=compute.pad_multiple)
+    assert batch["input_ids"].shape == (2, expected * -(-13 // expected))
+    shards = [SequenceParallel(None, rank, sp).shard(batch["input_ids"]) for rank in range(sp)]
+    assert torch.equal(torch.cat(shards, dim=1), batch["input_ids"])
+
+
+def test_a_checkpoint_resumes_only_at_the_sequence_parallel_size_that_wrote_it(monkeypatch, tmp_path):
+    """The order of micro-batches depends on --sequence_parallel_size (each appears once per rank of a
+    group), so a checkpoint records it and resuming at another size is refused, in one line naming the
+    checkpoint and both sizes. Checked through save_checkpoint's trainer_state.json (the DeepSpeed
+    engine and the barriers replaced) and make_schedule, both ways: SP=2 resumed at 1, SP=1 at 2."""
+    import json
+
+    from dflash_checkpoint import save_checkpoint
+    from dflash_schedule import ResumePoint, make_schedule
+    from train_dflash import TrainData, TrainSettings
+
+    class Engine:
+        def save_checkpoint(self, path, tag):
+            os.makedirs(Path(path) / tag)
+
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: None)
+    layout = type("Layout", (), dict(is_lead=True, drafter_group=None, dp_rank=0, dp_world=2, target_ranks_per_node=0))()
+    data = TrainData(dataset=None, lengths=[(7 * i) % 23 + 1 for i in range(12)], eval_prompts=None, chat_kwargs=None)
+
+    def settings(sp):
+        return TrainSettings(target_model="x", train_data=["x"], output_dir=str(tmp_path / f"sp{sp}"), per_device_batch_size=2,
+                             sequence_parallel_size=sp, save_steps=1)
+
+    for written, resumed in ((2, 1), (1, 2)):
+        save_checkpoint(Engine(), settings(written), layout, 1, 0, 2)
+        path = tmp_path / f"sp{written}" / "checkpoint-1"
+        state = json.loads((path / "trainer_state.json").read_text())
+        assert make_schedule(settings(written), data, ResumePoint(str(path), state), 2).micro_steps_left > 0  # the same size resumes
+        with pytest.raises(ValueError) as refused:
+            make_schedule(settings(resumed), data, ResumePoint(str(path), state), 2)
+        assert str(refused.value).startswith(f"--resume_from_checkpoint {path} was written with --sequence_parallel_size {written}, "
+                                             f"this run has {resumed}")
+        assert "\n" not in str(refused.value)
+
+
+def test_target_rank_counts_each_sample_once_for_a_sequence_parallel_group(monkeypatch, caplog):
+    """Split mode at SP=2: one target rank feeds one group of 2 drafter ranks, sending each micro-batch
+    to both; its closing line and the counters in its headers (the supply rate the log compares with
+    the drafters' demand) count the 6 samples and their tokens once, not twice. The feature
+    sends are recorded instead of made (as test_split's transport test does)."""
+    import logging
+
+    from datasets import Dataset
+
+    import dflash_split
+    from dflash_features import serve_context_features
+    from dflash_schedule import train_plan
+    from dflash_split import END, HEADER, RankLayout
+    from train_dflash import TrainSettings
+
+    lengths = [5, 9, 7, 12, 6, 11]
+    dataset = Dataset.from_dict({"input_ids": [list(range(1, n + 1)) for n in lengths], "loss_mask": [[1] * n for n in lengths]})
+    headers = []
+
+    def record_send(tensor, dest, group=None):
+        if tensor.shape == (len(HEADER),):
+            headers.append(tensor.tolist())
+
+    class Extractor:  # the target's forward: features of width 8
+        predict_next = last_hidden = False
+
+        def __call__(self, input_ids, attention_mask):
+            return torch.zeros(*input_ids.shape, 8)
+
+    monkeypatch.setattr(dflash_split.dist, "send", record_send)
+    settings = TrainSettings(target_model="x", train_data=["x"], per_device_batch_size=2, sequence_parallel_size=2, save_steps=0)
+    layout = RankLayout(0, 3, [[0, 1, 2]], [[0]], [1, 2], None, None, None, None, None)
+    plan = train_plan(lengths, settings, 0, 0, 3, drafter_ranks=2)  # one epoch: 3 micro-batches, each for both ranks
+    with caplog.at_level(logging.INFO, logger="train_dflash"):
+        serve_context_features(plan, dataset, type("Tokenizer", (), {"pad_token_id": 0}), Extractor(), layout, settings,
+                               torch.device("cpu"), 8, 0)
+    assert len(headers) == 2 * 3 + 2  # every micro-batch to both drafter ranks, then END to each
+    assert f"Target rank 0 done: 6 samples, {sum(lengths)} tokens" in caplog.text
+    samples, tokens = HEADER.index("target_samples"), HEADER.index("target_tokens")
+    assert [(h[0], h[samples], h[tokens]) for h in headers[-2:]] == [(END, 6, sum(lengths))] * 2
+
+
+def sp_layout(rank, nodes, num_target_ranks):
+    """A RankLayout of one-rank target groups, without process groups (those need a distributed run)."""
+    from dflash_split import RankLayout
+
+    groups = [[members[i]] for members in nodes for i in range(num_target_ranks)]
+    targets = {g[0] for g in groups}
+    return RankLayout(rank, sum(map(len, nodes)), nodes, groups, [r for m in nodes for r in m if r not in targets],
+                      None, None, None, None, None)
+
+
+@pytest.mark.parametrize("nodes, num_target_ranks, size, expected", [
+    (2, 2, 2, [[2, 3], [4, 5], [6, 7], [10, 11], [12, 13], [14, 15]]),
+    (2, 0, 4, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]),
+    (1, 1, 3, [[1, 2, 3], [4, 5, 6]]),
+    (2, 1, 2, "each of the 2 nodes has 7 drafter ranks, not a multiple of 2"),  # [7, 9] would span the nodes
+    (2, 0, 3, "each of the 2 nodes has 8 drafter ranks, not a multiple of 3"),  # 16 ranks in all are not either
+    (2, 2, 4, "each of the 2 nodes has 6 drafter ranks, not a multiple of 4"),  # 12 in all are: [6, 7, 10, 11] would span
+])
+def test_sequence_parallel_groups_lie_within_a_node(monkeypatch, nodes, num_target_ranks, size, expected):
+    """make_sequence_parallel_groups on 8 ranks per node (7 on one node): groups of `size` consecutive
+    drafter ranks, never across a node, the ones the schedule gives one micro-batch (consecutive
+    drafter ranks); where a node's drafter ranks do not divide into groups, one error line before any
+    group is made. torch.distributed.new_group records the groups instead of making them."""
+    from dflash_topology import make_sequence_parallel_groups
+    from test_model import tiny_drafter
+
+    per_node = 7 if nodes == 1 else 8
+    node_list = [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
+    made = []
+    monkeypatch.setattr(torch.distributed, "new_group", lambda ranks: made.append(list(ranks)) or tuple(ranks))
+    config = tiny_drafter().config
+    config.num_attention_heads = config.num_key_value_heads = 12  # divisible by 2, 3 and 4
+    if isinstance(expected, str):
+        with pytest.raises(ValueError) as refused:
+            make_sequence_parallel_groups(sp_layout(node_list[0][-1], node_list, num_target_ranks), size, config)
+        assert str(refused.value).startswith(f"--sequence_parallel_size {size}: {expected}, and a group must lie within one node")
+        assert "\n" not in str(refused.value) and made == []
+        return
+    for rank in range(nodes * per_node):
+        made.clear()
+        layout = sp_layout(rank, node_list, num_target_ranks)
+        mine = make_sequence_parallel_groups(layout, size, config)
+        assert made == expected  # every rank makes every group, in the same order
+        if layout.is_target:
+            assert mine is None
+        else:
+            group = next(g for g in expected if rank in g)
+            assert (mine.group, mine.rank, mine.size) == (tuple(group), group.index(rank), size)
+            assert group == layout.drafter_ranks[layout.dp_rank // size * size :][:size]  # the schedule's group
+
+
+def test_a_node_whose_drafter_ranks_do_not_divide_into_groups_is_refused_before_anything_loads(monkeypatch):
+    """setup_distributed, the first thing a rank does after parsing its settings: on 2 nodes of 8 ranks
+    with --target_ranks 1 and SP 2 (14 drafter ranks in all, 7 per node) it refuses in one line. The
+    process group, compile caches and liveness are replaced; node_ranks gives the 2 nodes."""
+    import types
+
+    import dflash_topology
+    from train_dflash import TrainSettings
+
+    accelerator = types.SimpleNamespace(process_index=0, num_processes=16, device=torch.device("cpu"))
+    for name, value in (("setup_compile_cache", lambda *a, **k: None), ("init_distributed", lambda on_cuda: accelerator),
+                        ("start_liveness", lambda *a: None), ("check_shared_output_dir", lambda *a: None),
+                        ("node_ranks", lambda rank, world, device: [list(range(8)), list(range(8, 16))])):
+        monkeypatch.setattr(dflash_topology, name, value)
+
+    def settings(target_ranks):
+        return TrainSettings(target_model="x", train_data=["x"], target_ranks=target_ranks, sequence_parallel_size=2)
+
+    with pytest.raises(ValueError) as refused:
+        dflash_topology.setup_distributed(settings("1"))
+    assert str(refused.value).startswith("--sequence_parallel_size 2: each of the 2 nodes has 7 drafter ranks, not a multiple of 2")
+    assert dflash_topology.setup_distributed(settings("2")).nodes == [list(range(8)), list(range(8, 16))]
+
+
+def test_heads_that_do_not_split_are_refused_before_the_target_loads(tiny_qwen3_target, monkeypatch, tmp_path):
+    """The tiny Qwen3 target gives the drafter 4 attention and 2 KV heads: SP 4 is refused in one line
+    from the target's config alone, before the rank layout is planned and the target loads. With 4 KV
+    heads the run goes on to that point. The process group and the data are replaced (a world of 4)."""
+    import types
+
+    import train_dflash
+    from dflash_schedule import ResumePoint
+    from dflash_topology import Cluster
+
+    def target_loads(*args, **kwargs):
+        raise AssertionError("the target was about to load")
+
+    cluster = Cluster(types.SimpleNamespace(), 0, 4, torch.device("cpu"), [[0, 1, 2, 3]], None)
+    monkeypatch.setattr(train_dflash, "setup_distributed", lambda settings: cluster)
+    monkeypatch.setattr(train_dflash, "load_data", lambda *args: None)
+    monkeypatch.setattr(train_dflash, "find_resume_point", lambda *args: ResumePoint(None, {}))
+    monkeypatch.setattr(train_dflash, "plan_rank_roles", target_loads)
+    monkeypatch.setattr(train_dflash, "load_target_parts", target_loads)
+    argv = ["--target_model", str(tiny_qwen3_target), "--train_data", "README.md", "--output_dir", str(tmp_path),
+            "--sequence_parallel_size", "4", "--num_draft_layers", "1", "--report_to", "none"]
+    with pytest.raises(ValueError) as refused:
+        train_dflash.main(argv)
+    assert str(refused.value) == ("--sequence_parallel_size 4: Ulysses gives each rank 1/4 of the drafter's heads, but it has 4 "
+                                  "attention heads and 2 KV heads; pick a size that divides both, or set "
+                                  "--draft_num_attention_heads / --draft_num_key_value_heads")
+    with pytest.raises(AssertionError, match="the target was about to load"):
+        train_dflash.main(argv + ["--draft_num_key_value_heads", "4"])
