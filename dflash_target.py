@@ -661,7 +661,7 @@ def drafter_config_for_target(
     """A drafter config sized after any HF causal-LM target (Qwen3, Llama, Mistral, Gemma, MoE, hybrid, ...).
 
     Sizes follow the released drafters (docs/targets.md): hidden size, RMSNorm epsilon and
-    RoPE (theta and scaling) are the target's. The attention shape is the target's when its
+    RoPE (theta and scaling; never the multimodal `mrope*` keys) are the target's. The attention shape is the target's when its
     RoPE rotates whole heads; for partial-rotary targets (Qwen3.5, Qwen3-Next) it is Qwen3's
     standard 32 heads of 128 with full rotary and the target's KV width (KV heads = target KV
     heads x target head_dim / 128). The MLP width is the target's `intermediate_size` for a
@@ -703,6 +703,10 @@ def drafter_config_for_target(
     if isinstance(rope.get("full_attention"), dict):
         rope = dict(rope["full_attention"])  # per-layer-type RoPE (Gemma-3): the global layers' table
     partial = rope.pop("partial_rotary_factor", None) or getattr(text_config, "partial_rotary_factor", None) or 1.0
+    # Multimodal RoPE (Qwen3.5/3.6: mrope_section, mrope_interleaved) splits the target's rotary
+    # dims by modality; the drafter is text-only with full rotary, and vLLM would build an
+    # MRotaryEmbedding from these keys and refuse a section that does not sum to head_dim / 2.
+    rope = {key: value for key, value in rope.items() if not key.startswith("mrope")}
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", getattr(text_config, "rope_theta", None) or 10000.0)
     target_heads = text_config.num_attention_heads
