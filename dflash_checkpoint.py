@@ -227,10 +227,30 @@ DFLASH2_NOTE = (" A DFlash2 drafter also convolves along the block and drafts th
                 "supports DFlash2.")
 
 
+def attention_note(config: DFlashConfig) -> str:
+    """What each engine runs for a drafter whose sliding layers are causal by default (is_causal
+    unset), as a model-card paragraph; "" for every other drafter, which all engines run as trained.
+    docs/drafters.md, "Sliding windows in each engine"."""
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+    if not sliding or config.is_causal is not None:
+        return ""
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    layers = f"layers {', '.join(map(str, sliding))} slide causally" + (
+        f" and layers {', '.join(map(str, full))} are bidirectional full layers" if full else "")
+    note = (f"\n\nAttention in each engine: {layers} (`is_causal` unset), as trained. z-lab's code, SGLang and vLLM run "
+            f"them so. llama.cpp has one causality for every layer (`is_causal`, bidirectional when unset) and runs the "
+            f"sliding layers bidirectional, so its drafts can differ.")
+    if full:
+        note += (" Converted with `convert_dflash.py --to speculators`, speculators runs them as trained and vLLM runs "
+                 "every layer causal; serve this folder in vLLM.")
+    return note
+
+
 def model_card(settings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
                location: str, prompt_lookup_tau: float | None = None) -> str:
     """README.md of the export: Hub metadata (base_model, library_name, tags), what it was trained on
-    and with, the held-out tau if it was measured, and the SGLang and vLLM commands that serve it.
+    and with, the held-out tau if it was measured, the SGLang and vLLM commands that serve it, and
+    for causal sliding layers what each engine runs (`attention_note`).
 
     location: where the engines find the drafter (the Hub repo, or the local final/ folder).
     """
@@ -296,7 +316,7 @@ vLLM:
 
 ```bash
 vllm serve {target} --speculative-config '{speculative_config}'
-```
+```{attention_note(config)}
 """
 
 
