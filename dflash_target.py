@@ -1031,9 +1031,9 @@ def resolve_mask_token_id(
       1. `mask_token_id` (`--mask_token_id`) when given;
       2. `mask_token` (`--mask_token`) looked up in the tokenizer;
       3. the tokenizer's `<|MASK|>` token when it has one;
-      4. the first spare embedding row, `len(tokenizer)`, when the embedding has more rows than
-         the tokenizer has tokens. For Qwen3 (151,936 rows, 151,669 tokens) that is 151669,
-         the id the released Qwen3 DFlash drafters use for `<|MASK|>`.
+      4. the first spare embedding row, the tokenizer's largest id + 1 (no token has it), when the
+         embedding has a row there. For Qwen3 (151,936 rows, ids 0..151668) that is 151669, the
+         id the released Qwen3 DFlash drafters use for `<|MASK|>`.
     Otherwise (e.g. SmolLM2-135M: 49,152 rows, all tokens) a ValueError asks for `--mask_token_id`.
     """
     if mask_token_id is not None:
@@ -1059,12 +1059,14 @@ def resolve_mask_token_id(
     if "<|MASK|>" in vocab and vocab["<|MASK|>"] < num_embedding_rows:
         return vocab["<|MASK|>"]
 
-    if num_embedding_rows > len(tokenizer):
+    # The first row past the largest token id, not len(tokenizer): with a gap in the ids that would be a token.
+    spare = max(vocab.values()) + 1
+    if spare < num_embedding_rows and tokenizer.convert_ids_to_tokens(spare) is None:
         # A spare row: no text ever tokenizes to it, so it is an unambiguous mask (Qwen3: 151669).
-        return len(tokenizer)
+        return spare
 
     raise ValueError(
-        f"The target has no spare embedding row ({num_embedding_rows} rows, {len(tokenizer)} tokenizer tokens) and "
+        f"The target has no spare embedding row ({num_embedding_rows} rows, tokenizer ids up to {spare - 1}) and "
         f"its tokenizer has no <|MASK|> token. Pass --mask_token_id with an existing, rarely used token id "
         f"(e.g. an unused special token; for SmolLM2 16 = <empty_output>) or --mask_token with its string. "
         f"The target's embedding is never resized: serving engines embed the block with it."
