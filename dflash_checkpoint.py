@@ -10,6 +10,7 @@ uploads final/ at the end, and keeps final/ with the `hf upload` command when th
 `settings` below is the run's `train_dflash.TrainSettings`.
 """
 
+import copy
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 from dflash_loss import default_loss_gamma
 from dflash_model import DFlash2Config, DFlashConfig, DFlashDraftModel
 from dflash_schedule import ResumePoint
-from dflash_target import SMOLLM2_PACKAGE
+from dflash_target import SMOLLM2_PACKAGE, target_fingerprint
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
 
@@ -323,12 +324,18 @@ vllm serve {target} --speculative-config '{speculative_config}'
 def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str) -> None:
     """The export (config.json + model.safetensors, no target weights; docs/training.md, "The export"), plus
     training_settings.json and the model card README.md, written to a temp dir and renamed into
-    place, so a crash never leaves a half-written export."""
+    place, so a crash never leaves a half-written export. config.json records the fingerprint of
+    the target the drafter is attached to (`dflash_target.target_fingerprint`), which
+    eval_dflash.py compares."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    # What drafter.save_pretrained writes (the same bytes), written directly: save_pretrained writes
-    # nothing unless the caller is global rank 0, and in split mode the lead is a later rank.
-    drafter.config.save_pretrained(tmp)
+    # What drafter.save_pretrained writes, plus the target's fingerprint (engines read only the
+    # dflash_config keys they know), written directly: save_pretrained writes nothing unless the
+    # caller is global rank 0, and in split mode the lead is a later rank.
+    config = copy.deepcopy(drafter.config)
+    config.dflash_config = {**config.dflash_config, "target_fingerprint": target_fingerprint(
+        drafter.target_embed_tokens.weight, config.num_target_layers)}
+    config.save_pretrained(tmp)
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in drafter.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     # safetensors writes through a private temp file (mode 0600): give it the mode of the other

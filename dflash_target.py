@@ -33,6 +33,7 @@ group computes the same, full context features.
 """
 
 import copy
+import hashlib
 import importlib.util
 import json
 import logging
@@ -789,6 +790,32 @@ def check_target_scaling(target: PreTrainedModel, draft_config) -> None:
                 f'"{name}": {value} in dflash_config of the drafter\'s config.json (a drafter trained without it was '
                 f"trained on other inputs or logits than the engines will give it)"
             )
+
+
+FINGERPRINT_ROWS = 8  # embedding rows a target fingerprint hashes, spread evenly over the table
+
+
+def target_fingerprint(embedding: torch.Tensor, num_layers: int) -> dict:
+    """A cheap fingerprint of a target: the shape of its embedding, its decoder-layer count, and a
+    hash of the signs of FINGERPRINT_ROWS embedding rows spread evenly over the table (row
+    i * rows // FINGERPRINT_ROWS). The export records it in `dflash_config.target_fingerprint` and
+    eval_dflash.py compares it with the target it is given: a target of the same shape with other
+    weights gives the drafter useless context features (tau near 1). Signs survive a cast between
+    fp32, bf16 and fp16, so the same target in another dtype gives the same hash; a few rows cost
+    nothing, where hashing the whole model would take minutes. Names are never compared: a hub id
+    and a local copy of one model differ.
+
+    Args:
+        embedding: the target's input embedding weight, [rows, hidden], any float dtype and device.
+        num_layers: the target's decoder layers (untruncated).
+    Returns:
+        {"embedding_shape": [rows, hidden], "num_layers": int, "embedding_signs_sha256": 16 hex digits}.
+    """
+    rows, hidden = embedding.shape
+    index = torch.arange(FINGERPRINT_ROWS, device=embedding.device) * rows // FINGERPRINT_ROWS
+    signs = (embedding.detach()[index] > 0).to(torch.uint8).cpu()  # [FINGERPRINT_ROWS, hidden]
+    digest = hashlib.sha256(signs.numpy().tobytes()).hexdigest()[:16]
+    return {"embedding_shape": [rows, hidden], "num_layers": int(num_layers), "embedding_signs_sha256": digest}
 
 
 # -----------------------------------------------------------------------------
