@@ -9,7 +9,7 @@
 Both layouts hold the same draft body under the same weight names (layers.*, fc, hidden_norm, norm;
 DFlash2's attention_conv / mlp_conv and candidate_selector), and neither holds the embedding or the
 LM head: both borrow the target's. So the weights are copied unchanged and only config.json is
-rewritten. Three differences in meaning are checked, and a drafter that one side cannot express
+rewritten. Four differences in meaning are checked, and a drafter that one side cannot express
 is refused with one line instead of converting into a drafter that drafts differently:
 
 1. The sliding window. z-lab's code, SGLang, vLLM and this trainer let a query at position q of a
@@ -24,7 +24,10 @@ is refused with one line instead of converting into a drafter that drafts differ
    so they are our ids + 1. speculators takes the target's last layer as the verifier's state
    (its labels), never as a context feature, and its own converter drops it from the list: a
    drafter that reads the last layer does not convert.
-3. What speculators' DFlash does not have: the target's embedding and logit scales
+3. Causality. speculators' `sliding_window_non_causal` is written true unless a layer is causal
+   (`speculators_non_causal`: vLLM applies its negation to every layer); a drafter with causal
+   sliding layers beside bidirectional full ones converts with a warning that vLLM runs it causal.
+4. What speculators' DFlash does not have: the target's embedding and logit scales
    (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`: Gemma, Granite
    targets), a causal full-attention layer, drafting from the anchor (`sample_from_anchor`) and
    a reduced draft vocabulary (t2d / d2t).
@@ -37,6 +40,7 @@ logits (tests/test_convert.py).
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -56,6 +60,9 @@ SCALE_FIELDS = ("input_embedding_scale", "output_multiplier", "final_logit_softc
 DFLASH_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers", "logit_scale", "is_causal")
 # Weights a speculators checkpoint may hold that belong to the target (our export borrows them).
 TARGET_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+logger = logging.getLogger("convert_dflash")
 
 
 class ConversionError(ValueError):
@@ -89,6 +96,31 @@ def check_window(config: DFlashConfig, max_seq_len: int | None, where: str) -> N
             f"as it is in SGLang or vLLM, train with --layer_types all_full, or pass --max_seq_len {bound} or less if "
             f"no prompt plus reply will be longer"
         )
+
+
+def speculators_non_causal(config: DFlashConfig, where: str) -> bool:
+    """`sliding_window_non_causal` for our drafter `config`, as speculators and vLLM read it.
+
+    speculators reads it for sliding layers only (its full layers are always bidirectional). vLLM's
+    `update_dflash` (vllm/transformers_utils/configs/speculators/algos.py, vllm#47745) turns it into
+    `dflash_config.causal = not sliding_window_non_causal`, which its `_dflash_layer_causal`
+    (vllm/model_executor/models/qwen3_dflash.py) applies to every layer, full ones included. So a
+    drafter without a causal sliding layer gets true (every layer bidirectional in both), one whose
+    layers are all causal gets false. Causal sliding layers beside bidirectional full layers get
+    false, which speculators runs as trained and vLLM runs causal on every layer (vllm#56692, open):
+    a one-line warning says so.
+    """
+    causal = [config.attention_rule(i)[0] for i in range(config.num_hidden_layers)]
+    if not any(causal):
+        return True
+    full = ", ".join(str(i) for i, is_causal in enumerate(causal) if not is_causal)
+    if full:
+        sliding = ", ".join(str(i) for i, is_causal in enumerate(causal) if is_causal)
+        logger.warning(
+            "%s: layers %s slide causally and layers %s are bidirectional full layers: speculators runs them as trained; vLLM "
+            "reads sliding_window_non_causal false as dflash_config.causal true and runs layers %s causal too (vllm#56692): "
+            "in vLLM, serve our export, which it runs as trained", where, sliding, full, full)
+    return False
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -144,7 +176,7 @@ def to_speculators(source: Path, target: str | None, max_seq_len: int | None) ->
 
     Raises:
         ConversionError: for a folder that is not our export, or a drafter speculators cannot express
-            (the module docstring's three rules).
+            (the module docstring's rules).
     """
     raw = read_json(source / "config.json", "a DFlash drafter export (final/ of a training run)")
     if "speculators_model_type" in raw:
@@ -182,9 +214,9 @@ def to_speculators(source: Path, target: str | None, max_seq_len: int | None) ->
             f"{config.num_target_layers} layers, but --target {target!r} has {text.hidden_size} and "
             f"{text.num_hidden_layers}; pass the target it was trained on"
         )
+    non_causal = speculators_non_causal(config, where)
     ours = config.to_dict()
     layers = Qwen3Config(**{k: v for k, v in ours.items() if k not in DFLASH_KEYS and k != "transformers_version"})
-    sliding = "sliding_attention" in config.layer_types
     output = {
         "architectures": ["DFlash2DraftModel" if is_dflash2 else "DFlashDraftModel"],
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
@@ -193,9 +225,7 @@ def to_speculators(source: Path, target: str | None, max_seq_len: int | None) ->
         "dtype": ours.get("dtype"),
         "mask_token_id": config.mask_token_id,
         "sample_from_anchor": False,
-        # Only read for sliding layers; a sliding layer of ours is bidirectional inside its window
-        # exactly when attention_rule says it is not causal.
-        "sliding_window_non_causal": (not config.attention_rule(config.layer_types.index("sliding_attention"))[0]) if sliding else is_dflash2,
+        "sliding_window_non_causal": non_causal,
         "speculators_config": {
             "algorithm": "dflash2" if is_dflash2 else "dflash",
             "default_proposal_method": "greedy",
@@ -292,6 +322,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         main()
     except ValueError as error:  # ConversionError and the configs' own checks: one line, no traceback

@@ -10,6 +10,7 @@ uploads final/ at the end, and keeps final/ with the `hf upload` command when th
 `settings` below is the run's `train_dflash.TrainSettings`.
 """
 
+import copy
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 from dflash_loss import default_loss_gamma
 from dflash_model import DFlash2Config, DFlashConfig, DFlashDraftModel
 from dflash_schedule import ResumePoint
-from dflash_target import SMOLLM2_PACKAGE
+from dflash_target import SMOLLM2_PACKAGE, target_fingerprint
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
 
@@ -252,10 +253,30 @@ DFLASH2_NOTE = (" A DFlash2 drafter also convolves along the block and drafts th
                 "supports DFlash2.")
 
 
+def attention_note(config: DFlashConfig) -> str:
+    """What each engine runs for a drafter whose sliding layers are causal by default (is_causal
+    unset), as a model-card paragraph; "" for every other drafter, which all engines run as trained.
+    docs/drafters.md, "Sliding windows in each engine"."""
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+    if not sliding or config.is_causal is not None:
+        return ""
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    layers = f"layers {', '.join(map(str, sliding))} slide causally" + (
+        f" and layers {', '.join(map(str, full))} are bidirectional full layers" if full else "")
+    note = (f"\n\nAttention in each engine: {layers} (`is_causal` unset), as trained. z-lab's code, SGLang and vLLM run "
+            f"them so. llama.cpp has one causality for every layer (`is_causal`, bidirectional when unset) and runs the "
+            f"sliding layers bidirectional, so its drafts can differ.")
+    if full:
+        note += (" Converted with `convert_dflash.py --to speculators`, speculators runs them as trained and vLLM runs "
+                 "every layer causal; serve this folder in vLLM.")
+    return note
+
+
 def model_card(settings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
                location: str, prompt_lookup_tau: float | None = None) -> str:
     """README.md of the export: Hub metadata (base_model, library_name, tags), what it was trained on
-    and with, the held-out tau if it was measured, and the SGLang and vLLM commands that serve it.
+    and with, the held-out tau if it was measured, the SGLang and vLLM commands that serve it, and
+    for causal sliding layers what each engine runs (`attention_note`).
 
     location: where the engines find the drafter (the Hub repo, or the local final/ folder).
     """
@@ -321,19 +342,25 @@ vLLM:
 
 ```bash
 vllm serve {target} --speculative-config '{speculative_config}'
-```
+```{attention_note(config)}
 """
 
 
 def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str) -> None:
     """The export (config.json + model.safetensors, no target weights; docs/training.md, "The export"), plus
     training_settings.json and the model card README.md, written to a temp dir and renamed into
-    place, so a crash never leaves a half-written export."""
+    place, so a crash never leaves a half-written export. config.json records the fingerprint of
+    the target the drafter is attached to (`dflash_target.target_fingerprint`), which
+    eval_dflash.py compares."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    # What drafter.save_pretrained writes (the same bytes), written directly: save_pretrained writes
-    # nothing unless the caller is global rank 0, and in split mode the lead is a later rank.
-    drafter.config.save_pretrained(tmp)
+    # What drafter.save_pretrained writes, plus the target's fingerprint (engines read only the
+    # dflash_config keys they know), written directly: save_pretrained writes nothing unless the
+    # caller is global rank 0, and in split mode the lead is a later rank.
+    config = copy.deepcopy(drafter.config)
+    config.dflash_config = {**config.dflash_config, "target_fingerprint": target_fingerprint(
+        drafter.target_embed_tokens.weight, config.num_target_layers)}
+    config.save_pretrained(tmp)
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in drafter.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     # safetensors writes through a private temp file (mode 0600): give it the mode of the other

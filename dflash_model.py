@@ -123,7 +123,8 @@ class DFlashConfig(Qwen3Config):
     and makes `use_sliding_window` true, and `max_window_layers` is always written as the layer
     count, as released drafters do: `Qwen3Config` drops the window unless `use_sliding_window` is
     set, and the layers would then load as full attention. `is_causal` (None by default) overrides
-    the engines' default of causal sliding layers and bidirectional full layers (`attention_rule`).
+    the engines' default of causal sliding layers and bidirectional full layers (`attention_rule`);
+    it is written as `dflash_config.causal` too, and a config with only that key reads it as vLLM does.
 
     Raises:
         ValueError: on a block size < 2, target layer ids out of range, a mask token id outside the
@@ -180,11 +181,14 @@ class DFlashConfig(Qwen3Config):
                 value = self.dflash_config.get(name)
                 if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                     raise ValueError(f"dflash_config.{name} must be a positive number, got {value!r}")
+            if self.is_causal is None and self.dflash_config.get("causal") is not None:
+                self.is_causal = bool(self.dflash_config["causal"])  # vLLM reads it when is_causal is unset
 
     def to_dict(self) -> dict:
         """The config as saved to config.json, with `rope_scaling` beside `rope_parameters` for a
-        scaled RoPE, and `logit_scale` beside `dflash_config.output_multiplier` (vLLM's DFlash model
-        reads the former, the reference and SGLang the latter)."""
+        scaled RoPE, `logit_scale` beside `dflash_config.output_multiplier` (vLLM's DFlash model
+        reads the former, the reference and SGLang the latter), and `dflash_config.causal` equal to
+        `is_causal` when that is set."""
         output = super().to_dict()
         rope = output.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
@@ -192,6 +196,11 @@ class DFlashConfig(Qwen3Config):
             output["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         if self.dflash_config is not None and self.output_multiplier != 1.0:
             output["logit_scale"] = self.output_multiplier
+        if self.dflash_config is not None:
+            # vLLM 0.26 and older read causality from dflash_config.causal only, for every layer.
+            output["dflash_config"] = {k: v for k, v in output["dflash_config"].items() if k != "causal"}
+            if self.is_causal is not None:
+                output["dflash_config"]["causal"] = bool(self.is_causal)
         return output
 
     @property

@@ -33,6 +33,7 @@ group computes the same, full context features.
 """
 
 import copy
+import hashlib
 import importlib.util
 import json
 import logging
@@ -661,7 +662,7 @@ def drafter_config_for_target(
     """A drafter config sized after any HF causal-LM target (Qwen3, Llama, Mistral, Gemma, MoE, hybrid, ...).
 
     Sizes follow the released drafters (docs/targets.md): hidden size, RMSNorm epsilon and
-    RoPE (theta and scaling) are the target's. The attention shape is the target's when its
+    RoPE (theta and scaling; never the multimodal `mrope*` keys) are the target's. The attention shape is the target's when its
     RoPE rotates whole heads; for partial-rotary targets (Qwen3.5, Qwen3-Next) it is Qwen3's
     standard 32 heads of 128 with full rotary and the target's KV width (KV heads = target KV
     heads x target head_dim / 128). The MLP width is the target's `intermediate_size` for a
@@ -703,6 +704,10 @@ def drafter_config_for_target(
     if isinstance(rope.get("full_attention"), dict):
         rope = dict(rope["full_attention"])  # per-layer-type RoPE (Gemma-3): the global layers' table
     partial = rope.pop("partial_rotary_factor", None) or getattr(text_config, "partial_rotary_factor", None) or 1.0
+    # Multimodal RoPE (Qwen3.5/3.6: mrope_section, mrope_interleaved) splits the target's rotary
+    # dims by modality; the drafter is text-only with full rotary, and vLLM would build an
+    # MRotaryEmbedding from these keys and refuse a section that does not sum to head_dim / 2.
+    rope = {key: value for key, value in rope.items() if not key.startswith("mrope")}
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", getattr(text_config, "rope_theta", None) or 10000.0)
     target_heads = text_config.num_attention_heads
@@ -785,6 +790,32 @@ def check_target_scaling(target: PreTrainedModel, draft_config) -> None:
                 f'"{name}": {value} in dflash_config of the drafter\'s config.json (a drafter trained without it was '
                 f"trained on other inputs or logits than the engines will give it)"
             )
+
+
+FINGERPRINT_ROWS = 8  # embedding rows a target fingerprint hashes, spread evenly over the table
+
+
+def target_fingerprint(embedding: torch.Tensor, num_layers: int) -> dict:
+    """A cheap fingerprint of a target: the shape of its embedding, its decoder-layer count, and a
+    hash of the signs of FINGERPRINT_ROWS embedding rows spread evenly over the table (row
+    i * rows // FINGERPRINT_ROWS). The export records it in `dflash_config.target_fingerprint` and
+    eval_dflash.py compares it with the target it is given: a target of the same shape with other
+    weights gives the drafter useless context features (tau near 1). Signs survive a cast between
+    fp32, bf16 and fp16, so the same target in another dtype gives the same hash; a few rows cost
+    nothing, where hashing the whole model would take minutes. Names are never compared: a hub id
+    and a local copy of one model differ.
+
+    Args:
+        embedding: the target's input embedding weight, [rows, hidden], any float dtype and device.
+        num_layers: the target's decoder layers (untruncated).
+    Returns:
+        {"embedding_shape": [rows, hidden], "num_layers": int, "embedding_signs_sha256": 16 hex digits}.
+    """
+    rows, hidden = embedding.shape
+    index = torch.arange(FINGERPRINT_ROWS, device=embedding.device) * rows // FINGERPRINT_ROWS
+    signs = (embedding.detach()[index] > 0).to(torch.uint8).cpu()  # [FINGERPRINT_ROWS, hidden]
+    digest = hashlib.sha256(signs.numpy().tobytes()).hexdigest()[:16]
+    return {"embedding_shape": [rows, hidden], "num_layers": int(num_layers), "embedding_signs_sha256": digest}
 
 
 # -----------------------------------------------------------------------------
@@ -1027,9 +1058,9 @@ def resolve_mask_token_id(
       1. `mask_token_id` (`--mask_token_id`) when given;
       2. `mask_token` (`--mask_token`) looked up in the tokenizer;
       3. the tokenizer's `<|MASK|>` token when it has one;
-      4. the first spare embedding row, `len(tokenizer)`, when the embedding has more rows than
-         the tokenizer has tokens. For Qwen3 (151,936 rows, 151,669 tokens) that is 151669,
-         the id the released Qwen3 DFlash drafters use for `<|MASK|>`.
+      4. the first spare embedding row, the tokenizer's largest id + 1 (no token has it), when the
+         embedding has a row there. For Qwen3 (151,936 rows, ids 0..151668) that is 151669, the
+         id the released Qwen3 DFlash drafters use for `<|MASK|>`.
     Otherwise (e.g. SmolLM2-135M: 49,152 rows, all tokens) a ValueError asks for `--mask_token_id`.
     """
     if mask_token_id is not None:
@@ -1055,12 +1086,14 @@ def resolve_mask_token_id(
     if "<|MASK|>" in vocab and vocab["<|MASK|>"] < num_embedding_rows:
         return vocab["<|MASK|>"]
 
-    if num_embedding_rows > len(tokenizer):
+    # The first row past the largest token id, not len(tokenizer): with a gap in the ids that would be a token.
+    spare = max(vocab.values()) + 1
+    if spare < num_embedding_rows and tokenizer.convert_ids_to_tokens(spare) is None:
         # A spare row: no text ever tokenizes to it, so it is an unambiguous mask (Qwen3: 151669).
-        return len(tokenizer)
+        return spare
 
     raise ValueError(
-        f"The target has no spare embedding row ({num_embedding_rows} rows, {len(tokenizer)} tokenizer tokens) and "
+        f"The target has no spare embedding row ({num_embedding_rows} rows, tokenizer ids up to {spare - 1}) and "
         f"its tokenizer has no <|MASK|> token. Pass --mask_token_id with an existing, rarely used token id "
         f"(e.g. an unused special token; for SmolLM2 16 = <empty_output>) or --mask_token with its string. "
         f"The target's embedding is never resized: serving engines embed the block with it."

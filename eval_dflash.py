@@ -119,10 +119,39 @@ def check_drafter_matches_target(target, drafter) -> None:
     target's: `draft_block` runs the target's LM head on the drafter's hidden states, so the two
     must agree (cast with `drafter.to(target.dtype)`).
     """
-    config = drafter.config
-    target_hidden = target.config.get_text_config().hidden_size
-    target_rows = target.get_input_embeddings().weight.shape[0]
     target_layers = len(target.get_decoder().layers)
+    check_shapes(drafter.config, target.config.get_text_config().hidden_size, target.get_input_embeddings().weight.shape[0],
+                 target_layers, truncated_hint=True)
+    from dflash_target import check_target_scaling
+
+    check_target_scaling(target, drafter.config)
+    drafter_dtype = next(drafter.parameters()).dtype
+    target_dtype = target.get_input_embeddings().weight.dtype
+    if drafter_dtype != target_dtype:
+        raise ValueError(
+            f"dtype mismatch: the drafter is {drafter_dtype}, the target is {target_dtype}; the drafter uses the target's "
+            f"LM head on its own hidden states. Cast it with drafter.to({target_dtype})."
+        )
+
+
+def check_config_matches_target(config, target_config) -> None:
+    """`check_drafter_matches_target`'s shape checks from the two configs alone, so that a drafter
+    built for another target is refused before any weights load.
+
+    Args:
+        config: the drafter's `DFlashConfig`.
+        target_config: the target's `PretrainedConfig` (its text config is read).
+    Raises:
+        ValueError: on another hidden size, embedding rows (vocab_size) or decoder-layer count, or
+            target_layer_ids outside the target's layers.
+    """
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    check_shapes(config, text.hidden_size, text.vocab_size, text.num_hidden_layers)
+
+
+def check_shapes(config, target_hidden: int, target_rows: int, target_layers: int, truncated_hint: bool = False) -> None:
+    """Raise ValueError when the drafter `config` was sized for a target of another hidden size,
+    embedding rows or layer count (one line each, naming the fix)."""
     if config.hidden_size != target_hidden:
         raise ValueError(
             f"hidden size mismatch: the drafter has hidden_size {config.hidden_size}, the target has {target_hidden}. "
@@ -136,26 +165,36 @@ def check_drafter_matches_target(target, drafter) -> None:
     if config.num_target_layers is not None and config.num_target_layers != target_layers:
         raise ValueError(
             f"layer count mismatch: the drafter was trained on a target with {config.num_target_layers} decoder layers, "
-            f"this target has {target_layers}. Pass the matching --target_model; a target truncated by "
-            f"TargetFeatureExtractor(truncate=True) cannot verify drafts (no logits): pass the full target."
+            f"this target has {target_layers}. Pass the matching --target_model"
+            + ("; a target truncated by TargetFeatureExtractor(truncate=True) cannot verify drafts (no logits): pass the "
+               "full target." if truncated_hint else " or a drafter trained for this target (--draft_model).")
         )
     if any(not 0 <= i < target_layers for i in config.target_layer_ids):
         raise ValueError(f"drafter target_layer_ids {config.target_layer_ids} are outside the target's {target_layers} layers")
-    from dflash_target import check_target_scaling
 
-    check_target_scaling(target, config)
-    drafter_dtype = next(drafter.parameters()).dtype
-    target_dtype = target.get_input_embeddings().weight.dtype
-    if drafter_dtype != target_dtype:
-        raise ValueError(
-            f"dtype mismatch: the drafter is {drafter_dtype}, the target is {target_dtype}; the drafter uses the target's "
-            f"LM head on its own hidden states. Cast it with drafter.to({target_dtype})."
-        )
+
+def target_fingerprint_warning(target, config) -> str | None:
+    """One line when the target's fingerprint differs from the one the drafter's export recorded
+    (`dflash_target.target_fingerprint`: same shapes, other weights); None when they agree or the
+    drafter has none (written before fingerprints, by another trainer, or converted)."""
+    recorded = (config.dflash_config or {}).get("target_fingerprint")
+    if not recorded:
+        return None
+    from dflash_target import target_fingerprint
+
+    found = target_fingerprint(target.get_input_embeddings().weight, len(target.get_decoder().layers))
+    if found == recorded:
+        return None
+    differ = ", ".join(f"{key} {found.get(key)} here, {value} at export" for key, value in recorded.items() if found.get(key) != value)
+    return (f"the target differs from the one this drafter was trained for ({differ}): other weights give the drafter "
+            f"other context features, so expect tau near 1; pass the target it was trained for (the drafter folder's "
+            f"training_settings.json names it)")
 
 
 def resolve_block_size(drafter, block_size: int | None) -> int:
-    """The verified block size: default the drafter's; smaller drafts fewer tokens, larger is refused."""
-    trained = drafter.config.block_size
+    """The verified block size: default the drafter's; smaller drafts fewer tokens, larger is refused.
+    `drafter` may be the drafter or its config."""
+    trained = getattr(drafter, "config", drafter).block_size
     if block_size is None:
         return trained
     if not 2 <= block_size <= trained:
@@ -1107,7 +1146,18 @@ def plot_acceptance(path: str, rates: list, tau: float | None, baseline_tau: flo
 
 def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
     """Load a DFlash or DFlash2 drafter checkpoint (by its config's `architectures`), refusing folders
-    that are not one (no dflash_config)."""
+    that are not one (`drafter_class`)."""
+    return drafter_class(path).from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def drafter_class(path: str) -> type:
+    """DFlashDraftModel or DFlash2DraftModel for the checkpoint folder `path`, by its config's
+    `architectures`; nothing but config.json and the weights' header is read.
+
+    Raises:
+        ValueError: for a folder without config.json, a speculators checkpoint, a config without
+            dflash_config, or weights that do not fit the config (`check_weights_fit_config`).
+    """
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--draft_model {path!r} has no config.json; pass the folder of a DFlash drafter checkpoint")
@@ -1125,7 +1175,7 @@ def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashD
         )
     model_class = DFlash2DraftModel if "DFlash2DraftModel" in (config.get("architectures") or []) else DFlashDraftModel
     check_weights_fit_config(path, model_class)
-    return model_class.from_pretrained(path, dtype=dtype).to(device).eval()
+    return model_class
 
 
 def check_weights_fit_config(path: str, model_class) -> None:
@@ -1183,6 +1233,8 @@ def check_args(args: EvalArgs) -> dict:
         raise ValueError("--max_new_tokens, --prompt_lookup_num_tokens and --prompt_lookup_max_ngram_size must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num_prompts must be >= 1 (or left out: every prompt of --data), got {args.num_prompts}")
+    if not os.path.exists(args.data):
+        raise ValueError(f"--data {args.data}: no such file")
     try:
         chat_template_kwargs = json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as error:
@@ -1249,8 +1301,9 @@ class EvalRun:
 
 
 def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
-    """Load the drafter (first: a wrong folder fails before the slow target load), the target and the
-    prompts; check they fit together; make the decoder."""
+    """Check the drafter's files and config against the target's config and the prompts, then load
+    the drafter and the target (so a wrong folder or target fails before any weights load); warn
+    when the target is not the one the drafter was trained for; make the decoder."""
     from dflash_target import load_target_config, load_target_model  # the CLI needs them; the importable API above does not
 
     device = torch.device(args.device) if args.device else (
@@ -1258,18 +1311,22 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
     )
     dtype = parse_dtype(args.dtype, device)
     resolve_kv_cache(args.kv_cache, args.cuda_graphs, device)  # bad flags fail before anything loads
-    drafter = load_drafter(args.draft_model, dtype, device)
-    block_size = resolve_block_size(drafter, args.block_size)  # also before the target loads
-    if not os.path.exists(args.data):
-        raise ValueError(f"--data {args.data}: no such file")
-    # The prompts are read and measured against the target's context before its weights load.
+    model_class = drafter_class(args.draft_model)
+    draft_config = model_class.config_class.from_pretrained(args.draft_model)
+    block_size = resolve_block_size(draft_config, args.block_size)
+    # The shapes, and the prompts against the target's context, are checked before any weights load.
     target_config, tokenizer = load_target_config(args.target_model, gguf_file=args.target_gguf_file)
+    check_config_matches_target(draft_config, target_config)
     prompts, locations = load_prompts(args.data, tokenizer, num_prompts=args.num_prompts, return_locations=True)
     encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]
     check_prompts_fit_context([ids.shape[1] for ids in encoded], locations, target_context_length(target_config),
                               args.max_new_tokens + block_size, f"--max_new_tokens {args.max_new_tokens} + a block of {block_size}")
+    drafter = model_class.from_pretrained(args.draft_model, dtype=dtype).to(device).eval()
     target = load_target_model(args.target_model, target_config, gguf_file=args.target_gguf_file, dtype=dtype, device=device)
     check_drafter_matches_target(target, drafter)
+    warning = target_fingerprint_warning(target, drafter.config)
+    if warning:
+        logger.warning(warning)
     kv_cache, cuda_graphs = resolve_kv_cache(args.kv_cache, args.cuda_graphs, device, target)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     eos_token_ids = eos_token_ids_of(tokenizer, target)

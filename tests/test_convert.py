@@ -86,8 +86,9 @@ def test_a_round_trip_through_speculators_layout_gives_back_the_same_bytes(tmp_p
     written = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert written["aux_hidden_state_layer_ids"] == [1, 3]  # HF hidden_states indices: our ids + 1
     assert written["speculators_model_type"] == drafter
-    # A DFlash sliding layer is causal (the engines' default), a DFlash2 one bidirectional (z-lab's fixture).
-    assert written["sliding_window_non_causal"] is (drafter == "dflash2")
+    # A DFlash sliding layer is causal (the engines' default), a DFlash2 one bidirectional (z-lab's
+    # fixture); with no sliding layer every layer is bidirectional.
+    assert written["sliding_window_non_causal"] is (drafter == "dflash2" or layer_types == "all_full")
     if drafter == "dflash2":
         assert (written["conv_kernel_size"], written["conv_group_size"], written["selector_rank"], written["selector_top_k"]) == (2, 16, 8, 4)
 
@@ -127,7 +128,73 @@ def test_the_speculators_config_is_what_speculators_convert_writes(tmp_path, tar
         config.pop("auto_map", None)
     # speculators copies our is_causal into the layers' config, where nothing reads it; we leave it out.
     assert reference["transformer_layer_config"].pop("is_causal") is None
+    # speculators writes false for every DFlash drafter, which vLLM serves causal on every layer
+    # (test_vllm_serves_the_converted_drafter_as_it_was_trained); this drafter has no causal layer.
+    assert reference.pop("sliding_window_non_causal") is False and written.pop("sliding_window_non_causal") is True
     assert written == reference
+
+
+# vLLM's reading of DFlash causality, in our words (no vLLM import):
+# - `update_dflash` in vllm/transformers_utils/configs/speculators/algos.py (vllm#47745) builds the
+#   drafter's config from a speculators checkpoint: its transformer_layer_config, plus
+#   dflash_config.causal = not sliding_window_non_causal (true when the key is absent);
+# - `_dflash_layer_causal` in vllm/model_executor/models/qwen3_dflash.py decides each layer: an
+#   is_causal that is set, for every layer (vLLM 0.26 and older skip this step); else a
+#   dflash_config.causal that is set, for every layer; else causal exactly for sliding_attention layers.
+
+
+def vllm_update_dflash(speculators_config: dict) -> dict:
+    """The config vLLM builds from a speculators checkpoint's config.json (the causality fields only)."""
+    return {**speculators_config["transformer_layer_config"],
+            "dflash_config": {"causal": not speculators_config.get("sliding_window_non_causal", True)}}
+
+
+def vllm_layer_causal(config: dict, reads_is_causal: bool = True) -> list[bool]:
+    """Per drafter layer, whether vLLM runs it causal, from a config in z-lab's layout."""
+    override = config.get("is_causal") if reads_is_causal else None
+    if override is None:
+        override = (config.get("dflash_config") or {}).get("causal")
+    if override is not None:
+        return [bool(override)] * config["num_hidden_layers"]
+    return [kind == "sliding_attention" for kind in config["layer_types"]]
+
+
+@pytest.mark.parametrize("drafter,layer_types,is_causal", [
+    ("dflash", "all_full", None), ("dflash", "all_sliding", None), ("dflash", "all_sliding", False),
+    ("dflash", "all_sliding", True), ("dflash", "last_full", False), ("dflash2", "all_full", None),
+    ("dflash2", "all_sliding", None), ("dflash2", "last_full", None),
+])
+def test_vllm_serves_the_converted_drafter_as_it_was_trained(tmp_path, target_dir, caplog, drafter, layer_types, is_causal):
+    """vLLM's two rules (above) on what --to speculators writes give each layer the causality it was
+    trained with (`attention_rule`), and so do speculators' (its full layers are bidirectional, its
+    sliding ones causal unless sliding_window_non_causal); no warning."""
+    ours = tiny_export(tmp_path / "ours", drafter, layer_types, is_causal=is_causal)
+    convert(ours, tmp_path / "speculators", "speculators", target_dir, "--max_seq_len", "9")
+    trained_config = DFlashDraftModel.config_class.from_pretrained(ours)
+    trained = [trained_config.attention_rule(i)[0] for i in range(trained_config.num_hidden_layers)]
+    written = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert vllm_layer_causal(vllm_update_dflash(written)) == trained
+    speculators = [kind == "sliding_attention" and not written["sliding_window_non_causal"]
+                   for kind in written["transformer_layer_config"]["layer_types"]]
+    assert speculators == trained
+    assert "vllm" not in caplog.text.lower()
+
+
+def test_causal_sliding_layers_beside_full_ones_convert_with_a_warning_that_vllm_runs_them_causal(tmp_path, target_dir, caplog):
+    """[sliding, full] with is_causal unset trains [causal, bidirectional]: speculators' layout can say
+    so (sliding_window_non_causal false), but vLLM then runs [causal, causal]; one warning line names
+    what each runs."""
+    ours = tiny_export(tmp_path / "ours", "dflash", "last_full")
+    with caplog.at_level("WARNING", logger="convert_dflash"):
+        convert(ours, tmp_path / "speculators", "speculators", target_dir, "--max_seq_len", "9")
+    written = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert written["sliding_window_non_causal"] is False
+    assert vllm_layer_causal(vllm_update_dflash(written)) == [True, True]
+    [record] = [r for r in caplog.records if r.name == "convert_dflash"]
+    message = record.getMessage()
+    assert "\n" not in message
+    assert ("layers 0 slide causally and layers 1 are bidirectional full layers: speculators runs them as trained; vLLM "
+            "reads sliding_window_non_causal false as dflash_config.causal true and runs layers 1 causal too") in message, message
 
 
 def test_the_window_bound_is_where_the_two_window_rules_start_to_differ():

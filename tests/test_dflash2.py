@@ -496,6 +496,8 @@ def test_export_config_and_tensor_names_match_zlab_fixture(tmp_path):
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert set(fixture) <= set(saved), set(fixture) - set(saved)
+    # is_causal again, for vLLM 0.26 and older, which read only dflash_config.causal.
+    assert saved["dflash_config"].pop("causal") is saved["is_causal"] is False
     assert set(saved["dflash_config"]) == set(fixture["dflash_config"])
     # Tokenizer ids and the transformers version are the target's and the writer's, not the layout's.
     for key in set(fixture) - {"bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "use_cache"}:
@@ -541,8 +543,8 @@ def test_a_config_without_is_causal_reads_sliding_layers_as_causal(tmp_path):
     drafter.save_pretrained(tmp_path)
     config_file = tmp_path / "config.json"
     saved = json.loads(config_file.read_text())
-    assert saved["is_causal"] is False
-    del saved["is_causal"]
+    assert saved["is_causal"] is saved["dflash_config"]["causal"] is False
+    del saved["is_causal"], saved["dflash_config"]["causal"]
     config_file.write_text(json.dumps(saved))
     reloaded = eval_dflash.load_drafter(str(tmp_path), torch.float32, torch.device("cpu"))
     assert reloaded.config.is_causal is None

@@ -492,3 +492,98 @@ def test_cli_refuses_a_drafter_whose_weights_do_not_fit_its_config_before_any_we
     assert "(and 3 more)" in message  # up_proj and down_proj of 2 layers: 6 in all, 3 named
     with pytest.raises(ValueError, match=r"^--num_prompts must be >= 1 \(or left out: every prompt of --data\), got 0$"):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--num_prompts", "0"])
+
+
+# ----------------------------------------------------------------------------------------------
+# A drafter evaluated on a target other than its own
+
+
+def qwen3_target_dir(root, tokenizer, seed, **sizes):
+    """A tiny Qwen3 target folder with the Qwen3 tokenizer: the weights of `tiny_target(seed)`, or
+    with `sizes` only a config.json of those sizes (for checks that must not load weights)."""
+    extra = dict(tie_word_embeddings=True, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id)
+    if sizes:
+        Qwen3Config(**{**dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              intermediate_size=128, vocab_size=151936, max_position_embeddings=1024), **extra, **sizes}).save_pretrained(root)
+    else:
+        tiny_target(vocab_size=151936, seed=seed, **extra).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
+def test_the_target_fingerprint_survives_a_cast_and_tells_other_weights_apart():
+    from dflash_target import target_fingerprint
+
+    target, other = tiny_target(), tiny_target(seed=5)
+    weight = target.get_input_embeddings().weight
+    fingerprint = target_fingerprint(weight, 4)
+    assert fingerprint["embedding_shape"] == [VOCAB, 64] and fingerprint["num_layers"] == 4
+    assert len(fingerprint["embedding_signs_sha256"]) == 16
+    for dtype in (torch.bfloat16, torch.float16):
+        assert target_fingerprint(weight.to(dtype), 4) == fingerprint
+    assert target_fingerprint(other.get_input_embeddings().weight, 4)["embedding_signs_sha256"] != fingerprint["embedding_signs_sha256"]
+    assert target_fingerprint(weight, 5) != fingerprint
+
+
+def test_eval_warns_in_one_line_when_the_target_is_not_the_one_the_export_was_trained_for(qwen3_dirs, tmp_path, caplog):
+    """The export records the target's fingerprint; eval on a target of the same shapes with other
+    weights warns once, in one line, and still runs. The same target gives no warning, and neither
+    does a drafter saved without a fingerprint (older exports, other trainers, conversions)."""
+    from dataclasses import dataclass
+
+    from dflash_checkpoint import save_export
+    from dflash_target import load_target
+
+    target_dir, drafter_dir, prompts, tokenizer = qwen3_dirs
+    target, _ = load_target(str(target_dir), device="cpu")
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir)
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+
+    @dataclass
+    class Settings:
+        target_model: str = str(target_dir)
+
+    save_export(drafter, tmp_path / "final", Settings(), card="# card\n")
+    recorded = json.loads((tmp_path / "final" / "config.json").read_text())["dflash_config"]["target_fingerprint"]
+    assert recorded["embedding_shape"] == [151936, 64] and recorded["num_layers"] == 4
+    other_dir = qwen3_target_dir(tmp_path / "other", tokenizer, seed=8)
+
+    def warnings(target_path, drafter_path):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="eval_dflash"):
+            eval_dflash.main(["--target_model", str(target_path), "--draft_model", str(drafter_path), "--data", str(prompts),
+                              "--num_prompts", "1", "--max_new_tokens", "3", "--baseline", "none", "--device", "cpu",
+                              "--output", str(tmp_path / "r.json")])
+        return [record.getMessage() for record in caplog.records if record.name == "eval_dflash"]
+
+    [warning] = warnings(other_dir, tmp_path / "final")
+    assert "\n" not in warning and warning.startswith("the target differs from the one this drafter was trained for "
+                                                      "(embedding_signs_sha256 ")
+    assert f"{recorded['embedding_signs_sha256']} at export" in warning and "expect tau near 1" in warning
+    assert warnings(target_dir, tmp_path / "final") == []
+    assert warnings(other_dir, drafter_dir) == []  # no fingerprint: no word
+
+
+def test_a_drafter_for_another_target_shape_and_a_missing_prompt_file_are_refused_before_any_weights_load(qwen3_dirs, tmp_path, monkeypatch):
+    import dflash_target
+
+    target_dir, drafter_dir, prompts, tokenizer = qwen3_dirs
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded before the drafter and the target were checked against each other")
+
+    for loader in ("load_target", "load_target_model"):
+        monkeypatch.setattr(dflash_target, loader, no_weights)
+    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", no_weights)
+    base = ["--draft_model", str(drafter_dir), "--data", str(prompts), "--max_new_tokens", "8", "--output", str(tmp_path / "r.json"),
+            "--device", "cpu"]
+    wider = qwen3_target_dir(tmp_path / "wider", tokenizer, seed=0, hidden_size=96)
+    with pytest.raises(ValueError, match=r"^hidden size mismatch: the drafter has hidden_size 64, the target has 96\. ") as error:
+        eval_dflash.main(["--target_model", str(wider)] + base)
+    assert "\n" not in str(error.value)
+    deeper = qwen3_target_dir(tmp_path / "deeper", tokenizer, seed=0, num_hidden_layers=6)
+    with pytest.raises(ValueError, match=r"^layer count mismatch: the drafter was trained on a target with 4 decoder layers, "
+                                         r"this target has 6\. Pass the matching --target_model or a drafter trained for this target"):
+        eval_dflash.main(["--target_model", str(deeper)] + base)
+    with pytest.raises(ValueError, match=f"^--data {tmp_path}/missing.jsonl: no such file$"):
+        eval_dflash.main(["--target_model", str(target_dir)] + base[:2] + ["--data", str(tmp_path / "missing.jsonl")] + base[4:])

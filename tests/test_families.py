@@ -155,6 +155,29 @@ def test_drafter_sizing_and_scaling_match_the_target(family):
     assert config.rope_theta == target_rope["rope_theta"]
 
 
+def test_the_drafter_of_a_qwen3_5_target_keeps_no_multimodal_rope(tmp_path):
+    """A Qwen3.5/3.6 target's text config carries multimodal RoPE (mrope_section, mrope_interleaved,
+    as its released config.json has them) beside partial rotary. The drafter is text-only with full
+    rotary over head_dim 128: the saved config has only rope_type and rope_theta, as z-lab's released
+    Qwen3.5 drafters write them. (vLLM builds an MRotaryEmbedding from an mrope_section and asserts
+    sum(section) == rotary_dim / 2: 32 against 64 here, and the drafter would not load.)"""
+    if "qwen3_5" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no 'qwen3_5' configs")
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    target_config = CONFIG_MAPPING["qwen3_5"](text_config=dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=256, rope_parameters=rope, **LINEAR))
+    assert "mrope_section" in target_config.get_text_config().rope_parameters  # the target really carries them
+    config = drafter_config_for_target(target_config, mask_token_id=MASK_ID, num_draft_layers=2)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 10000000.0}
+    assert config.head_dim == 128
+    config.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    assert "mrope" not in text and "rope_scaling" not in json.loads(text)
+    assert json.loads(text)["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000000.0}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_export_reload_and_decode(family, tmp_path):
     """A few training steps (the loss falls), the export (scaling fields, window), and the reloaded

@@ -184,6 +184,21 @@ def test_mask_token_qwen3(qwen3_tokenizer):
         resolve_mask_token_id(qwen3_tokenizer, 151936, mask_token="<|no such token|>")
 
 
+def test_the_spare_mask_row_is_past_the_largest_token_id_when_the_ids_have_a_gap():
+    """Ids 0..15 without 3: 15 tokens, so len(tokenizer) is 15, the id of the real token w15. The mask
+    takes 16, the first id no token has, while the embedding has a row 16."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {f"w{i}": i for i in range(16) if i != 3}, unk_token="w0")))
+    assert len(tokenizer) == 15 and tokenizer.convert_ids_to_tokens(15) == "w15"
+    assert resolve_mask_token_id(tokenizer, 20) == 16
+    assert resolve_mask_token_id(tokenizer, 17) == 16
+    with pytest.raises(ValueError, match=r"no spare embedding row \(16 rows, tokenizer ids up to 15\)"):
+        resolve_mask_token_id(tokenizer, 16)
+
+
 def test_mask_token_smollm2(smollm2_tokenizer):
     assert len(smollm2_tokenizer) == 49152
     with pytest.raises(ValueError, match="no spare embedding row.*--mask_token_id"):

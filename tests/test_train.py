@@ -641,6 +641,8 @@ def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(fake_
     config = json.loads((final / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 64
     assert config["use_sliding_window"] is True and config["max_window_layers"] == 2
+    assert config["dflash_config"]["target_fingerprint"]["embedding_shape"] == [151936, 64]  # eval_dflash.py compares it
+    assert "Attention in each engine: layers 0 slide causally and layers 1 are bidirectional full layers" in card.text
     for text in ("| block size | 8 |", "| drafter layers | 2 |", "| target_layer_ids (0-based) | [1, 3] |",
                  "| layer types | sliding_attention, full_attention (window 64) |",
                  "| mask token id | 151669 |", "--speculative-draft-model-path me/tiny-dflash",
