@@ -94,17 +94,19 @@ from dflash_loss import (
     loss_weights,
     selector_objective,
 )
+from dflash_masks import (
+    anchor_slots,
+    block_label_valid,
+    block_labels,
+    create_anchor_block_mask,
+    sample_anchors,
+)
 from dflash_model import (
     DFlash2Config,
     DFlash2DraftModel,
     DFlashConfig,
     DFlashDraftModel,
     SequenceParallel,
-    anchor_slots,
-    block_label_valid,
-    block_labels,
-    create_anchor_block_mask,
-    sample_anchors,
     selector_predecessor_ids,
 )
 from dflash_progress import (

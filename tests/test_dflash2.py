@@ -29,15 +29,17 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
 from dflash_loss import dflash_loss, dpace_weights, loss_weights, selector_loss, selector_objective, selector_training_candidates
+from dflash_masks import (
+    block_labels,
+    dense_anchor_block_mask,
+    position_rule,
+    sample_anchors,
+)
 from dflash_model import (
     DFlash2Config,
     DFlash2DraftModel,
     DFlashDraftModel,
     GroupedDynamicCausalConv,
-    block_labels,
-    dense_anchor_block_mask,
-    position_rule,
-    sample_anchors,
     sample_index,
     sampling_probs,
     selector_predecessor_ids,
