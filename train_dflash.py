@@ -101,13 +101,11 @@ from dflash_masks import (
     create_anchor_block_mask,
     sample_anchors,
 )
+from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
 from dflash_model import (
-    DFlash2Config,
-    DFlash2DraftModel,
     DFlashConfig,
     DFlashDraftModel,
     SequenceParallel,
-    selector_predecessor_ids,
 )
 from dflash_progress import (
     DEBUG_LOG,

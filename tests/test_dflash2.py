@@ -35,14 +35,16 @@ from dflash_masks import (
     position_rule,
     sample_anchors,
 )
-from dflash_model import (
+from dflash2_model import (
     DFlash2Config,
     DFlash2DraftModel,
-    DFlashDraftModel,
     GroupedDynamicCausalConv,
+    selector_predecessor_ids,
+)
+from dflash_model import (
+    DFlashDraftModel,
     sample_index,
     sampling_probs,
-    selector_predecessor_ids,
 )
 from dflash_target import drafter_config_for_target
 from eval_dflash import Decoder, greedy_generate, speculative_generate

@@ -37,7 +37,8 @@ def one_case(case, sp):
 
     from dflash_loss import loss_weights
     from dflash_masks import sample_anchors
-    from dflash_model import DFlash2DraftModel, DFlashDraftModel
+    from dflash2_model import DFlash2DraftModel
+    from dflash_model import DFlashDraftModel
     from dflash_target import drafter_config_for_target
     from train_dflash import Compute, MicroBatchLoss, TrainSettings
 
