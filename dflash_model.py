@@ -1,15 +1,17 @@
 """The DFlash drafter: a small block-diffusion model that drafts a whole block of tokens in one
-forward pass, conditioned on the target's hidden states. And its successor DFlash2, whose layers
-also convolve along the block and whose drafts come from a candidate selector.
+forward pass, conditioned on the target's hidden states. Here are its config, the layers every
+drafter of the family shares (attention over the context's and the block's keys, MLP, decoder
+layer, the context fusion) and the drafter: its training forward and its draft pass.
 
 Reference: "DFlash: Block Diffusion for Flash Speculative Decoding" (arXiv 2602.06036), and the
 checkpoint format its released drafters, SGLang and vLLM load (docs/training.md, "The export").
-DFlash2: the definitions of z-lab/dflash's `DFlash2DraftModel` and the checkpoints it loads.
 
-Reading order: config -> pure helpers (anchors, blocks, labels, the convolution, masks, sampling)
--> attention dispatch -> RMSNorm, attention, MLP, convolution, decoder layers, candidate selector ->
-drafters. The training objective (position weights, the loss through the target's LM head, the tau
-estimate, DFlash2's selector loss) is in dflash_loss.py.
+Reading order: config -> pure helpers (each layer's training mask, the logits, sampling) ->
+attention dispatch, sequence parallelism, RoPE -> RMSNorm, attention, MLP, decoder layer -> the
+context cache -> the drafter. Elsewhere: anchors, blocks, labels and the anchor-block mask in
+dflash_masks.py; DFlash2 (convolutions along the block, a candidate selector), built on these
+layers, in dflash2_model.py; the training objective (position weights, the loss through the
+target's LM head, the tau estimate, DFlash2's selector loss) in dflash_loss.py.
 
 Notation used in every shape comment:
     batch   batch dimension            S       context (sequence) length
@@ -240,7 +242,7 @@ class DFlashConfig(Qwen3Config):
 
 
 # ----------------------------------------------------------------------------------------------
-# Pure helpers: anchors, blocks, labels, masks (the training objective, arXiv 2602.06036)
+# Pure helpers: each layer's training mask (dflash_masks.py builds it), the logits, sampling
 
 
 def training_masks(

@@ -699,7 +699,7 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(monkeypatch
 
 
 # ----------------------------------------------------------------------------------------------
-# Sliding windows: each engine's rule (dflash_model.py, the table above `position_rule`)
+# Sliding windows: each engine's rule (dflash_masks.py, the table above `position_rule`)
 
 
 def zlab_rule(q, k, causal, window):
