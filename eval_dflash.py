@@ -76,7 +76,8 @@ from transformers.generation.streamers import BaseStreamer
 from dflash_cli import HelpFormatter
 from dflash_compile import CUDAGraphCall
 from dflash_data import check_prompts_fit_context, load_prompts, target_context_length
-from dflash_model import DFlash2DraftModel, DFlashDraftModel, sampling_probs
+from dflash2_model import DFlash2DraftModel
+from dflash_model import DFlashDraftModel, sampling_probs
 
 logger = logging.getLogger(__name__)
 PROPOSALS = ("sample", "argmax")  # what a drafter proposes at temperature > 0 (speculative_generate)
