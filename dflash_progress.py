@@ -26,7 +26,7 @@ from dflash_compile import flex_compile_stats
 from dflash_features import FeatureSupply
 from dflash_loss import estimate_acceptance_length
 from dflash_schedule import ResumePoint, Schedule
-from dflash_split import StoppedByLauncher, report_failure
+from dflash_liveness import StoppedByLauncher, report_failure
 
 REPO_DIR = Path(__file__).resolve().parent
 
@@ -78,7 +78,7 @@ def exit_after_failure(error: BaseException) -> None:
     instead of waiting for this rank's heartbeat to lapse), then prints one `error: ...` line for a
     bad setting or data (a ValueError; exit status 2), or the traceback of anything else (status 1),
     and records the line for launch.py. A rank that fails only because another failed first says so
-    in one line (dflash_split's liveness) and prints nothing more. DFLASH_TRACEBACK=1 shows every
+    in one line (dflash_liveness) and prints nothing more. DFLASH_TRACEBACK=1 shows every
     traceback. Never returns."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # on its way out already: the launcher's SIGTERM must not cut the report short
     others_told, after_another = report_failure(error)

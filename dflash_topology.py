@@ -1,9 +1,9 @@
 """The rank topology of a run: the process group and nodes, what each rank loads (the whole target,
 a tensor-parallel slice of it, or only its embedding and LM head), the `--target_ranks auto` timing
-that picks the split, settling the split once it is known, and a target rank's whole run.
+and the choice of the split from it, settling the split once it is known, and a target rank's whole run.
 
-The plumbing underneath (rank layout, feature transport, liveness, the calibration's arithmetic) is
-dflash_split.py; docs/topology.md explains the choices. `settings` below is the run's
+The split's plumbing underneath (rank layout, feature transport) is dflash_split.py, the ranks'
+heartbeats dflash_liveness.py; docs/topology.md explains the choices. `settings` below is the run's
 `train_dflash.TrainSettings`, `compute` its `train_dflash.Compute`, `data` its `train_dflash.TrainData`.
 """
 
@@ -12,7 +12,9 @@ import functools
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -21,6 +23,7 @@ from accelerate.utils import set_seed
 from dflash_compile import setup_compile_cache
 from dflash_data import collate_batch
 from dflash_features import serve_context_features, target_features
+from dflash_liveness import Liveness, start_liveness
 from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
 from dflash_progress import debug_log, setup_logging, weights_digest
 from dflash_schedule import ResumePoint, epoch_batches
@@ -31,13 +34,10 @@ from dflash_split import (
     check_deepspeed_tp_init,
     check_shared_output_dir,
     check_split,
-    choose_target_ranks,
     join_tensor_parallel_init,
     make_rank_layout,
     make_tensor_parallel_groups,
-    measure_rates,
     node_ranks,
-    start_liveness,
     strip_target_layers,
 )
 from dflash_target import (
@@ -58,6 +58,7 @@ COLLECTIVE_TIMEOUT_MIN = 60  # process-group timeout (NCCL's default is 10 minut
 
 
 CALIBRATION_BATCHES = 3  # --target_ranks auto: micro-batches timed per rank (each after an untimed run)
+COLOCATED_MARGIN = 1.10  # colocated must beat the best split by 10% (the split frees the drafters' memory of the target)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Cluster:
     world: int  # processes in all
     device: torch.device
     nodes: list  # per node, its global ranks (`node_ranks`)
-    liveness: object | None  # heartbeats between ranks (`start_liveness`), None with one process
+    liveness: Liveness | None  # heartbeats between ranks (`start_liveness`), None with one process
 
 
 def init_distributed(on_cuda: bool) -> Accelerator:
@@ -227,6 +228,79 @@ def to_compute_dtype(drafter: DFlashDraftModel, device: torch.device, dtype: tor
     """Parameters in the compute dtype; the RoPE table stays fp32, as DeepSpeed leaves buffers."""
     for child in drafter.children():
         child.to(device=device, dtype=None if child is drafter.rotary_emb else dtype)
+
+
+def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, device: torch.device) -> torch.Tensor:
+    """Time the target forward and the drafter step on the same real micro-batches on this rank.
+
+    batches: micro-batches; run_target(batch) -> its output (the features); run_drafter(batch,
+    output) runs a forward and backward. Each batch runs once untimed first: a new length bucket compiles
+    there (flex, compiled layers), and the allocator warms up.
+    Returns float64 [target_seconds, drafter_seconds, samples, tokens] over the timed runs;
+    sum it over ranks (all_reduce) so every rank decides the same N.
+    """
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    totals = torch.zeros(4, dtype=torch.float64)
+    for batch in batches:
+        run_drafter(batch, run_target(batch))
+        sync()
+        start = time.perf_counter()
+        output = run_target(batch)
+        sync()
+        middle = time.perf_counter()
+        run_drafter(batch, output)
+        sync()
+        totals += torch.tensor([middle - start, time.perf_counter() - middle, len(batch["input_ids"]),
+                                float(batch["attention_mask"].sum())], dtype=torch.float64)
+    return totals
+
+
+def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: float, ranks_per_node: int,
+                        tp_size: int = 1) -> tuple[int, list[str]]:
+    """N target ranks per node of `ranks_per_node` ranks, from the rates at the same micro-batches.
+
+    target_samples_per_s: what one copy of the target supplies (one rank, or one tensor-parallel
+        group of `tp_size` ranks); drafter_samples_per_s: what one drafter rank consumes.
+    With N target ranks (N / tp_size copies) a node moves min(N / tp_size * supply, (ranks - N) *
+    demand) samples/s; colocated (only for tp_size 1: colocated ranks hold the whole target), every
+    rank does both one after the other: ranks / (1/supply + 1/demand). N is a multiple of tp_size.
+    The best split wins unless colocated is more than COLOCATED_MARGIN better; ties go to more
+    supply (drafters that never wait). Returns (N, lines explaining the choice).
+    Raises ValueError when no split leaves a drafter rank (ranks_per_node <= tp_size).
+    """
+    supply, demand, ranks = target_samples_per_s, drafter_samples_per_s, ranks_per_node
+    copy = "one rank" if tp_size == 1 else f"one target group of {tp_size} ranks"
+    lines = [f"{copy}: target forward {supply:.2f} samples/s; one rank: drafter step {demand:.2f} samples/s "
+             f"(one target copy feeds {supply / demand:.1f} drafter ranks)"]
+    if ranks == 1:
+        return 0, lines + ["a single process: colocated"]
+    if tp_size >= ranks:
+        raise ValueError(
+            f"--target_tp_size {tp_size} leaves no drafter rank on a node of {ranks} processes: use a smaller "
+            f"--target_tp_size or launch more processes per node"
+        )
+    options = []
+    for n in range(tp_size, ranks, tp_size):
+        made, used = n // tp_size * supply, (ranks - n) * demand
+        options.append((min(made, used), made - used, n))
+        balance = f"drafters wait {(1 - made / used) * 100:.0f}%" if made < used else f"targets idle {(1 - used / made) * 100:.0f}%"
+        groups = f" ({n // tp_size} groups of {tp_size})" if tp_size > 1 else ""
+        lines.append(f"  N={n}: {n} target{groups} + {ranks - n} drafter ranks -> {min(made, used):.2f} samples/s ({balance} of the time)")
+    best_rate, _, best_n = max(options)
+    if tp_size > 1:
+        lines.append(f"  N=0: colocated is not an option: with --target_tp_size {tp_size} no rank holds the whole target")
+    else:
+        colocated = ranks / (1 / supply + 1 / demand)
+        lines.append(f"  N=0: colocated -> {colocated:.2f} samples/s")
+        if colocated > COLOCATED_MARGIN * best_rate:
+            lines.append(f"colocated beats the best split (N={best_n}) by more than {(COLOCATED_MARGIN - 1) * 100:.0f}%: N=0")
+            return 0, lines
+    lines.append(f"N={best_n} moves the most samples/s")
+    return best_n, lines
 
 
 def time_rank_split(settings, cluster: Cluster, roles: RankRoles, data, tokenizer,
