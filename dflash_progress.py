@@ -255,15 +255,16 @@ class Progress:
     global_step: int
     trackers: list
     bar: object  # tqdm
+    block_size: int  # the drafter's (its config's): the window's accuracy has one entry per drafted position
     loop_start: float = field(default_factory=time.perf_counter)
     epoch: int = 0
     eval_tau: float | None = None  # the latest held-out tau (the lead's), for the model card
     prompt_lookup_tau: float | None = None  # prompt lookup's on the same prompts (--eval_prompt_lookup)
     window: dict = field(default_factory=dict)  # sums since the last log line (`new_window`)
 
-    def new_window(self, supply: FeatureSupply, block_size: int, device: torch.device) -> None:
+    def new_window(self, supply: FeatureSupply, device: torch.device) -> None:
         """Start the sums of a log window; loss and accuracy count real micro-batches only."""
-        self.window = {"loss": torch.zeros((), device=device), "acc": torch.zeros(block_size - 1, device=device),
+        self.window = {"loss": torch.zeros((), device=device), "acc": torch.zeros(self.block_size - 1, device=device),
                        "micro": 0, "real": 0, "tokens": 0, "samples": 0, "start": time.perf_counter(),
                        "wait_s": supply.wait_s(), "target_s": supply.target_time.seconds()}
 
@@ -337,8 +338,10 @@ def window_scalars(progress: Progress, supply: FeatureSupply, settings, layout, 
     return scalars
 
 
-def start_progress(settings, layout, schedule: Schedule, resume: ResumePoint, num_samples: int, world: int) -> Progress:
-    """The lead's output directory and trackers, the run's summary line, the progress bar."""
+def start_progress(settings, layout, schedule: Schedule, resume: ResumePoint, num_samples: int, world: int,
+                   block_size: int) -> Progress:
+    """The lead's output directory and trackers, the run's summary line, the progress bar.
+    block_size: the drafter's (its config's)."""
     if layout.is_lead:
         os.makedirs(settings.output_dir, exist_ok=True)
     # Trackers take flat scalars; lists and None become strings.
@@ -347,10 +350,10 @@ def start_progress(settings, layout, schedule: Schedule, resume: ResumePoint, nu
     logger.info(
         "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
         num_samples, world, layout.dp_world, schedule.total_steps, schedule.steps_per_epoch, schedule.num_epochs,
-        settings.num_anchors, settings.block_size,
+        settings.num_anchors, block_size,
     )
     bar = tqdm(total=schedule.total_steps, initial=resume.global_step, disable=not layout.is_lead, desc="train", dynamic_ncols=True)
-    return Progress(resume.global_step, trackers, bar)
+    return Progress(resume.global_step, trackers, bar, block_size)
 
 
 def format_tau(value: float | None) -> str:

@@ -510,7 +510,7 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
     logger.info(
         "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, labels %s, backend %s, "
         "compiled drafter %s", settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
-        draft_config.target_layer_ids, mask_token_id, settings.block_size, settings.label_source, compute.backend,
+        draft_config.target_layer_ids, mask_token_id, draft_config.block_size, settings.label_source, compute.backend,
         compute.compile_drafter,
     )
     logger.info(
@@ -524,21 +524,21 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
     return draft_config
 
 
-def loss_weights_for(settings: TrainSettings, device: torch.device) -> torch.Tensor | None:
-    """The fixed per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by block
-    size), or None with D-PACE (its weights come from each block's confidence); logged."""
+def loss_weights_for(settings: TrainSettings, block_size: int, device: torch.device) -> torch.Tensor | None:
+    """The fixed per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by the
+    drafter's block size B), or None with D-PACE (its weights come from each block's confidence); logged."""
     objective = f"--loss {settings.loss}, normalised by the {'sum of weights' if settings.loss_normalize == 'weights' else 'valid positions'}"
     if settings.loss_weighting == "dpace":
         logger.info("Loss weights D-PACE (alpha %.2f); %s", settings.dpace_alpha, objective)
         return None
-    gamma = settings.loss_decay_gamma or default_loss_gamma(settings.block_size)
+    gamma = settings.loss_decay_gamma or default_loss_gamma(block_size)
     logger.info(
         "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s); %s", gamma,
         "--loss_decay_gamma" if settings.loss_decay_gamma else
-        "the paper's value for this block size" if settings.block_size in DEFAULT_LOSS_GAMMA else "(19*B + 62)/52, fitted to the paper's values",
+        "the paper's value for this block size" if block_size in DEFAULT_LOSS_GAMMA else "(19*B + 62)/52, fitted to the paper's values",
         objective,
     )
-    return loss_weights(settings.block_size, gamma, device=device)
+    return loss_weights(block_size, gamma, device=device)
 
 
 def sequence_parallel_share(loss: torch.Tensor, accepted: torch.Tensor, row_weights: torch.Tensor, label_valid: torch.Tensor,
@@ -610,17 +610,17 @@ class MicroBatchLoss:
         # the host, so the step never waits for the GPU to learn how many rows its loss has.
         anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
         own = (anchors, anchor_valid) if sp is None else (sp.shard(anchors), sp.shard(anchor_valid))  # the anchors this rank trains
-        valid_index = block_label_valid(loss_mask, *own, settings.block_size).nonzero()  # [T, 3]
+        valid_index = block_label_valid(loss_mask, *own, config.block_size).nonzero()  # [T, 3]
         loss_mask, anchors, anchor_valid, valid_index = (to_device(t, device) for t in (loss_mask, anchors, anchor_valid, valid_index))
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend,
                        sequence_parallel=sp)  # [batch, N, B, hidden], or [batch, N/P, B, hidden]: this rank's anchors
         if sp is not None:
             anchors, anchor_valid = sp.shard(anchors), sp.shard(anchor_valid)
-        labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, settings.block_size)
+        labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, config.block_size)
         dflash2 = isinstance(config, DFlash2Config)  # its selector trains on the true previous tokens (teacher forcing)
-        predecessor_ids = selector_predecessor_ids(input_ids, anchors, settings.block_size) if dflash2 else None
+        predecessor_ids = selector_predecessor_ids(input_ids, anchors, config.block_size) if dflash2 else None
         # The target's distribution over label k of a block comes from its logits one position earlier.
-        target_rows = block_target_hidden(target_hidden, anchors, settings.block_size) if settings.loss != "ce" else None
+        target_rows = block_target_hidden(target_hidden, anchors, config.block_size) if settings.loss != "ce" else None
         loss, accepted, *row_weights = dflash_loss(
             hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
             chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
@@ -802,7 +802,7 @@ def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: Trai
         device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads // sp,
         kv_heads=draft_config.num_key_value_heads // sp, head_dim=draft_config.head_dim,
         context_len=-(-max(data.lengths[i] for i in first_batch) // compute.pad_multiple) * compute.pad_multiple,
-        num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=dtype,
+        num_anchors=settings.num_anchors, block_size=draft_config.block_size, dtype=dtype,
         rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),
     )
     logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
@@ -848,7 +848,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
     # A sequence-parallel group trains one micro-batch together: the same anchors on all of its ranks
     # (drawn with the group's index), and its samples and tokens counted once, by its first rank.
     sample_rank, counts = dp_rank // settings.sequence_parallel_size, dp_rank % settings.sequence_parallel_size == 0
-    progress.new_window(supply, settings.block_size, device)
+    progress.new_window(supply, device)
     progress.loop_start, profiler = time.perf_counter(), None
     for epoch, micro_step, batches, *collated in supply.steps:
         indices, trains = batches[dp_rank]
@@ -885,7 +885,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
                                      tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
             if layout.is_lead:  # the other ranks have no trackers
                 progress.record(scalars, settings.output_dir)
-            progress.new_window(supply, settings.block_size, device)
+            progress.new_window(supply, device)
         # Save before evaluating: in split mode the target ranks wait in DeepSpeed's save barriers.
         if is_save_step(progress.global_step, settings):
             save_checkpoint(engine, settings, layout, progress.global_step, epoch, micro_step + 1)
@@ -967,7 +967,7 @@ def main(argv: list[str]) -> None:
     target_config, tokenizer = load_target_config(settings.target_model, gguf_file=settings.target_gguf_file)
     draft_config = drafter_config_for(settings, target_config, tokenizer, compute)
     check_sequence_parallel_heads(settings.sequence_parallel_size, draft_config)
-    weights = loss_weights_for(settings, device)
+    weights = loss_weights_for(settings, draft_config.block_size, device)
     data = load_data(settings, tokenizer, cluster.accelerator)
     finished = finished_at_named_checkpoint(settings, data)
     if finished:  # the same, for the checkpoint of a finished run's last step, named
@@ -997,7 +997,7 @@ def main(argv: list[str]) -> None:
         drafter = engine.module
         warm_up_flex(settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
         supply = FeatureSupply(settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule, resume)
-        progress = start_progress(settings, layout, schedule, resume, len(data.dataset), cluster.world)
+        progress = start_progress(settings, layout, schedule, resume, len(data.dataset), cluster.world, draft_config.block_size)
         evaluate = None
         if data.eval_prompts:
             evaluate = functools.partial(evaluate_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
