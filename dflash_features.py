@@ -203,7 +203,7 @@ class FeatureSupply:
         for micro_done, (epoch, micro_step, _) in enumerate(plan, start=1):
             index = micro_step * layout.dp_world + layout.dp_rank
             yield layout.source_of(index), epoch, index
-            if micro_done % accumulation == 0 and is_save_step(first_step + micro_done // accumulation, self.settings):
+            if micro_done % accumulation == 0 and is_save_step(first_step + micro_done // accumulation, self.settings.save_steps):
                 yield None
 
     def _collate_own(self, step):
@@ -283,11 +283,11 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
                        counted=d % settings.sequence_parallel_size == 0)
         if micro_done % settings.gradient_accumulation_steps == 0:
             global_step += 1
-            if is_save_step(global_step, settings):
+            if is_save_step(global_step, settings.save_steps):
                 if sender is not None:
                     sender.flush()  # no send in flight across the world barriers (dflash_split.py, "Checkpoints in split mode")
                 join_deepspeed_save()
-            if evaluate is not None and is_eval_step(global_step, settings):
+            if evaluate is not None and is_eval_step(global_step, settings.eval_steps):
                 evaluate()
     if sender is None:
         logger.info("Target rank %d done (tensor-parallel with ranks %s; rank %d sent the features)", layout.rank,
@@ -301,5 +301,5 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
             layout.rank, sender.samples, sender.tokens, elapsed, sender.samples / max(sender.busy_s, 1e-9),
             sender.tokens / max(sender.busy_s, 1e-9), 100 * sender.idle_s / max(elapsed, 1e-9),
         )
-    if evaluate is not None and not is_eval_step(global_step, settings):
+    if evaluate is not None and not is_eval_step(global_step, settings.eval_steps):
         evaluate()

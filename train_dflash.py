@@ -59,6 +59,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -120,7 +121,16 @@ from dflash_progress import (
     weights_digest,
     window_scalars,
 )
-from dflash_schedule import Schedule, ResumePoint, epoch_batches, is_eval_step, is_save_step, make_schedule, real_micro_batches
+from dflash_schedule import (
+    ResumePoint,
+    Schedule,
+    ScheduleSettings,
+    epoch_batches,
+    is_eval_step,
+    is_save_step,
+    make_schedule,
+    real_micro_batches,
+)
 from dflash_split import DrafterGroupMPU, broadcast_drafter_weights, broadcast_scalars
 from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, drafter_config_for_target, load_target_config, resolve_mask_token_id
 from dflash_topology import (
@@ -432,6 +442,15 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
         raise ValueError(f"--output_dir {settings.output_dir}: cannot write in {existing} ({error.strerror}); pass a folder "
                          f"you can write to, or make {existing} writable") from None
     return settings, config_path
+
+
+ModuleSettings = TypeVar("ModuleSettings")
+
+
+def settings_for(kind: type[ModuleSettings], settings: TrainSettings) -> ModuleSettings:
+    """What a module below takes of the settings: `kind`, a dataclass of that module's
+    (`dflash_schedule.ScheduleSettings`, ...), filled with the fields of `settings` of the same names."""
+    return kind(**{f.name: getattr(settings, f.name) for f in fields(kind)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -788,8 +807,8 @@ def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, 
     return engine, scheduler
 
 
-def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: TrainData, layout, resume: ResumePoint,
-                 compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
+def warm_up_flex(settings: TrainSettings, schedule_settings: ScheduleSettings, draft_config: DFlashConfig, data: TrainData,
+                 layout, resume: ResumePoint, compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
     """Compile flex for the first batch's shape, in the main thread, under the compile lock, before
     the feature receiver thread starts (docs/compile-safety.md). Compiled drafter layers trace flex
     into their own (locked) compiles, so then nothing is done here. Under sequence parallelism the
@@ -797,7 +816,7 @@ def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: Trai
     sp = settings.sequence_parallel_size
     if compute.backend != "flex" or (compute.compile_drafter and sp == 1):
         return
-    first_batch = epoch_batches(data.lengths, settings, resume.epoch, layout.dp_world)[layout.dp_rank] or [0]
+    first_batch = epoch_batches(data.lengths, schedule_settings, resume.epoch, layout.dp_world)[layout.dp_rank] or [0]
     seconds = warm_up_flex_attention(
         device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads // sp,
         kv_heads=draft_config.num_key_value_heads // sp, head_dim=draft_config.head_dim,
@@ -840,7 +859,8 @@ def log_eval(progress: Progress, evaluate, settings: TrainSettings) -> None:
 
 
 def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply, progress: Progress, evaluate,
-               settings: TrainSettings, layout, schedule: Schedule, compute: Compute, device: torch.device) -> None:
+               settings: TrainSettings, layout, schedule: Schedule, schedule_settings: ScheduleSettings, compute: Compute,
+               device: torch.device) -> None:
     """The drafter ranks' loop: a micro-batch's features, its loss, backward; at each optimizer step
     the log line, the checkpoint and the held-out evaluation when they are due."""
     dp_rank, drafters = layout.dp_rank, layout.dp_world
@@ -861,7 +881,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
         # DeepSpeed averages the gradient over all accumulation x drafter-rank micro-batches of the
         # step, fillers (zero loss) included: scaling the real ones by (all / real) makes the step's
         # gradient the mean over its real micro-batches, as if the fillers were not there.
-        real = real_micro_batches(len(supply.data.dataset), settings, micro_step, drafters)
+        real = real_micro_batches(len(supply.data.dataset), schedule_settings, micro_step, drafters)
         engine.backward(loss * (micro_batches_per_step / real) if trains and real < micro_batches_per_step else loss)
         engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
         if trains and DEBUG_LOG:
@@ -887,11 +907,11 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
                 progress.record(scalars, settings.output_dir)
             progress.new_window(supply, device)
         # Save before evaluating: in split mode the target ranks wait in DeepSpeed's save barriers.
-        if is_save_step(progress.global_step, settings):
+        if is_save_step(progress.global_step, settings.save_steps):
             save_checkpoint(engine, settings, layout, progress.global_step, epoch, micro_step + 1)
             if supply.receiver is not None:
                 supply.receiver.resume()
-        if evaluate is not None and is_eval_step(progress.global_step, settings):
+        if evaluate is not None and is_eval_step(progress.global_step, settings.eval_steps):
             if layout.is_lead:
                 log_eval(progress, evaluate, settings)
             torch.distributed.barrier(group=layout.drafter_group)
@@ -903,7 +923,7 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
     model card, the Hub push; then every drafter rank closes its trackers."""
     final_dir = Path(settings.output_dir) / "final"
     if layout.is_lead:
-        if evaluate is not None and not is_eval_step(progress.global_step, settings):
+        if evaluate is not None and not is_eval_step(progress.global_step, settings.eval_steps):
             log_eval(progress, evaluate, settings)
         plot_training_curves(Path(settings.output_dir))
         card = model_card(settings, draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
@@ -923,7 +943,7 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         tracker.finish()
 
 
-def finished_at_named_checkpoint(settings: TrainSettings, data: TrainData) -> str | None:
+def finished_at_named_checkpoint(settings: TrainSettings, schedule_settings: ScheduleSettings, data: TrainData) -> str | None:
     """`finished_run` for --resume_from_checkpoint CHECKPOINT, which needs the run's length: its
     optimizer steps in all with these settings and data, on the drafter ranks that wrote the checkpoint."""
     if settings.resume_from_checkpoint in (None, "latest"):
@@ -932,7 +952,7 @@ def finished_at_named_checkpoint(settings: TrainSettings, data: TrainData) -> st
         state = json.loads((Path(settings.resume_from_checkpoint) / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return None  # missing or damaged: find_resume_point names it
-    total_steps = make_schedule(settings, data, ResumePoint(None, state), state.get("drafter_ranks", 1)).total_steps
+    total_steps = make_schedule(schedule_settings, data, ResumePoint(None, state), state.get("drafter_ranks", 1)).total_steps
     finished = finished_run(settings, total_steps)
     if finished:
         check_checkpoint(Path(settings.resume_from_checkpoint), settings.output_dir)  # a damaged one is named all the same
@@ -953,6 +973,8 @@ def end_finished_run(cluster, line: str) -> None:
 
 def main(argv: list[str]) -> None:
     settings, config_path = parse_settings(argv)
+    # Each module below takes only the settings it reads, as a dataclass of its own (`settings_for`).
+    schedule_settings = settings_for(ScheduleSettings, settings)
     cluster = setup_distributed(settings)
     finished = finished_run(settings)
     if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
@@ -969,7 +991,7 @@ def main(argv: list[str]) -> None:
     check_sequence_parallel_heads(settings.sequence_parallel_size, draft_config)
     weights = loss_weights_for(settings, draft_config.block_size, device)
     data = load_data(settings, tokenizer, cluster.accelerator)
-    finished = finished_at_named_checkpoint(settings, data)
+    finished = finished_at_named_checkpoint(settings, schedule_settings, data)
     if finished:  # the same, for the checkpoint of a finished run's last step, named
         return end_finished_run(cluster, finished)
     resume = find_resume_point(settings, cluster.accelerator, cluster.rank)
@@ -984,25 +1006,26 @@ def main(argv: list[str]) -> None:
     settle_split(layout, settings, draft_config, parts, drafter, compute, cluster.rank)
     sequence_parallel = make_sequence_parallel_groups(layout, settings.sequence_parallel_size, draft_config)  # collective
     loss_fn = replace(loss_fn, sequence_parallel=sequence_parallel)
-    schedule = make_schedule(settings, data, resume, layout.dp_world)
+    schedule = make_schedule(schedule_settings, data, resume, layout.dp_world)
 
     if layout.is_target:  # context features for the drafter ranks, and nothing else
         if not (layout.is_evaluator and data.eval_prompts):
             # Not needed here (a tensor-parallel group's own copies under auto): freed before serving.
             drafter = loss_fn = parts.embed_tokens = parts.lm_head = None
         run_target_rank(settings, cluster, compute, data, tokenizer, layout, parts, drafter,
-                        schedule.plan(data, settings, resume, layout.dp_world), resume)
+                        schedule.plan(data, schedule_settings, resume, layout.dp_world), resume)
     else:
         engine, scheduler = start_deepspeed(settings, drafter, layout, schedule, compute, resume)
         drafter = engine.module
-        warm_up_flex(settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
+        warm_up_flex(settings, schedule_settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
         supply = FeatureSupply(settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule, resume)
         progress = start_progress(settings, layout, schedule, resume, len(data.dataset), cluster.world, draft_config.block_size)
         evaluate = None
         if data.eval_prompts:
             evaluate = functools.partial(evaluate_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
         with logging_redirect_tqdm():  # log lines above the bar while it runs, not glued onto it
-            train_loop(engine, scheduler, loss_fn, supply, progress, evaluate, settings, layout, schedule, compute, device)
+            train_loop(engine, scheduler, loss_fn, supply, progress, evaluate, settings, layout, schedule, schedule_settings, compute,
+                       device)
             progress.bar.close()
         if supply.receiver is not None:
             supply.receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
