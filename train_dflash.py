@@ -83,7 +83,7 @@ from dflash_checkpoint import check_checkpoint, check_hub_access, find_resume_po
 from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
-from dflash_features import FeatureSupply, to_device
+from dflash_features import FeatureSettings, FeatureSupply, to_device
 from dflash_loss import (
     DEFAULT_LOSS_GAMMA,
     LOSS_NORMALIZERS,
@@ -975,6 +975,7 @@ def main(argv: list[str]) -> None:
     settings, config_path = parse_settings(argv)
     # Each module below takes only the settings it reads, as a dataclass of its own (`settings_for`).
     schedule_settings = settings_for(ScheduleSettings, settings)
+    feature_settings = settings_for(FeatureSettings, settings)
     cluster = setup_distributed(settings)
     finished = finished_run(settings)
     if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
@@ -1018,7 +1019,8 @@ def main(argv: list[str]) -> None:
         engine, scheduler = start_deepspeed(settings, drafter, layout, schedule, compute, resume)
         drafter = engine.module
         warm_up_flex(settings, schedule_settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
-        supply = FeatureSupply(settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule, resume)
+        supply = FeatureSupply(feature_settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule,
+                               schedule_settings, resume)
         progress = start_progress(settings, layout, schedule, resume, len(data.dataset), cluster.world, draft_config.block_size)
         evaluate = None
         if data.eval_prompts:
