@@ -3,8 +3,8 @@ a tensor-parallel slice of it, or only its embedding and LM head), the `--target
 and the choice of the split from it, settling the split once it is known, and a target rank's whole run.
 
 The split's plumbing underneath (rank layout, feature transport) is dflash_split.py, the ranks'
-heartbeats dflash_liveness.py; docs/topology.md explains the choices. `settings` below is the run's
-`train_dflash.TrainSettings`, `compute` its `train_dflash.Compute`, `data` its `train_dflash.TrainData`.
+heartbeats dflash_liveness.py; docs/topology.md explains the choices. `settings` below is a
+`TopologySettings`, `compute` the run's `train_dflash.Compute`, `data` its `train_dflash.TrainData`.
 """
 
 import datetime
@@ -22,11 +22,11 @@ from accelerate.utils import set_seed
 
 from dflash_compile import setup_compile_cache
 from dflash_data import collate_batch
-from dflash_features import serve_context_features, target_features
+from dflash_features import FeatureSettings, serve_context_features, target_features
 from dflash_liveness import Liveness, start_liveness
 from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
 from dflash_progress import debug_log, setup_logging, weights_digest
-from dflash_schedule import ResumePoint, epoch_batches
+from dflash_schedule import ResumePoint, ScheduleSettings, epoch_batches
 from dflash_split import (
     broadcast_drafter_weights,
     broadcast_scalars,
@@ -59,6 +59,34 @@ COLLECTIVE_TIMEOUT_MIN = 60  # process-group timeout (NCCL's default is 10 minut
 
 CALIBRATION_BATCHES = 3  # --target_ranks auto: micro-batches timed per rank (each after an untimed run)
 COLOCATED_MARGIN = 1.10  # colocated must beat the best split by 10% (the split frees the drafters' memory of the target)
+
+
+@dataclass(frozen=True)
+class TopologySettings:
+    """The settings the rank topology reads: `train_dflash.TrainSettings`' fields of the same names
+    (their `--help` says more), as `train_dflash.settings_for` copies them."""
+
+    # the launch: ranks, nodes, compile caches, heartbeats
+    target_ranks: str  # target ranks per node: "0" (colocated), a number, or "auto"
+    target_tp_size: int  # target ranks that share one copy of the target (tensor parallelism)
+    sequence_parallel_size: int  # drafter ranks that train one sample together
+    compile_cache: str  # "shared" or "per_rank"
+    compile_cache_dir: str | None
+    compile_threads: int | None
+    liveness_timeout_s: float
+    seed: int
+    output_dir: str  # one folder that every node sees
+    # the target on this rank
+    target_model: str
+    target_gguf_file: str | None
+    target_random_init: bool
+    target_cuda_graphs: bool
+    label_source: str  # "data" or "target_argmax" (the target runs whole)
+    loss: str  # "ce", or a loss against the target's distribution (the target runs whole)
+    # held-out evaluation (split mode: on the first target group)
+    eval_data: str | None
+    eval_max_new_tokens: int
+    eval_prompt_lookup: bool
 
 
 @dataclass
@@ -94,7 +122,7 @@ def init_distributed(on_cuda: bool) -> Accelerator:
     return Accelerator(cpu=not on_cuda)
 
 
-def setup_distributed(settings) -> Cluster:
+def setup_distributed(settings: TopologySettings) -> Cluster:
     """Logging, compile caches, the process group, liveness, the seed, nodes and the split's checks."""
     env_rank = int(os.environ.get("RANK", "0"))
     setup_logging(env_rank)  # rank 0 logs the setup; after the split the lead (first drafter rank) logs training too
@@ -146,7 +174,7 @@ class TargetParts:
     lm_head: torch.nn.Module | None
 
 
-def plan_rank_roles(settings, cluster: Cluster, resume: ResumePoint) -> RankRoles:
+def plan_rank_roles(settings: TopologySettings, cluster: Cluster, resume: ResumePoint) -> RankRoles:
     """The split, fixed or as in the checkpoint being resumed (docs/topology.md), and
     what this rank loads. --target_ranks counts per node; target ranks share a copy of the target in
     tensor-parallel groups of --target_tp_size ranks (DeepSpeed AutoTP). With auto (and no
@@ -179,7 +207,7 @@ def plan_rank_roles(settings, cluster: Cluster, resume: ResumePoint) -> RankRole
     return RankRoles(layout, tp_groups, holds_target, tp_group, evaluator, own_embeddings, needs_drafter)
 
 
-def load_target_parts(settings, target_config, draft_config: DFlashConfig, cluster: Cluster,
+def load_target_parts(settings: TopologySettings, target_config, draft_config: DFlashConfig, cluster: Cluster,
                       roles: RankRoles, compute) -> TargetParts:
     """The target's weights this rank needs: the whole target (or its tensor-parallel slice) with a
     feature extractor, and/or its embedding and LM head alone (a drafter rank of a split)."""
@@ -303,18 +331,19 @@ def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: floa
     return best_n, lines
 
 
-def time_rank_split(settings, cluster: Cluster, roles: RankRoles, data, tokenizer,
-                    parts: TargetParts, drafter: DFlashDraftModel, loss_fn, compute):
+def time_rank_split(settings: TopologySettings, schedule_settings: ScheduleSettings, cluster: Cluster, roles: RankRoles,
+                    data, tokenizer, parts: TargetParts, drafter: DFlashDraftModel, loss_fn, compute):
     """--target_ranks auto: every rank that holds the target times its forward (a tensor-parallel group
-    as one) and a drafter step (forward + backward, no update) on its own first micro-batches; the
-    sums over all ranks give every rank the same N. Returns the rank layout."""
+    as one) and a drafter step (forward + backward, no update) on its own first micro-batches (of
+    the run's order, `schedule_settings`); the sums over all ranks give every rank the same N.
+    Returns the rank layout."""
     rank, device, nodes, tp_size = cluster.rank, cluster.device, cluster.nodes, settings.target_tp_size
     to_compute_dtype(drafter, device, compute.dtype)
     copies = roles.tp_groups[0]  # one target copy per group (per rank when tp_size is 1)
     copy = next((i for i, g in enumerate(copies) if rank in g), None) if roles.holds_target else None
     batches = []
     if copy is not None:
-        own = [ids for ids in epoch_batches(data.lengths, settings, 0, len(copies))[copy::len(copies)] if ids is not None]
+        own = [ids for ids in epoch_batches(data.lengths, schedule_settings, 0, len(copies))[copy::len(copies)] if ids is not None]
         batches = [collate_batch(data.dataset.select(ids), tokenizer.pad_token_id, compute.pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
 
     def run_target(batch):
@@ -338,7 +367,7 @@ def time_rank_split(settings, cluster: Cluster, roles: RankRoles, data, tokenize
     return make_rank_layout(num_target_ranks, rank, cluster.world, nodes, roles.tp_groups)
 
 
-def settle_split(layout, settings, draft_config: DFlashConfig, parts: TargetParts, drafter,
+def settle_split(layout, settings: TopologySettings, draft_config: DFlashConfig, parts: TargetParts, drafter,
                  compute, rank: int) -> None:
     """Once the layout is known: the lead logs training; in split mode a target rank that auto kept
     whole is truncated, and a drafter rank drops every target layer it timed; a drafter rank logs
@@ -467,7 +496,7 @@ def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig)
 EVAL_RESULTS = ("acceptance_length", "speculative_tokens_per_s", "prompt_lookup_acceptance_length")
 
 
-def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data, settings, layout,
+def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data, settings: TopologySettings, layout,
                       device: torch.device) -> None:
     """Split mode, on the first target group: receive the lead's drafter weights, measure held-out tau
     with the target that is already here, send (tau, tokens/s) back (dflash_split.py, "Held-out evaluation")."""
@@ -483,13 +512,14 @@ def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data, settin
     broadcast_scalars(values, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
 
 
-def run_target_rank(settings, cluster: Cluster, compute, data, tokenizer, layout,
-                    parts: TargetParts, drafter: DFlashDraftModel | None, plan, resume: ResumePoint) -> None:
-    """A target rank's whole run (split mode): context features for the drafter ranks, and, with a
-    drafter (the evaluating group, with --eval_data), the lead's held-out evaluations."""
+def run_target_rank(settings: TopologySettings, feature_settings: FeatureSettings, cluster: Cluster, compute, data, tokenizer,
+                    layout, parts: TargetParts, drafter: DFlashDraftModel | None, plan, resume: ResumePoint) -> None:
+    """A target rank's whole run (split mode): context features for the drafter ranks
+    (`serve_context_features`, with `feature_settings`), and, with a drafter (the evaluating group,
+    with --eval_data), the lead's held-out evaluations."""
     evaluate = None
     if drafter is not None:
         to_compute_dtype(drafter, cluster.device, compute.dtype)
         evaluate = functools.partial(evaluate_for_lead, drafter, parts.target, tokenizer, data, settings, layout, cluster.device)
-    serve_context_features(plan, data.dataset, tokenizer, parts.extractor, layout, settings, cluster.device,
+    serve_context_features(plan, data.dataset, tokenizer, parts.extractor, layout, feature_settings, cluster.device,
                            compute.pad_multiple, resume.global_step, evaluate)

@@ -136,6 +136,7 @@ from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, drafter_confi
 from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
+    TopologySettings,
     check_sequence_parallel_heads,
     load_target_parts,
     make_sequence_parallel_groups,
@@ -976,7 +977,8 @@ def main(argv: list[str]) -> None:
     # Each module below takes only the settings it reads, as a dataclass of its own (`settings_for`).
     schedule_settings = settings_for(ScheduleSettings, settings)
     feature_settings = settings_for(FeatureSettings, settings)
-    cluster = setup_distributed(settings)
+    topology_settings = settings_for(TopologySettings, settings)
+    cluster = setup_distributed(topology_settings)
     finished = finished_run(settings)
     if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
         return end_finished_run(cluster, finished)
@@ -998,13 +1000,14 @@ def main(argv: list[str]) -> None:
     resume = find_resume_point(settings, cluster.accelerator, cluster.rank)
 
     # Topology: what this rank loads, then (auto) the split timed on both sides, then the split settled.
-    roles = plan_rank_roles(settings, cluster, resume)
-    parts = load_target_parts(settings, target_config, draft_config, cluster, roles, compute)
+    roles = plan_rank_roles(topology_settings, cluster, resume)
+    parts = load_target_parts(topology_settings, target_config, draft_config, cluster, roles, compute)
     drafter = build_drafter(settings, draft_config, parts, compute) if roles.needs_drafter else None
     loss_fn = MicroBatchLoss(settings, draft_config, compute, weights, parts.lm_head)
     speed_up_target(parts.extractor, settings, compute)  # before the timing: it times the target as it will run
-    layout = roles.layout or time_rank_split(settings, cluster, roles, data, tokenizer, parts, drafter, loss_fn, compute)
-    settle_split(layout, settings, draft_config, parts, drafter, compute, cluster.rank)
+    layout = roles.layout or time_rank_split(topology_settings, schedule_settings, cluster, roles, data, tokenizer, parts, drafter,
+                                             loss_fn, compute)
+    settle_split(layout, topology_settings, draft_config, parts, drafter, compute, cluster.rank)
     sequence_parallel = make_sequence_parallel_groups(layout, settings.sequence_parallel_size, draft_config)  # collective
     loss_fn = replace(loss_fn, sequence_parallel=sequence_parallel)
     schedule = make_schedule(schedule_settings, data, resume, layout.dp_world)
@@ -1013,7 +1016,7 @@ def main(argv: list[str]) -> None:
         if not (layout.is_evaluator and data.eval_prompts):
             # Not needed here (a tensor-parallel group's own copies under auto): freed before serving.
             drafter = loss_fn = parts.embed_tokens = parts.lm_head = None
-        run_target_rank(settings, cluster, compute, data, tokenizer, layout, parts, drafter,
+        run_target_rank(topology_settings, feature_settings, cluster, compute, data, tokenizer, layout, parts, drafter,
                         schedule.plan(data, schedule_settings, resume, layout.dp_world), resume)
     else:
         engine, scheduler = start_deepspeed(settings, drafter, layout, schedule, compute, resume)
