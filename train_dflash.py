@@ -79,7 +79,19 @@ from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-from dflash_checkpoint import check_checkpoint, check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
+from dflash_checkpoint import (
+    CheckpointSettings,
+    ModelCardSettings,
+    check_checkpoint,
+    check_hub_access,
+    find_resume_point,
+    finished_run,
+    model_card,
+    push_to_hub,
+    resume_engine,
+    save_checkpoint,
+    save_export,
+)
 from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
@@ -918,8 +930,8 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
             torch.distributed.barrier(group=layout.drafter_group)
 
 
-def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings: TrainSettings, draft_config: DFlashConfig,
-               data: TrainData, layout) -> None:
+def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings: TrainSettings,
+               checkpoint_settings: CheckpointSettings, draft_config: DFlashConfig, data: TrainData, layout) -> None:
     """The lead: held-out tau at the last step (if not just measured), curves, the export with its
     model card, the Hub push; then every drafter rank closes its trackers."""
     final_dir = Path(settings.output_dir) / "final"
@@ -927,7 +939,7 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         if evaluate is not None and not is_eval_step(progress.global_step, settings.eval_steps):
             log_eval(progress, evaluate, settings)
         plot_training_curves(Path(settings.output_dir))
-        card = model_card(settings, draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
+        card = model_card(settings_for(ModelCardSettings, settings), draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
                           prompt_lookup_tau=progress.prompt_lookup_tau,
                           location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
         save_export(drafter, final_dir, settings, card)
@@ -938,13 +950,13 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
                     settings.eval_data or "PROMPTS.jsonl", min(20, data.eval_prompts_in_file or 20), settings.eval_max_new_tokens,
                     Path(settings.output_dir) / "eval.json")
         if settings.push_to_hub:
-            url = push_to_hub(final_dir, settings, progress.global_step)
+            url = push_to_hub(final_dir, checkpoint_settings, progress.global_step)
             logger.info("Pushed %s to the Hub as %s (%s)", final_dir, settings.hub_model_id, url)
     for tracker in progress.trackers:
         tracker.finish()
 
 
-def finished_at_named_checkpoint(settings: TrainSettings, schedule_settings: ScheduleSettings, data: TrainData) -> str | None:
+def finished_at_named_checkpoint(settings: CheckpointSettings, schedule_settings: ScheduleSettings, data: TrainData) -> str | None:
     """`finished_run` for --resume_from_checkpoint CHECKPOINT, which needs the run's length: its
     optimizer steps in all with these settings and data, on the drafter ranks that wrote the checkpoint."""
     if settings.resume_from_checkpoint in (None, "latest"):
@@ -978,8 +990,9 @@ def main(argv: list[str]) -> None:
     schedule_settings = settings_for(ScheduleSettings, settings)
     feature_settings = settings_for(FeatureSettings, settings)
     topology_settings = settings_for(TopologySettings, settings)
+    checkpoint_settings = settings_for(CheckpointSettings, settings)
     cluster = setup_distributed(topology_settings)
-    finished = finished_run(settings)
+    finished = finished_run(checkpoint_settings)
     if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
         return end_finished_run(cluster, finished)
     if config_path == str(DEMO_CONFIG):
@@ -994,10 +1007,10 @@ def main(argv: list[str]) -> None:
     check_sequence_parallel_heads(settings.sequence_parallel_size, draft_config)
     weights = loss_weights_for(settings, draft_config.block_size, device)
     data = load_data(settings, tokenizer, cluster.accelerator)
-    finished = finished_at_named_checkpoint(settings, schedule_settings, data)
+    finished = finished_at_named_checkpoint(checkpoint_settings, schedule_settings, data)
     if finished:  # the same, for the checkpoint of a finished run's last step, named
         return end_finished_run(cluster, finished)
-    resume = find_resume_point(settings, cluster.accelerator, cluster.rank)
+    resume = find_resume_point(checkpoint_settings, cluster.accelerator, cluster.rank)
 
     # Topology: what this rank loads, then (auto) the split timed on both sides, then the split settled.
     roles = plan_rank_roles(topology_settings, cluster, resume)
@@ -1036,7 +1049,7 @@ def main(argv: list[str]) -> None:
             supply.receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
         if DEBUG_LOG:
             debug_log(cluster.rank, {"step": progress.global_step, "weights_sha256": weights_digest(drafter)})
-        finish_run(drafter, progress, evaluate, settings, draft_config, data, layout)
+        finish_run(drafter, progress, evaluate, settings, checkpoint_settings, draft_config, data, layout)
     if cluster.liveness:
         cluster.liveness.finish()  # every rank waits here for the others (the lead's export included), watched
     cluster.accelerator.end_training()
