@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -123,6 +123,7 @@ from dflash_model import (
 from dflash_progress import (
     DEBUG_LOG,
     Progress,
+    ProgressSettings,
     format_tau,
     check_finite_loss,
     debug_log,
@@ -907,10 +908,10 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
         progress.global_step += 1
         progress.bar.update(1)
         if settings.profile_steps and layout.is_lead:
-            profiler = profile_window(profiler, progress.global_step, settings, compute.on_cuda)
+            profiler = profile_window(profiler, progress.global_step, progress.settings, compute.on_cuda)
         if progress.global_step % settings.logging_steps == 0 or progress.global_step == schedule.total_steps:
-            scalars = window_scalars(progress, supply, settings, layout, scheduler, compute, device)
-            check_finite_loss(scalars["loss"], progress.global_step, settings)
+            scalars = window_scalars(progress, supply, progress.settings, layout, scheduler, compute, device)
+            check_finite_loss(scalars["loss"], progress.global_step, progress.settings)
             slots = loss_fn.take_mean_anchor_slots()
             if slots is not None:
                 scalars["anchor_slots"] = slots  # this rank's micro-batches, of --num_anchors
@@ -1037,7 +1038,8 @@ def main(argv: list[str]) -> None:
         warm_up_flex(settings, schedule_settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
         supply = FeatureSupply(feature_settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule,
                                schedule_settings, resume)
-        progress = start_progress(settings, layout, schedule, resume, len(data.dataset), cluster.world, draft_config.block_size)
+        progress = start_progress(settings_for(ProgressSettings, settings), asdict(settings), layout, schedule, resume,
+                                  len(data.dataset), cluster.world, draft_config.block_size)
         evaluate = None
         if data.eval_prompts:
             evaluate = functools.partial(evaluate_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
