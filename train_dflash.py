@@ -936,11 +936,12 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
     """The lead: held-out tau at the last step (if not just measured), curves, the export with its
     model card, the Hub push; then every drafter rank closes its trackers."""
     final_dir = Path(settings.output_dir) / "final"
+    card_settings = settings_for(ModelCardSettings, settings)  # what the export's model card reports
     if layout.is_lead:
         if evaluate is not None and not is_eval_step(progress.global_step, settings.eval_steps):
             log_eval(progress, evaluate, settings)
         plot_training_curves(Path(settings.output_dir))
-        card = model_card(settings_for(ModelCardSettings, settings), draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
+        card = model_card(card_settings, draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
                           prompt_lookup_tau=progress.prompt_lookup_tau,
                           location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
         save_export(drafter, final_dir, settings, card)
@@ -992,6 +993,7 @@ def main(argv: list[str]) -> None:
     feature_settings = settings_for(FeatureSettings, settings)
     topology_settings = settings_for(TopologySettings, settings)
     checkpoint_settings = settings_for(CheckpointSettings, settings)
+    progress_settings = settings_for(ProgressSettings, settings)
     cluster = setup_distributed(topology_settings)
     finished = finished_run(checkpoint_settings)
     if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
@@ -1038,8 +1040,8 @@ def main(argv: list[str]) -> None:
         warm_up_flex(settings, schedule_settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
         supply = FeatureSupply(feature_settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule,
                                schedule_settings, resume)
-        progress = start_progress(settings_for(ProgressSettings, settings), asdict(settings), layout, schedule, resume,
-                                  len(data.dataset), cluster.world, draft_config.block_size)
+        progress = start_progress(progress_settings, asdict(settings), layout, schedule, resume, len(data.dataset), cluster.world,
+                                  draft_config.block_size)
         evaluate = None
         if data.eval_prompts:
             evaluate = functools.partial(evaluate_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
