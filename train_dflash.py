@@ -463,7 +463,9 @@ ModuleSettings = TypeVar("ModuleSettings")
 
 def settings_for(kind: type[ModuleSettings], settings: TrainSettings) -> ModuleSettings:
     """What a module below takes of the settings: `kind`, a dataclass of that module's
-    (`dflash_schedule.ScheduleSettings`, ...), filled with the fields of `settings` of the same names."""
+    (`dflash_schedule.ScheduleSettings`, ...), filled with the fields of `settings` of the same names.
+    They are resolved by now (`__post_init__`): a field that is None here only until then (such as
+    sequence_parallel_size) is declared there with its resolved type."""
     return kind(**{f.name: getattr(settings, f.name) for f in fields(kind)})
 
 
