@@ -960,19 +960,21 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         tracker.finish()
 
 
-def finished_at_named_checkpoint(settings: CheckpointSettings, schedule_settings: ScheduleSettings, data: TrainData) -> str | None:
+def finished_at_named_checkpoint(checkpoint_settings: CheckpointSettings, schedule_settings: ScheduleSettings,
+                                 data: TrainData) -> str | None:
     """`finished_run` for --resume_from_checkpoint CHECKPOINT, which needs the run's length: its
     optimizer steps in all with these settings and data, on the drafter ranks that wrote the checkpoint."""
-    if settings.resume_from_checkpoint in (None, "latest"):
+    named = checkpoint_settings.resume_from_checkpoint
+    if named in (None, "latest"):
         return None
     try:
-        state = json.loads((Path(settings.resume_from_checkpoint) / "trainer_state.json").read_text())
+        state = json.loads((Path(named) / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return None  # missing or damaged: find_resume_point names it
     total_steps = make_schedule(schedule_settings, data, ResumePoint(None, state), state.get("drafter_ranks", 1)).total_steps
-    finished = finished_run(settings, total_steps)
+    finished = finished_run(checkpoint_settings, total_steps)
     if finished:
-        check_checkpoint(Path(settings.resume_from_checkpoint), settings.output_dir)  # a damaged one is named all the same
+        check_checkpoint(Path(named), checkpoint_settings.output_dir)  # a damaged one is named all the same
     return finished
 
 
