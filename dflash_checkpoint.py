@@ -7,7 +7,9 @@ config.json + model.safetensors (no embedding or LM head: the engines borrow the
 resolved settings and a model card. The Hub push checks access at the start of a run (whoami),
 uploads final/ at the end, and keeps final/ with the `hf upload` command when the upload fails.
 
-`settings` below is the run's `train_dflash.TrainSettings`.
+The settings this reads come as a `CheckpointSettings` (resume, the Hub) and a `ModelCardSettings`
+(what the card reports); a checkpoint and the export save the run's resolved settings whole
+(`train_dflash.TrainSettings`, as training_settings.json).
 """
 
 import copy
@@ -19,7 +21,7 @@ import random
 import re
 import shutil
 import stat
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +35,41 @@ from dflash_schedule import ResumePoint
 from dflash_target import SMOLLM2_PACKAGE, target_fingerprint
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """The settings that resume and the Hub push read: `train_dflash.TrainSettings`' fields of the same
+    names (their `--help` says more), as `train_dflash.settings_for` copies them."""
+
+    output_dir: str  # the run's checkpoints, log and export
+    overwrite_output_dir: bool  # a fresh run may delete an earlier run there
+    resume_from_checkpoint: str | None  # "latest", a checkpoint-{step} path, or None (a fresh run)
+    optimizer: str  # a checkpoint resumes only with the optimizer that saved it
+    hub_model_id: str | None
+    hub_private: bool
+    hub_revision: str | None
+
+
+@dataclass(frozen=True)
+class ModelCardSettings:
+    """The settings the export's model card reports: `train_dflash.TrainSettings`' fields of the same
+    names (their `--help` says more), as `train_dflash.settings_for` copies them."""
+
+    target_model: str
+    target_gguf_file: str | None
+    train_data: list[str]
+    max_seq_length: int
+    label_source: str
+    num_anchors: int
+    loss: str
+    lk_eta: float
+    loss_weighting: str
+    dpace_alpha: float
+    loss_decay_gamma: float | None
+    eval_data: str | None
+    eval_num_prompts: int
+    eval_max_new_tokens: int
 
 
 def checkpoint_dirs(output_dir: str) -> list[Path]:
@@ -80,7 +117,7 @@ def check_checkpoint(checkpoint: Path, output_dir: str) -> None:
     raise ValueError(f"checkpoint {checkpoint} is damaged, nothing was changed: {damage}; {advice}")
 
 
-def finished_run(settings, total_steps: int | None = None) -> str | None:
+def finished_run(settings: CheckpointSettings, total_steps: int | None = None) -> str | None:
     """The line that says the run in --output_dir has ended, so that there is nothing to resume, or
     None. It has ended when its export final/ was written after its log's last line and after the
     checkpoint resumed (a run's last act), and:
@@ -124,7 +161,7 @@ def check_same_optimizer(checkpoint: Path, optimizer: str) -> None:
                          f"or start over (--overwrite_output_dir, or a new --output_dir)")
 
 
-def find_resume_point(settings, accelerator: Accelerator, rank: int) -> ResumePoint:
+def find_resume_point(settings: CheckpointSettings, accelerator: Accelerator, rank: int) -> ResumePoint:
     """The checkpoint to resume (every rank needs it: the target ranks make the batches from there on).
     A fresh run clears an earlier run's checkpoints and log only with --overwrite_output_dir, or with
     --resume_from_checkpoint latest when the earlier run left only its log (no checkpoint, no export);
@@ -197,7 +234,11 @@ def cut_log(log_file: Path, step: int) -> None:
 
 def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micro_step_in_epoch: int) -> None:
     """All drafter ranks write their DeepSpeed shards into a temp dir; the lead renames it into
-    place. In split mode the target ranks join DeepSpeed's world barriers (join_deepspeed_save)."""
+    place. In split mode the target ranks join DeepSpeed's world barriers (join_deepspeed_save).
+
+    settings: the run's resolved settings (`train_dflash.TrainSettings`), saved whole as
+    training_settings.json; its output_dir, save_total_limit and sequence_parallel_size say where
+    the checkpoint goes, how many are kept, and what trainer_state.json records besides the step."""
     final_dir = Path(settings.output_dir) / f"checkpoint-{global_step}"
     tmp_dir = final_dir.with_name(f".tmp-{final_dir.name}")
     if layout.is_lead:
@@ -273,7 +314,7 @@ def attention_note(config: DFlashConfig) -> str:
     return note
 
 
-def model_card(settings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
+def model_card(settings: ModelCardSettings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
                location: str, prompt_lookup_tau: float | None = None) -> str:
     """README.md of the export: Hub metadata (base_model, library_name, tags), what it was trained on
     and with, the held-out tau if it was measured, the SGLang and vLLM commands that serve it, and
@@ -352,7 +393,8 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str)
     training_settings.json and the model card README.md, written to a temp dir and renamed into
     place, so a crash never leaves a half-written export. config.json records the fingerprint of
     the target the drafter is attached to (`dflash_target.target_fingerprint`), which
-    eval_dflash.py compares."""
+    eval_dflash.py compares. settings: the run's resolved settings (`train_dflash.TrainSettings`),
+    saved whole as training_settings.json; nothing else is read from them."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     # What drafter.save_pretrained writes, plus the target's fingerprint (engines read only the
@@ -428,7 +470,7 @@ def check_hub_access(repo_id: str) -> None:
                          f"{', '.join(sorted(n for n in writable if n))}; pick one of those namespaces")
 
 
-def push_to_hub(final_dir: Path, settings, step: int) -> str:
+def push_to_hub(final_dir: Path, settings: CheckpointSettings, step: int) -> str:
     """Upload the export to --hub_model_id (on branch --hub_revision, created if missing); returns
     the commit URL.
 

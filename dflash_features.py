@@ -4,14 +4,15 @@ outputs kept on the device after the first epoch), or the target ranks over the 
 mode, `dflash_split.FeatureReceiver`). Also the target rank's side of split mode: its share of the
 micro-batches through the target, sent to the drafter rank that trains each.
 
-`settings` below is the run's `train_dflash.TrainSettings`, `compute` its `train_dflash.Compute`,
-`data` its `train_dflash.TrainData`.
+`settings` below is a `FeatureSettings`, `compute` the run's `train_dflash.Compute`, `data` its
+`train_dflash.TrainData`.
 """
 
 import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
@@ -19,11 +20,26 @@ import torch
 
 from dflash_data import collate_batch
 from dflash_model import DFlashConfig
-from dflash_schedule import ResumePoint, Schedule, is_eval_step, is_save_step
+from dflash_schedule import ResumePoint, Schedule, ScheduleSettings, is_eval_step, is_save_step
 from dflash_split import BATCH, PADDING, FeatureReceiver, FeatureSender, Stopwatch, join_deepspeed_save
 from dflash_target import TargetFeatureExtractor
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    """The settings the supply and the serving of context features read: `train_dflash.TrainSettings`'
+    fields of the same names (their `--help` says more), as `train_dflash.settings_for` copies them."""
+
+    loss: str  # ce, or a loss against the target's distribution: its last hidden state then follows the features
+    cache_target_outputs: bool  # colocated: keep each sample's target outputs on the device after its first forward
+    prefetch_batches: int  # micro-batches kept ready ahead of training (the transport's queue depth in split mode)
+    per_device_batch_size: int  # rows of a colocated micro-batch under flex (a short last one is filled up)
+    gradient_accumulation_steps: int  # micro-batches per optimizer step: where the save and evaluation steps fall
+    sequence_parallel_size: int  # drafter ranks that train one micro-batch together (a target rank counts it once)
+    save_steps: int  # a checkpoint every N optimizer steps (0: never): the transport stays quiet across it
+    eval_steps: int  # held-out tau every N optimizer steps (0: only at the end): the first target group evaluates
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -176,15 +192,16 @@ class FeatureSupply:
     the network (split; `FeatureReceiver`), or this rank's own target forward (colocated), with the
     time each side took, for the rates in the log."""
 
-    def __init__(self, settings, layout, draft_config: DFlashConfig, data, tokenizer,
-                 extractor, compute, device: torch.device, schedule: "Schedule", resume: "ResumePoint"):
+    def __init__(self, settings: FeatureSettings, layout, draft_config: DFlashConfig, data, tokenizer,
+                 extractor, compute, device: torch.device, schedule: Schedule, schedule_settings: ScheduleSettings,
+                 resume: ResumePoint):
         self.settings, self.layout, self.data, self.tokenizer = settings, layout, data, tokenizer
         self.extractor, self.compute, self.device = extractor, compute, device
         self.receiver = None
         if layout.split:
             self.receiver = FeatureReceiver(
                 layout.transport_group, layout.senders_of(layout.rank), device, settings.prefetch_batches,
-                self._schedule(schedule.plan(data, settings, resume, layout.dp_world), resume.global_step),
+                self._schedule(schedule.plan(data, schedule_settings, resume, layout.dp_world), resume.global_step),
                 feature_dim=target_output_dim(draft_config, settings.loss), dtype=compute.dtype,
             )
         self.target_time = Stopwatch(device)  # colocated: this rank's target forwards
@@ -193,7 +210,7 @@ class FeatureSupply:
             self.cache = TargetOutputCache(list(data.dataset["num_tokens"]), target_output_dim(draft_config, settings.loss),
                                            compute.dtype, device, with_labels=extractor.predict_next)
         # Colocated: the next micro-batches are collated in a worker thread while this one trains.
-        plan = schedule.plan(data, settings, resume, layout.dp_world)
+        plan = schedule.plan(data, schedule_settings, resume, layout.dp_world)
         self.steps = plan if self.receiver is not None else prefetch(plan, self._collate_own, depth=settings.prefetch_batches)
 
     def _schedule(self, plan, first_step: int):
@@ -203,7 +220,7 @@ class FeatureSupply:
         for micro_done, (epoch, micro_step, _) in enumerate(plan, start=1):
             index = micro_step * layout.dp_world + layout.dp_rank
             yield layout.source_of(index), epoch, index
-            if micro_done % accumulation == 0 and is_save_step(first_step + micro_done // accumulation, self.settings):
+            if micro_done % accumulation == 0 and is_save_step(first_step + micro_done // accumulation, self.settings.save_steps):
                 yield None
 
     def _collate_own(self, step):
@@ -245,7 +262,7 @@ class FeatureSupply:
         return self.receiver.wait_s if self.receiver else 0.0
 
 
-def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExtractor, layout, settings,
+def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExtractor, layout, settings: FeatureSettings,
                            device: torch.device, pad_multiple: int, global_step: int, evaluate=None) -> None:
     """A target rank's whole run (split mode): its group's share of the plan's micro-batches
     (`layout.source_of`), tokens collated, the truncated target forward, the features sent by the
@@ -283,11 +300,11 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
                        counted=d % settings.sequence_parallel_size == 0)
         if micro_done % settings.gradient_accumulation_steps == 0:
             global_step += 1
-            if is_save_step(global_step, settings):
+            if is_save_step(global_step, settings.save_steps):
                 if sender is not None:
                     sender.flush()  # no send in flight across the world barriers (dflash_split.py, "Checkpoints in split mode")
                 join_deepspeed_save()
-            if evaluate is not None and is_eval_step(global_step, settings):
+            if evaluate is not None and is_eval_step(global_step, settings.eval_steps):
                 evaluate()
     if sender is None:
         logger.info("Target rank %d done (tensor-parallel with ranks %s; rank %d sent the features)", layout.rank,
@@ -301,5 +318,5 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
             layout.rank, sender.samples, sender.tokens, elapsed, sender.samples / max(sender.busy_s, 1e-9),
             sender.tokens / max(sender.busy_s, 1e-9), 100 * sender.idle_s / max(elapsed, 1e-9),
         )
-    if evaluate is not None and not is_eval_step(global_step, settings):
+    if evaluate is not None and not is_eval_step(global_step, settings.eval_steps):
         evaluate()

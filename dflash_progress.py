@@ -1,7 +1,7 @@
 """What a run reports: logging set-up, the log window of the training loop and its scalars (loss,
 first-position accuracy, the tau estimate, both sides' rates), the trackers and train_log.jsonl,
 the training curves, the profiler window, the divergence check, and the error line each failed rank
-leaves for launch.py.
+leaves for launch.py. The settings it reads come as a `ProgressSettings`.
 """
 
 import hashlib
@@ -15,7 +15,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,11 +26,26 @@ from dflash_compile import flex_compile_stats
 from dflash_features import FeatureSupply
 from dflash_loss import estimate_acceptance_length
 from dflash_schedule import ResumePoint, Schedule
-from dflash_split import StoppedByLauncher, report_failure
+from dflash_liveness import StoppedByLauncher, report_failure
 
 REPO_DIR = Path(__file__).resolve().parent
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
+
+
+@dataclass(frozen=True)
+class ProgressSettings:
+    """The settings a run's reports read: `train_dflash.TrainSettings`' fields of the same names (their
+    `--help` says more), as `train_dflash.settings_for` copies them."""
+
+    output_dir: str  # train_log.jsonl, the trackers' runs/, the curves and the profile go here
+    report_to: str  # trackers: tensorboard, wandb, none, ...
+    logging_steps: int  # a log line every N optimizer steps
+    profile_steps: int  # optimizer steps profiled after the first PROFILE_AFTER_STEPS (0: none)
+    learning_rate: float  # the peak; the log's lr is it times the schedule's factor
+    max_grad_norm: float  # named, with the learning rate, when the loss diverges
+    gradient_accumulation_steps: int  # micro-batches per optimizer step: a window's steps from its micro-batches
+    num_anchors: int  # in the run's summary line
 
 
 # Tests: each drafter rank appends the sample ids it trained, and its final weights' digest, to
@@ -78,7 +93,7 @@ def exit_after_failure(error: BaseException) -> None:
     instead of waiting for this rank's heartbeat to lapse), then prints one `error: ...` line for a
     bad setting or data (a ValueError; exit status 2), or the traceback of anything else (status 1),
     and records the line for launch.py. A rank that fails only because another failed first says so
-    in one line (dflash_split's liveness) and prints nothing more. DFLASH_TRACEBACK=1 shows every
+    in one line (dflash_liveness) and prints nothing more. DFLASH_TRACEBACK=1 shows every
     traceback. Never returns."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # on its way out already: the launcher's SIGTERM must not cut the report short
     others_told, after_another = report_failure(error)
@@ -122,7 +137,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
-def start_trackers(settings, hparams: dict, resumed_step: int = 0) -> list:
+def start_trackers(settings: ProgressSettings, hparams: dict, resumed_step: int = 0) -> list:
     """accelerate's trackers for --report_to, started on the calling rank (the lead). accelerate
     runs them on global rank 0 only, which in split mode is a target rank, so the instances made
     here have that gate switched off. TensorBoard writes to {output_dir}/runs/; a run resumed from
@@ -178,7 +193,7 @@ def plot_training_curves(output_dir: Path) -> None:
 PROFILE_AFTER_STEPS = 20  # --profile_steps starts here: the first steps compile every shape
 
 
-def profile_window(profiler, step: int, settings, on_cuda: bool):
+def profile_window(profiler, step: int, settings: ProgressSettings, on_cuda: bool):
     """--profile_steps: start torch.profiler after optimizer step PROFILE_AFTER_STEPS, stop it
     settings.profile_steps steps later and write the tables (by GPU and by host time) and the trace.
     On CUDA, torch's sync debug mode also reports every operation in the window that made the host
@@ -225,7 +240,7 @@ def profile_window(profiler, step: int, settings, on_cuda: bool):
     return profiler
 
 
-def check_finite_loss(loss: float, step: int, settings) -> None:
+def check_finite_loss(loss: float, step: int, settings: ProgressSettings) -> None:
     """Stop a run whose logged loss (the mean over a logging window) is NaN or infinite.
 
     ds_configs/zero2.json turns DeepSpeed's bf16 overflow check off (a scan of every gradient and two
@@ -250,20 +265,22 @@ def check_finite_loss(loss: float, step: int, settings) -> None:
 @dataclass
 class Progress:
     """The loop's small state, passed along: the step, the epoch, the current log window's sums,
-    the latest held-out tau, the trackers and the progress bar."""
+    the latest held-out tau, the trackers and the progress bar, and the settings the reports read."""
 
     global_step: int
     trackers: list
     bar: object  # tqdm
+    block_size: int  # the drafter's (its config's): the window's accuracy has one entry per drafted position
+    settings: ProgressSettings
     loop_start: float = field(default_factory=time.perf_counter)
     epoch: int = 0
     eval_tau: float | None = None  # the latest held-out tau (the lead's), for the model card
     prompt_lookup_tau: float | None = None  # prompt lookup's on the same prompts (--eval_prompt_lookup)
     window: dict = field(default_factory=dict)  # sums since the last log line (`new_window`)
 
-    def new_window(self, supply: FeatureSupply, block_size: int, device: torch.device) -> None:
+    def new_window(self, supply: FeatureSupply, device: torch.device) -> None:
         """Start the sums of a log window; loss and accuracy count real micro-batches only."""
-        self.window = {"loss": torch.zeros((), device=device), "acc": torch.zeros(block_size - 1, device=device),
+        self.window = {"loss": torch.zeros((), device=device), "acc": torch.zeros(self.block_size - 1, device=device),
                        "micro": 0, "real": 0, "tokens": 0, "samples": 0, "start": time.perf_counter(),
                        "wait_s": supply.wait_s(), "target_s": supply.target_time.seconds()}
 
@@ -285,7 +302,7 @@ class Progress:
             f.write(json.dumps({"step": self.global_step, **scalars} if with_step else scalars) + "\n")
 
 
-def window_scalars(progress: Progress, supply: FeatureSupply, settings, layout, scheduler,
+def window_scalars(progress: Progress, supply: FeatureSupply, settings: ProgressSettings, layout, scheduler,
                    compute, device: torch.device) -> dict:
     """The log line of the window just ended, summed over the drafter ranks (a collective: every
     drafter rank calls it at the same step): loss, accuracy, tau estimate, rates of both sides."""
@@ -337,20 +354,23 @@ def window_scalars(progress: Progress, supply: FeatureSupply, settings, layout, 
     return scalars
 
 
-def start_progress(settings, layout, schedule: Schedule, resume: ResumePoint, num_samples: int, world: int) -> Progress:
-    """The lead's output directory and trackers, the run's summary line, the progress bar."""
+def start_progress(settings: ProgressSettings, resolved: dict, layout, schedule: Schedule, resume: ResumePoint,
+                   num_samples: int, world: int, block_size: int) -> Progress:
+    """The lead's output directory and trackers, the run's summary line, the progress bar.
+    resolved: the run's resolved settings as a dict (`train_dflash.TrainSettings`, asdict), which
+    the trackers record as the run's hyperparameters; block_size: the drafter's (its config's)."""
     if layout.is_lead:
         os.makedirs(settings.output_dir, exist_ok=True)
     # Trackers take flat scalars; lists and None become strings.
-    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(settings).items()}
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in resolved.items()}
     trackers = start_trackers(settings, hparams, resume.global_step) if layout.is_lead else []
     logger.info(
         "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
         num_samples, world, layout.dp_world, schedule.total_steps, schedule.steps_per_epoch, schedule.num_epochs,
-        settings.num_anchors, settings.block_size,
+        settings.num_anchors, block_size,
     )
     bar = tqdm(total=schedule.total_steps, initial=resume.global_step, disable=not layout.is_lead, desc="train", dynamic_ncols=True)
-    return Progress(resume.global_step, trackers, bar)
+    return Progress(resume.global_step, trackers, bar, block_size, settings)
 
 
 def format_tau(value: float | None) -> str:

@@ -2,13 +2,26 @@
 trains each (length-grouped, padded with zero-loss fillers so that every drafter rank takes the
 same steps), the optimizer steps of the run, and the steps that save a checkpoint or evaluate.
 
-`settings` below is the run's `train_dflash.TrainSettings`; `data` its `train_dflash.TrainData`.
+`settings` below is a `ScheduleSettings`; `data` the run's `train_dflash.TrainData`.
 """
 
 import math
 from dataclasses import dataclass
 
 from dflash_data import length_grouped_batches
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """The settings the run's order and length depend on: `train_dflash.TrainSettings`' fields of the
+    same names (their `--help` says more), as `train_dflash.settings_for` copies them."""
+
+    per_device_batch_size: int  # samples per micro-batch
+    gradient_accumulation_steps: int  # micro-batches per optimizer step, on each drafter rank
+    sequence_parallel_size: int  # drafter ranks that train one micro-batch together
+    seed: int  # each epoch's order of micro-batches
+    max_steps: int  # optimizer steps in all; -1: num_train_epochs sets the length
+    num_train_epochs: int
 
 
 @dataclass
@@ -31,7 +44,7 @@ class ResumePoint:
         return self.state.get("micro_step_in_epoch", 0)
 
 
-def epoch_batches(lengths: list[int], settings, epoch: int, drafter_ranks: int) -> list[list[int] | None]:
+def epoch_batches(lengths: list[int], settings: ScheduleSettings, epoch: int, drafter_ranks: int) -> list[list[int] | None]:
     """The epoch's micro-batches in global order; micro-batch i goes to drafter rank i % drafter_ranks.
 
     Every sample appears exactly once. All drafter ranks must take the same number of steps
@@ -46,7 +59,7 @@ def epoch_batches(lengths: list[int], settings, epoch: int, drafter_ranks: int) 
     return [batch for batch in batches for _ in range(sp)]
 
 
-def train_plan(lengths: list[int], settings, start_epoch: int, skip_micro: int, micro_steps: int,
+def train_plan(lengths: list[int], settings: ScheduleSettings, start_epoch: int, skip_micro: int, micro_steps: int,
                drafter_ranks: int):
     """The micro-steps still to train, in the order every rank agrees on (target ranks make and
     send them in this order, drafter ranks receive and train them in it).
@@ -68,7 +81,7 @@ def train_plan(lengths: list[int], settings, start_epoch: int, skip_micro: int, 
         epoch, first = epoch + 1, 0
 
 
-def real_micro_batches(num_samples: int, settings, micro_step: int, drafter_ranks: int) -> int:
+def real_micro_batches(num_samples: int, settings: ScheduleSettings, micro_step: int, drafter_ranks: int) -> int:
     """How many micro-batches of the optimizer step that `micro_step` (counted per drafter rank within
     its epoch, as train_plan yields it) belongs to hold samples; the rest of the step's
     drafter_ranks x gradient_accumulation_steps are fillers. An epoch holds ceil(num_samples /
@@ -88,12 +101,12 @@ class Schedule:
     num_epochs: int
     micro_steps_left: int  # per drafter rank, from the resume point
 
-    def plan(self, data, settings, resume: ResumePoint, drafters: int):
+    def plan(self, data, settings: ScheduleSettings, resume: ResumePoint, drafters: int):
         """The micro-steps still to train (`train_plan`), the same on every rank."""
         return train_plan(data.lengths, settings, resume.epoch, resume.micro_step, self.micro_steps_left, drafters)
 
 
-def make_schedule(settings, data, resume: ResumePoint, drafters: int) -> Schedule:
+def make_schedule(settings: ScheduleSettings, data, resume: ResumePoint, drafters: int) -> Schedule:
     """Steps per epoch and in all (--max_steps or --num_train_epochs); a checkpoint resumes only with
     the number of drafter ranks and the --sequence_parallel_size that wrote it."""
     micro_steps_per_epoch = len(epoch_batches(data.lengths, settings, 0, drafters)) // drafters
@@ -114,12 +127,14 @@ def make_schedule(settings, data, resume: ResumePoint, drafters: int) -> Schedul
     return Schedule(total_steps, steps_per_epoch, math.ceil(total_steps / steps_per_epoch), micro_steps_left)
 
 
-def is_save_step(step: int, settings) -> bool:
-    """Whether a checkpoint is written after optimizer step `step` (every rank must agree)."""
-    return settings.save_steps > 0 and step % settings.save_steps == 0
+def is_save_step(step: int, save_steps: int) -> bool:
+    """Whether a checkpoint is written after optimizer step `step`, with --save_steps `save_steps` (0:
+    never); every rank must agree."""
+    return save_steps > 0 and step % save_steps == 0
 
 
-def is_eval_step(step: int, settings) -> bool:
-    """Whether held-out tau is measured after optimizer step `step` (with --eval_data; every rank must
-    agree: in split mode the first target group evaluates). The last step is evaluated if it is not one."""
-    return settings.eval_steps > 0 and step % settings.eval_steps == 0
+def is_eval_step(step: int, eval_steps: int) -> bool:
+    """Whether held-out tau is measured after optimizer step `step`, with --eval_steps `eval_steps` (0:
+    only at the end; with --eval_data). Every rank must agree: in split mode the first target group
+    evaluates. The last step is evaluated if it is not one."""
+    return eval_steps > 0 and step % eval_steps == 0

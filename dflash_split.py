@@ -19,32 +19,25 @@ meets them:
   drafter never waits while the target ranks keep up.
 - `join_deepspeed_save`: the target ranks' part of the whole-world barriers in DeepSpeed's
   `save_checkpoint`.
-- `Liveness`: a heartbeat per rank in the launcher's TCPStore and a watchdog thread: a rank that
-  dies stops the others with a clear error within a minute instead of a hang. Also used in
-  colocated mode whenever there is more than one rank.
 - `broadcast_drafter_weights` / `broadcast_scalars`: held-out evaluation on the first target group.
-- `measure_rates` / `choose_target_ranks`: the `--target_ranks auto` calibration.
+
+Rank liveness, which colocated runs use too, is dflash_liveness.py; the `--target_ranks auto`
+calibration is dflash_topology.py's, beside `time_rank_split`.
 """
 
-import functools
 import inspect
-import logging
 import os
 import queue
-import signal
 import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 from dflash_target import _decoder_and_layers
-
-log = logging.getLogger("dflash_split")
 
 # ----------------------------------------------------------------------------------------------
 # Nodes, rank layout and process groups
@@ -705,223 +698,3 @@ def check_shared_output_dir(output_dir: str, nodes: list[list[int]], rank: int, 
             f"wrote there. Every node's drafter ranks write checkpoint shards into it and read them on resume: put "
             f"--output_dir on a filesystem that every node mounts at the same path (NFS, Lustre, ...), as an absolute path."
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# Liveness: heartbeats in the launcher's TCPStore, checked by a watchdog thread
-#
-# A rank that dies leaves the others blocked in a collective or a receive (NCCL waits up to its
-# 10-minute timeout; gloo notices a closed socket, but not a frozen process). Collective timeouts
-# cannot tell a dead rank from a slow one (a cold compile takes minutes), so every rank instead
-# bumps a counter every HEARTBEAT_S from a thread that runs whatever the main thread is doing, and
-# a rank whose counter has not moved for dead_after_s (--liveness_timeout_s) is dead. A rank that
-# fails with an exception posts it, and the others stop within seconds. Counters, not timestamps:
-# no clock skew between machines. Under torchrun the store lives in the launcher's agent, which
-# outlives the ranks.
-
-HEARTBEAT_S = 2.0
-LEFT = 1 << 40  # added to a rank's counter when it leaves cleanly: stop watching it
-_ACTIVE: "Liveness | None" = None
-
-
-class Liveness:
-    def __init__(self, store: dist.Store, rank: int, world: int, dead_after_s: float, where: str):
-        self.store, self.rank, self.world, self.where = store, rank, world, where
-        self.dead_after_s = dead_after_s
-        self.lock = threading.Lock()  # the store client is shared by the watchdog and the main thread
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="dflash-liveness", daemon=True)
-
-    def _op(self, fn):
-        with self.lock:
-            return fn(self.store)
-
-    def _run(self) -> None:
-        others = [r for r in range(self.world) if r != self.rank]
-        last_value = {r: -1 for r in others}
-        last_change = {r: time.monotonic() for r in others}
-        store_down_since = None
-        while not self.stopping.wait(HEARTBEAT_S):
-            try:
-                self._op(lambda s: s.add(f"hb/{self.rank}", 1))
-                values = self._op(lambda s: [s.add(f"hb/{r}", 0) for r in others])  # add 0: read, never blocks
-                failed = self._op(lambda s: s.get("failed").decode() if s.check(["failed"]) else None)
-                store_down_since = None
-            except Exception as error:  # the store is gone: the launcher (or rank 0 hosting it) died
-                if self.stopping.is_set():
-                    return
-                store_down_since = store_down_since or time.monotonic()
-                if time.monotonic() - store_down_since > 10.0:
-                    self._die(f"lost the rendezvous store at {self.where} ({error}): the launcher or rank 0 died")
-                continue
-            if failed is not None:
-                self._die(f"{failed}")
-            now = time.monotonic()
-            for r, value in zip(others, values):
-                if value >= LEFT:
-                    continue
-                if value != last_value[r]:
-                    last_value[r], last_change[r] = value, now
-                elif now - last_change[r] > self.dead_after_s:
-                    self._die(f"rank {r} sent no heartbeat for {now - last_change[r]:.0f} s: it died or is stuck")
-
-    def _post_failure(self, message: str) -> str:
-        """Post `message` as the run's failure unless a rank posted one first; return the one that
-        stands. The first failure is the root cause: a rank that fails later because its peer
-        exited (a closed socket, say) must not overwrite it."""
-        try:
-            return self._op(lambda s: s.compare_set("failed", "", message)).decode()
-        except Exception:  # the store is gone too: nobody is left to tell
-            return message
-
-    def _die(self, reason: str) -> None:
-        log.error("stopping rank %d: %s", self.rank, reason)
-        self._post_failure(f"rank {self.rank} stopped: {reason}")  # before exiting, so the others learn why
-        os._exit(1)  # the main thread may be blocked in a collective that will never return
-
-    def report_failure(self, reason: str) -> bool:
-        """Post this rank's failure; True (after logging the earlier one) if another rank failed first."""
-        self.stopping.set()  # this rank's own watchdog must not read the message and exit before the traceback
-        own = f"rank {self.rank} failed: {reason}"
-        first = self._post_failure(own)
-        if first != own:
-            log.error("stopping rank %d after an earlier failure: %s", self.rank, first)
-        return first != own
-
-    def finish(self) -> None:
-        """Clean end, watched: wait until every rank got here, then stop. Rank 0 leaves last, so a
-        store that rank 0 hosts (launches without torchrun's agent) outlives every use of it."""
-        self._op(lambda s: s.add("done", 1))
-        while self._op(lambda s: s.add("done", 0)) < self.world:
-            time.sleep(0.2)
-        if self.rank != 0:
-            self._op(lambda s: s.add(f"hb/{self.rank}", LEFT))
-            self._op(lambda s: s.add("left", 1))
-        else:
-            while self._op(lambda s: s.add("left", 0)) < self.world - 1:
-                time.sleep(0.2)
-        self.stopping.set()
-        self.thread.join()
-
-
-def start_liveness(rank: int, world: int, dead_after_s: float) -> Liveness | None:
-    """Start this rank's heartbeat and watchdog (None for a single process or without a TCPStore
-    address). Uses its own client connection to the launcher's store (MASTER_ADDR:MASTER_PORT),
-    with short timeouts that leave the process group's own store client alone."""
-    global _ACTIVE
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if world == 1 or not host or not port:
-        return None
-    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=20), wait_for_workers=False)
-    # Keys of this launch only (torchrun's agent store outlives restarts).
-    prefix = f"dflash-liveness/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    _ACTIVE = Liveness(dist.PrefixStore(prefix, client), rank, world, dead_after_s, f"{host}:{port}")
-    _ACTIVE.thread.start()
-    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        signal.signal(signal.SIGTERM, functools.partial(_stop_on_sigterm, os.getpid()))
-    return _ACTIVE
-
-
-class StoppedByLauncher(Exception):
-    """This rank received SIGTERM: torchrun's agent stops every rank once one has exited with an
-    error, or when its own run is interrupted."""
-
-
-def _stop_on_sigterm(owner_pid: int, signum: int, frame) -> None:
-    """SIGTERM handler of a rank with liveness: raise `StoppedByLauncher` in the main thread, so that
-    the rank goes through `report_failure` and logs which rank failed first. Without it the agent's
-    SIGTERM can kill a rank before it has noticed the failure, silently. Processes forked from the
-    rank (data-loading workers) inherit the handler and end as SIGTERM ends them by default."""
-    if os.getpid() != owner_pid:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    raise StoppedByLauncher(f"stopped by the launcher ({signal.Signals(signum).name}): another rank exited, or the launch was interrupted")
-
-
-def report_failure(error: BaseException) -> tuple[bool, bool]:
-    """Tell the other ranks this one is failing, so they stop within seconds. Returns (whether anyone
-    listens, whether another rank failed first: this failure then follows from that one, e.g. a
-    collective whose peer exited, and the log already names the cause)."""
-    if _ACTIVE is None:
-        return False, False
-    return True, _ACTIVE.report_failure(f"{type(error).__name__}: {error}"[:2000])
-
-
-# ----------------------------------------------------------------------------------------------
-# --target_ranks auto: calibrate both sides, pick N
-
-COLOCATED_MARGIN = 1.10  # colocated must beat the best split by 10% (the split frees the drafters' memory of the target)
-
-
-def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, device: torch.device) -> torch.Tensor:
-    """Time the target forward and the drafter step on the same real micro-batches on this rank.
-
-    batches: micro-batches; run_target(batch) -> its output (the features); run_drafter(batch,
-    output) runs a forward and backward. Each batch runs once untimed first: a new length bucket compiles
-    there (flex, compiled layers), and the allocator warms up.
-    Returns float64 [target_seconds, drafter_seconds, samples, tokens] over the timed runs;
-    sum it over ranks (all_reduce) so every rank decides the same N.
-    """
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    totals = torch.zeros(4, dtype=torch.float64)
-    for batch in batches:
-        run_drafter(batch, run_target(batch))
-        sync()
-        start = time.perf_counter()
-        output = run_target(batch)
-        sync()
-        middle = time.perf_counter()
-        run_drafter(batch, output)
-        sync()
-        totals += torch.tensor([middle - start, time.perf_counter() - middle, len(batch["input_ids"]),
-                                float(batch["attention_mask"].sum())], dtype=torch.float64)
-    return totals
-
-
-def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: float, ranks_per_node: int,
-                        tp_size: int = 1) -> tuple[int, list[str]]:
-    """N target ranks per node of `ranks_per_node` ranks, from the rates at the same micro-batches.
-
-    target_samples_per_s: what one copy of the target supplies (one rank, or one tensor-parallel
-        group of `tp_size` ranks); drafter_samples_per_s: what one drafter rank consumes.
-    With N target ranks (N / tp_size copies) a node moves min(N / tp_size * supply, (ranks - N) *
-    demand) samples/s; colocated (only for tp_size 1: colocated ranks hold the whole target), every
-    rank does both one after the other: ranks / (1/supply + 1/demand). N is a multiple of tp_size.
-    The best split wins unless colocated is more than COLOCATED_MARGIN better; ties go to more
-    supply (drafters that never wait). Returns (N, lines explaining the choice).
-    Raises ValueError when no split leaves a drafter rank (ranks_per_node <= tp_size).
-    """
-    supply, demand, ranks = target_samples_per_s, drafter_samples_per_s, ranks_per_node
-    copy = "one rank" if tp_size == 1 else f"one target group of {tp_size} ranks"
-    lines = [f"{copy}: target forward {supply:.2f} samples/s; one rank: drafter step {demand:.2f} samples/s "
-             f"(one target copy feeds {supply / demand:.1f} drafter ranks)"]
-    if ranks == 1:
-        return 0, lines + ["a single process: colocated"]
-    if tp_size >= ranks:
-        raise ValueError(
-            f"--target_tp_size {tp_size} leaves no drafter rank on a node of {ranks} processes: use a smaller "
-            f"--target_tp_size or launch more processes per node"
-        )
-    options = []
-    for n in range(tp_size, ranks, tp_size):
-        made, used = n // tp_size * supply, (ranks - n) * demand
-        options.append((min(made, used), made - used, n))
-        balance = f"drafters wait {(1 - made / used) * 100:.0f}%" if made < used else f"targets idle {(1 - used / made) * 100:.0f}%"
-        groups = f" ({n // tp_size} groups of {tp_size})" if tp_size > 1 else ""
-        lines.append(f"  N={n}: {n} target{groups} + {ranks - n} drafter ranks -> {min(made, used):.2f} samples/s ({balance} of the time)")
-    best_rate, _, best_n = max(options)
-    if tp_size > 1:
-        lines.append(f"  N=0: colocated is not an option: with --target_tp_size {tp_size} no rank holds the whole target")
-    else:
-        colocated = ranks / (1 / supply + 1 / demand)
-        lines.append(f"  N=0: colocated -> {colocated:.2f} samples/s")
-        if colocated > COLOCATED_MARGIN * best_rate:
-            lines.append(f"colocated beats the best split (N={best_n}) by more than {(COLOCATED_MARGIN - 1) * 100:.0f}%: N=0")
-            return 0, lines
-    lines.append(f"N={best_n} moves the most samples/s")
-    return best_n, lines

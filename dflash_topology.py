@@ -1,10 +1,10 @@
 """The rank topology of a run: the process group and nodes, what each rank loads (the whole target,
 a tensor-parallel slice of it, or only its embedding and LM head), the `--target_ranks auto` timing
-that picks the split, settling the split once it is known, and a target rank's whole run.
+and the choice of the split from it, settling the split once it is known, and a target rank's whole run.
 
-The plumbing underneath (rank layout, feature transport, liveness, the calibration's arithmetic) is
-dflash_split.py; docs/topology.md explains the choices. `settings` below is the run's
-`train_dflash.TrainSettings`, `compute` its `train_dflash.Compute`, `data` its `train_dflash.TrainData`.
+The split's plumbing underneath (rank layout, feature transport) is dflash_split.py, the ranks'
+heartbeats dflash_liveness.py; docs/topology.md explains the choices. `settings` below is a
+`TopologySettings`, `compute` the run's `train_dflash.Compute`, `data` its `train_dflash.TrainData`.
 """
 
 import datetime
@@ -12,7 +12,9 @@ import functools
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -20,10 +22,11 @@ from accelerate.utils import set_seed
 
 from dflash_compile import setup_compile_cache
 from dflash_data import collate_batch
-from dflash_features import serve_context_features, target_features
+from dflash_features import FeatureSettings, serve_context_features, target_features
+from dflash_liveness import Liveness, start_liveness
 from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
 from dflash_progress import debug_log, setup_logging, weights_digest
-from dflash_schedule import ResumePoint, epoch_batches
+from dflash_schedule import ResumePoint, ScheduleSettings, epoch_batches
 from dflash_split import (
     broadcast_drafter_weights,
     broadcast_scalars,
@@ -31,13 +34,10 @@ from dflash_split import (
     check_deepspeed_tp_init,
     check_shared_output_dir,
     check_split,
-    choose_target_ranks,
     join_tensor_parallel_init,
     make_rank_layout,
     make_tensor_parallel_groups,
-    measure_rates,
     node_ranks,
-    start_liveness,
     strip_target_layers,
 )
 from dflash_target import (
@@ -58,6 +58,35 @@ COLLECTIVE_TIMEOUT_MIN = 60  # process-group timeout (NCCL's default is 10 minut
 
 
 CALIBRATION_BATCHES = 3  # --target_ranks auto: micro-batches timed per rank (each after an untimed run)
+COLOCATED_MARGIN = 1.10  # colocated must beat the best split by 10% (the split frees the drafters' memory of the target)
+
+
+@dataclass(frozen=True)
+class TopologySettings:
+    """The settings the rank topology reads: `train_dflash.TrainSettings`' fields of the same names
+    (their `--help` says more), as `train_dflash.settings_for` copies them."""
+
+    # the launch: ranks, nodes, compile caches, heartbeats
+    target_ranks: str  # target ranks per node: "0" (colocated), a number, or "auto"
+    target_tp_size: int  # target ranks that share one copy of the target (tensor parallelism)
+    sequence_parallel_size: int  # drafter ranks that train one sample together
+    compile_cache: str  # "shared" or "per_rank"
+    compile_cache_dir: str | None
+    compile_threads: int | None
+    liveness_timeout_s: float
+    seed: int
+    output_dir: str  # one folder that every node sees
+    # the target on this rank
+    target_model: str
+    target_gguf_file: str | None
+    target_random_init: bool
+    target_cuda_graphs: bool
+    label_source: str  # "data" or "target_argmax" (the target runs whole)
+    loss: str  # "ce", or a loss against the target's distribution (the target runs whole)
+    # held-out evaluation (split mode: on the first target group)
+    eval_data: str | None
+    eval_max_new_tokens: int
+    eval_prompt_lookup: bool
 
 
 @dataclass
@@ -69,7 +98,7 @@ class Cluster:
     world: int  # processes in all
     device: torch.device
     nodes: list  # per node, its global ranks (`node_ranks`)
-    liveness: object | None  # heartbeats between ranks (`start_liveness`), None with one process
+    liveness: Liveness | None  # heartbeats between ranks (`start_liveness`), None with one process
 
 
 def init_distributed(on_cuda: bool) -> Accelerator:
@@ -93,7 +122,7 @@ def init_distributed(on_cuda: bool) -> Accelerator:
     return Accelerator(cpu=not on_cuda)
 
 
-def setup_distributed(settings) -> Cluster:
+def setup_distributed(settings: TopologySettings) -> Cluster:
     """Logging, compile caches, the process group, liveness, the seed, nodes and the split's checks."""
     env_rank = int(os.environ.get("RANK", "0"))
     setup_logging(env_rank)  # rank 0 logs the setup; after the split the lead (first drafter rank) logs training too
@@ -145,7 +174,7 @@ class TargetParts:
     lm_head: torch.nn.Module | None
 
 
-def plan_rank_roles(settings, cluster: Cluster, resume: ResumePoint) -> RankRoles:
+def plan_rank_roles(settings: TopologySettings, cluster: Cluster, resume: ResumePoint) -> RankRoles:
     """The split, fixed or as in the checkpoint being resumed (docs/topology.md), and
     what this rank loads. --target_ranks counts per node; target ranks share a copy of the target in
     tensor-parallel groups of --target_tp_size ranks (DeepSpeed AutoTP). With auto (and no
@@ -178,7 +207,7 @@ def plan_rank_roles(settings, cluster: Cluster, resume: ResumePoint) -> RankRole
     return RankRoles(layout, tp_groups, holds_target, tp_group, evaluator, own_embeddings, needs_drafter)
 
 
-def load_target_parts(settings, target_config, draft_config: DFlashConfig, cluster: Cluster,
+def load_target_parts(settings: TopologySettings, target_config, draft_config: DFlashConfig, cluster: Cluster,
                       roles: RankRoles, compute) -> TargetParts:
     """The target's weights this rank needs: the whole target (or its tensor-parallel slice) with a
     feature extractor, and/or its embedding and LM head alone (a drafter rank of a split)."""
@@ -229,18 +258,92 @@ def to_compute_dtype(drafter: DFlashDraftModel, device: torch.device, dtype: tor
         child.to(device=device, dtype=None if child is drafter.rotary_emb else dtype)
 
 
-def time_rank_split(settings, cluster: Cluster, roles: RankRoles, data, tokenizer,
-                    parts: TargetParts, drafter: DFlashDraftModel, loss_fn, compute):
+def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, device: torch.device) -> torch.Tensor:
+    """Time the target forward and the drafter step on the same real micro-batches on this rank.
+
+    batches: micro-batches; run_target(batch) -> its output (the features); run_drafter(batch,
+    output) runs a forward and backward. Each batch runs once untimed first: a new length bucket compiles
+    there (flex, compiled layers), and the allocator warms up.
+    Returns float64 [target_seconds, drafter_seconds, samples, tokens] over the timed runs;
+    sum it over ranks (all_reduce) so every rank decides the same N.
+    """
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    totals = torch.zeros(4, dtype=torch.float64)
+    for batch in batches:
+        run_drafter(batch, run_target(batch))
+        sync()
+        start = time.perf_counter()
+        output = run_target(batch)
+        sync()
+        middle = time.perf_counter()
+        run_drafter(batch, output)
+        sync()
+        totals += torch.tensor([middle - start, time.perf_counter() - middle, len(batch["input_ids"]),
+                                float(batch["attention_mask"].sum())], dtype=torch.float64)
+    return totals
+
+
+def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: float, ranks_per_node: int,
+                        tp_size: int = 1) -> tuple[int, list[str]]:
+    """N target ranks per node of `ranks_per_node` ranks, from the rates at the same micro-batches.
+
+    target_samples_per_s: what one copy of the target supplies (one rank, or one tensor-parallel
+        group of `tp_size` ranks); drafter_samples_per_s: what one drafter rank consumes.
+    With N target ranks (N / tp_size copies) a node moves min(N / tp_size * supply, (ranks - N) *
+    demand) samples/s; colocated (only for tp_size 1: colocated ranks hold the whole target), every
+    rank does both one after the other: ranks / (1/supply + 1/demand). N is a multiple of tp_size.
+    The best split wins unless colocated is more than COLOCATED_MARGIN better; ties go to more
+    supply (drafters that never wait). Returns (N, lines explaining the choice).
+    Raises ValueError when no split leaves a drafter rank (ranks_per_node <= tp_size).
+    """
+    supply, demand, ranks = target_samples_per_s, drafter_samples_per_s, ranks_per_node
+    copy = "one rank" if tp_size == 1 else f"one target group of {tp_size} ranks"
+    lines = [f"{copy}: target forward {supply:.2f} samples/s; one rank: drafter step {demand:.2f} samples/s "
+             f"(one target copy feeds {supply / demand:.1f} drafter ranks)"]
+    if ranks == 1:
+        return 0, lines + ["a single process: colocated"]
+    if tp_size >= ranks:
+        raise ValueError(
+            f"--target_tp_size {tp_size} leaves no drafter rank on a node of {ranks} processes: use a smaller "
+            f"--target_tp_size or launch more processes per node"
+        )
+    options = []
+    for n in range(tp_size, ranks, tp_size):
+        made, used = n // tp_size * supply, (ranks - n) * demand
+        options.append((min(made, used), made - used, n))
+        balance = f"drafters wait {(1 - made / used) * 100:.0f}%" if made < used else f"targets idle {(1 - used / made) * 100:.0f}%"
+        groups = f" ({n // tp_size} groups of {tp_size})" if tp_size > 1 else ""
+        lines.append(f"  N={n}: {n} target{groups} + {ranks - n} drafter ranks -> {min(made, used):.2f} samples/s ({balance} of the time)")
+    best_rate, _, best_n = max(options)
+    if tp_size > 1:
+        lines.append(f"  N=0: colocated is not an option: with --target_tp_size {tp_size} no rank holds the whole target")
+    else:
+        colocated = ranks / (1 / supply + 1 / demand)
+        lines.append(f"  N=0: colocated -> {colocated:.2f} samples/s")
+        if colocated > COLOCATED_MARGIN * best_rate:
+            lines.append(f"colocated beats the best split (N={best_n}) by more than {(COLOCATED_MARGIN - 1) * 100:.0f}%: N=0")
+            return 0, lines
+    lines.append(f"N={best_n} moves the most samples/s")
+    return best_n, lines
+
+
+def time_rank_split(settings: TopologySettings, schedule_settings: ScheduleSettings, cluster: Cluster, roles: RankRoles,
+                    data, tokenizer, parts: TargetParts, drafter: DFlashDraftModel, loss_fn, compute):
     """--target_ranks auto: every rank that holds the target times its forward (a tensor-parallel group
-    as one) and a drafter step (forward + backward, no update) on its own first micro-batches; the
-    sums over all ranks give every rank the same N. Returns the rank layout."""
+    as one) and a drafter step (forward + backward, no update) on its own first micro-batches (of
+    the run's order, `schedule_settings`); the sums over all ranks give every rank the same N.
+    Returns the rank layout."""
     rank, device, nodes, tp_size = cluster.rank, cluster.device, cluster.nodes, settings.target_tp_size
     to_compute_dtype(drafter, device, compute.dtype)
     copies = roles.tp_groups[0]  # one target copy per group (per rank when tp_size is 1)
     copy = next((i for i, g in enumerate(copies) if rank in g), None) if roles.holds_target else None
     batches = []
     if copy is not None:
-        own = [ids for ids in epoch_batches(data.lengths, settings, 0, len(copies))[copy::len(copies)] if ids is not None]
+        own = [ids for ids in epoch_batches(data.lengths, schedule_settings, 0, len(copies))[copy::len(copies)] if ids is not None]
         batches = [collate_batch(data.dataset.select(ids), tokenizer.pad_token_id, compute.pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
 
     def run_target(batch):
@@ -264,7 +367,7 @@ def time_rank_split(settings, cluster: Cluster, roles: RankRoles, data, tokenize
     return make_rank_layout(num_target_ranks, rank, cluster.world, nodes, roles.tp_groups)
 
 
-def settle_split(layout, settings, draft_config: DFlashConfig, parts: TargetParts, drafter,
+def settle_split(layout, settings: TopologySettings, draft_config: DFlashConfig, parts: TargetParts, drafter,
                  compute, rank: int) -> None:
     """Once the layout is known: the lead logs training; in split mode a target rank that auto kept
     whole is truncated, and a drafter rank drops every target layer it timed; a drafter rank logs
@@ -393,7 +496,7 @@ def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig)
 EVAL_RESULTS = ("acceptance_length", "speculative_tokens_per_s", "prompt_lookup_acceptance_length")
 
 
-def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data, settings, layout,
+def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data, settings: TopologySettings, layout,
                       device: torch.device) -> None:
     """Split mode, on the first target group: receive the lead's drafter weights, measure held-out tau
     with the target that is already here, send (tau, tokens/s) back (dflash_split.py, "Held-out evaluation")."""
@@ -409,13 +512,14 @@ def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data, settin
     broadcast_scalars(values, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
 
 
-def run_target_rank(settings, cluster: Cluster, compute, data, tokenizer, layout,
-                    parts: TargetParts, drafter: DFlashDraftModel | None, plan, resume: ResumePoint) -> None:
-    """A target rank's whole run (split mode): context features for the drafter ranks, and, with a
-    drafter (the evaluating group, with --eval_data), the lead's held-out evaluations."""
+def run_target_rank(settings: TopologySettings, feature_settings: FeatureSettings, cluster: Cluster, compute, data, tokenizer,
+                    layout, parts: TargetParts, drafter: DFlashDraftModel | None, plan, resume: ResumePoint) -> None:
+    """A target rank's whole run (split mode): context features for the drafter ranks
+    (`serve_context_features`, with `feature_settings`), and, with a drafter (the evaluating group,
+    with --eval_data), the lead's held-out evaluations."""
     evaluate = None
     if drafter is not None:
         to_compute_dtype(drafter, cluster.device, compute.dtype)
         evaluate = functools.partial(evaluate_for_lead, drafter, parts.target, tokenizer, data, settings, layout, cluster.device)
-    serve_context_features(plan, data.dataset, tokenizer, parts.extractor, layout, settings, cluster.device,
+    serve_context_features(plan, data.dataset, tokenizer, parts.extractor, layout, feature_settings, cluster.device,
                            compute.pad_multiple, resume.global_step, evaluate)

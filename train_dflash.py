@@ -57,8 +57,9 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -78,11 +79,23 @@ from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-from dflash_checkpoint import check_checkpoint, check_hub_access, find_resume_point, finished_run, model_card, push_to_hub, resume_engine, save_checkpoint, save_export
+from dflash_checkpoint import (
+    CheckpointSettings,
+    ModelCardSettings,
+    check_checkpoint,
+    check_hub_access,
+    find_resume_point,
+    finished_run,
+    model_card,
+    push_to_hub,
+    resume_engine,
+    save_checkpoint,
+    save_export,
+)
 from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
-from dflash_features import FeatureSupply, to_device
+from dflash_features import FeatureSettings, FeatureSupply, to_device
 from dflash_loss import (
     DEFAULT_LOSS_GAMMA,
     LOSS_NORMALIZERS,
@@ -110,6 +123,7 @@ from dflash_model import (
 from dflash_progress import (
     DEBUG_LOG,
     Progress,
+    ProgressSettings,
     format_tau,
     check_finite_loss,
     debug_log,
@@ -120,12 +134,22 @@ from dflash_progress import (
     weights_digest,
     window_scalars,
 )
-from dflash_schedule import Schedule, ResumePoint, epoch_batches, is_eval_step, is_save_step, make_schedule, real_micro_batches
+from dflash_schedule import (
+    ResumePoint,
+    Schedule,
+    ScheduleSettings,
+    epoch_batches,
+    is_eval_step,
+    is_save_step,
+    make_schedule,
+    real_micro_batches,
+)
 from dflash_split import DrafterGroupMPU, broadcast_drafter_weights, broadcast_scalars
 from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, drafter_config_for_target, load_target_config, resolve_mask_token_id
 from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
+    TopologySettings,
     check_sequence_parallel_heads,
     load_target_parts,
     make_sequence_parallel_groups,
@@ -434,6 +458,17 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
     return settings, config_path
 
 
+ModuleSettings = TypeVar("ModuleSettings")
+
+
+def settings_for(kind: type[ModuleSettings], settings: TrainSettings) -> ModuleSettings:
+    """What a module below takes of the settings: `kind`, a dataclass of that module's
+    (`dflash_schedule.ScheduleSettings`, ...), filled with the fields of `settings` of the same names.
+    They are resolved by now (`__post_init__`): a field that is None here only until then (such as
+    sequence_parallel_size) is declared there with its resolved type."""
+    return kind(**{f.name: getattr(settings, f.name) for f in fields(kind)})
+
+
 # ----------------------------------------------------------------------------------------------
 # The run, phase by phase: settings -> distributed setup -> target and drafter configs -> data ->
 # resume point -> topology (what each rank loads, colocated or split, auto) -> target and drafter ->
@@ -510,7 +545,7 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
     logger.info(
         "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, labels %s, backend %s, "
         "compiled drafter %s", settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
-        draft_config.target_layer_ids, mask_token_id, settings.block_size, settings.label_source, compute.backend,
+        draft_config.target_layer_ids, mask_token_id, draft_config.block_size, settings.label_source, compute.backend,
         compute.compile_drafter,
     )
     logger.info(
@@ -524,21 +559,21 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
     return draft_config
 
 
-def loss_weights_for(settings: TrainSettings, device: torch.device) -> torch.Tensor | None:
-    """The fixed per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by block
-    size), or None with D-PACE (its weights come from each block's confidence); logged."""
+def loss_weights_for(settings: TrainSettings, block_size: int, device: torch.device) -> torch.Tensor | None:
+    """The fixed per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by the
+    drafter's block size B), or None with D-PACE (its weights come from each block's confidence); logged."""
     objective = f"--loss {settings.loss}, normalised by the {'sum of weights' if settings.loss_normalize == 'weights' else 'valid positions'}"
     if settings.loss_weighting == "dpace":
         logger.info("Loss weights D-PACE (alpha %.2f); %s", settings.dpace_alpha, objective)
         return None
-    gamma = settings.loss_decay_gamma or default_loss_gamma(settings.block_size)
+    gamma = settings.loss_decay_gamma or default_loss_gamma(block_size)
     logger.info(
         "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s); %s", gamma,
         "--loss_decay_gamma" if settings.loss_decay_gamma else
-        "the paper's value for this block size" if settings.block_size in DEFAULT_LOSS_GAMMA else "(19*B + 62)/52, fitted to the paper's values",
+        "the paper's value for this block size" if block_size in DEFAULT_LOSS_GAMMA else "(19*B + 62)/52, fitted to the paper's values",
         objective,
     )
-    return loss_weights(settings.block_size, gamma, device=device)
+    return loss_weights(block_size, gamma, device=device)
 
 
 def sequence_parallel_share(loss: torch.Tensor, accepted: torch.Tensor, row_weights: torch.Tensor, label_valid: torch.Tensor,
@@ -610,17 +645,17 @@ class MicroBatchLoss:
         # the host, so the step never waits for the GPU to learn how many rows its loss has.
         anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
         own = (anchors, anchor_valid) if sp is None else (sp.shard(anchors), sp.shard(anchor_valid))  # the anchors this rank trains
-        valid_index = block_label_valid(loss_mask, *own, settings.block_size).nonzero()  # [T, 3]
+        valid_index = block_label_valid(loss_mask, *own, config.block_size).nonzero()  # [T, 3]
         loss_mask, anchors, anchor_valid, valid_index = (to_device(t, device) for t in (loss_mask, anchors, anchor_valid, valid_index))
         hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend,
                        sequence_parallel=sp)  # [batch, N, B, hidden], or [batch, N/P, B, hidden]: this rank's anchors
         if sp is not None:
             anchors, anchor_valid = sp.shard(anchors), sp.shard(anchor_valid)
-        labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, settings.block_size)
+        labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, config.block_size)
         dflash2 = isinstance(config, DFlash2Config)  # its selector trains on the true previous tokens (teacher forcing)
-        predecessor_ids = selector_predecessor_ids(input_ids, anchors, settings.block_size) if dflash2 else None
+        predecessor_ids = selector_predecessor_ids(input_ids, anchors, config.block_size) if dflash2 else None
         # The target's distribution over label k of a block comes from its logits one position earlier.
-        target_rows = block_target_hidden(target_hidden, anchors, settings.block_size) if settings.loss != "ce" else None
+        target_rows = block_target_hidden(target_hidden, anchors, config.block_size) if settings.loss != "ce" else None
         loss, accepted, *row_weights = dflash_loss(
             hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
             chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
@@ -788,8 +823,8 @@ def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, 
     return engine, scheduler
 
 
-def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: TrainData, layout, resume: ResumePoint,
-                 compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
+def warm_up_flex(settings: TrainSettings, schedule_settings: ScheduleSettings, draft_config: DFlashConfig, data: TrainData,
+                 layout, resume: ResumePoint, compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
     """Compile flex for the first batch's shape, in the main thread, under the compile lock, before
     the feature receiver thread starts (docs/compile-safety.md). Compiled drafter layers trace flex
     into their own (locked) compiles, so then nothing is done here. Under sequence parallelism the
@@ -797,12 +832,12 @@ def warm_up_flex(settings: TrainSettings, draft_config: DFlashConfig, data: Trai
     sp = settings.sequence_parallel_size
     if compute.backend != "flex" or (compute.compile_drafter and sp == 1):
         return
-    first_batch = epoch_batches(data.lengths, settings, resume.epoch, layout.dp_world)[layout.dp_rank] or [0]
+    first_batch = epoch_batches(data.lengths, schedule_settings, resume.epoch, layout.dp_world)[layout.dp_rank] or [0]
     seconds = warm_up_flex_attention(
         device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads // sp,
         kv_heads=draft_config.num_key_value_heads // sp, head_dim=draft_config.head_dim,
         context_len=-(-max(data.lengths[i] for i in first_batch) // compute.pad_multiple) * compute.pad_multiple,
-        num_anchors=settings.num_anchors, block_size=settings.block_size, dtype=dtype,
+        num_anchors=settings.num_anchors, block_size=draft_config.block_size, dtype=dtype,
         rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),
     )
     logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
@@ -840,7 +875,8 @@ def log_eval(progress: Progress, evaluate, settings: TrainSettings) -> None:
 
 
 def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply, progress: Progress, evaluate,
-               settings: TrainSettings, layout, schedule: Schedule, compute: Compute, device: torch.device) -> None:
+               settings: TrainSettings, layout, schedule: Schedule, schedule_settings: ScheduleSettings, compute: Compute,
+               device: torch.device) -> None:
     """The drafter ranks' loop: a micro-batch's features, its loss, backward; at each optimizer step
     the log line, the checkpoint and the held-out evaluation when they are due."""
     dp_rank, drafters = layout.dp_rank, layout.dp_world
@@ -848,7 +884,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
     # A sequence-parallel group trains one micro-batch together: the same anchors on all of its ranks
     # (drawn with the group's index), and its samples and tokens counted once, by its first rank.
     sample_rank, counts = dp_rank // settings.sequence_parallel_size, dp_rank % settings.sequence_parallel_size == 0
-    progress.new_window(supply, settings.block_size, device)
+    progress.new_window(supply, device)
     progress.loop_start, profiler = time.perf_counter(), None
     for epoch, micro_step, batches, *collated in supply.steps:
         indices, trains = batches[dp_rank]
@@ -861,7 +897,7 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
         # DeepSpeed averages the gradient over all accumulation x drafter-rank micro-batches of the
         # step, fillers (zero loss) included: scaling the real ones by (all / real) makes the step's
         # gradient the mean over its real micro-batches, as if the fillers were not there.
-        real = real_micro_batches(len(supply.data.dataset), settings, micro_step, drafters)
+        real = real_micro_batches(len(supply.data.dataset), schedule_settings, micro_step, drafters)
         engine.backward(loss * (micro_batches_per_step / real) if trains and real < micro_batches_per_step else loss)
         engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
         if trains and DEBUG_LOG:
@@ -874,10 +910,10 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
         progress.global_step += 1
         progress.bar.update(1)
         if settings.profile_steps and layout.is_lead:
-            profiler = profile_window(profiler, progress.global_step, settings, compute.on_cuda)
+            profiler = profile_window(profiler, progress.global_step, progress.settings, compute.on_cuda)
         if progress.global_step % settings.logging_steps == 0 or progress.global_step == schedule.total_steps:
-            scalars = window_scalars(progress, supply, settings, layout, scheduler, compute, device)
-            check_finite_loss(scalars["loss"], progress.global_step, settings)
+            scalars = window_scalars(progress, supply, progress.settings, layout, scheduler, compute, device)
+            check_finite_loss(scalars["loss"], progress.global_step, progress.settings)
             slots = loss_fn.take_mean_anchor_slots()
             if slots is not None:
                 scalars["anchor_slots"] = slots  # this rank's micro-batches, of --num_anchors
@@ -885,28 +921,29 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
                                      tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
             if layout.is_lead:  # the other ranks have no trackers
                 progress.record(scalars, settings.output_dir)
-            progress.new_window(supply, settings.block_size, device)
+            progress.new_window(supply, device)
         # Save before evaluating: in split mode the target ranks wait in DeepSpeed's save barriers.
-        if is_save_step(progress.global_step, settings):
+        if is_save_step(progress.global_step, settings.save_steps):
             save_checkpoint(engine, settings, layout, progress.global_step, epoch, micro_step + 1)
             if supply.receiver is not None:
                 supply.receiver.resume()
-        if evaluate is not None and is_eval_step(progress.global_step, settings):
+        if evaluate is not None and is_eval_step(progress.global_step, settings.eval_steps):
             if layout.is_lead:
                 log_eval(progress, evaluate, settings)
             torch.distributed.barrier(group=layout.drafter_group)
 
 
-def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings: TrainSettings, draft_config: DFlashConfig,
-               data: TrainData, layout) -> None:
+def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings: TrainSettings,
+               checkpoint_settings: CheckpointSettings, draft_config: DFlashConfig, data: TrainData, layout) -> None:
     """The lead: held-out tau at the last step (if not just measured), curves, the export with its
     model card, the Hub push; then every drafter rank closes its trackers."""
     final_dir = Path(settings.output_dir) / "final"
+    card_settings = settings_for(ModelCardSettings, settings)  # what the export's model card reports
     if layout.is_lead:
-        if evaluate is not None and not is_eval_step(progress.global_step, settings):
+        if evaluate is not None and not is_eval_step(progress.global_step, settings.eval_steps):
             log_eval(progress, evaluate, settings)
         plot_training_curves(Path(settings.output_dir))
-        card = model_card(settings, draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
+        card = model_card(card_settings, draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
                           prompt_lookup_tau=progress.prompt_lookup_tau,
                           location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
         save_export(drafter, final_dir, settings, card)
@@ -917,25 +954,27 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
                     settings.eval_data or "PROMPTS.jsonl", min(20, data.eval_prompts_in_file or 20), settings.eval_max_new_tokens,
                     Path(settings.output_dir) / "eval.json")
         if settings.push_to_hub:
-            url = push_to_hub(final_dir, settings, progress.global_step)
+            url = push_to_hub(final_dir, checkpoint_settings, progress.global_step)
             logger.info("Pushed %s to the Hub as %s (%s)", final_dir, settings.hub_model_id, url)
     for tracker in progress.trackers:
         tracker.finish()
 
 
-def finished_at_named_checkpoint(settings: TrainSettings, data: TrainData) -> str | None:
+def finished_at_named_checkpoint(checkpoint_settings: CheckpointSettings, schedule_settings: ScheduleSettings,
+                                 data: TrainData) -> str | None:
     """`finished_run` for --resume_from_checkpoint CHECKPOINT, which needs the run's length: its
     optimizer steps in all with these settings and data, on the drafter ranks that wrote the checkpoint."""
-    if settings.resume_from_checkpoint in (None, "latest"):
+    named = checkpoint_settings.resume_from_checkpoint
+    if named in (None, "latest"):
         return None
     try:
-        state = json.loads((Path(settings.resume_from_checkpoint) / "trainer_state.json").read_text())
+        state = json.loads((Path(named) / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return None  # missing or damaged: find_resume_point names it
-    total_steps = make_schedule(settings, data, ResumePoint(None, state), state.get("drafter_ranks", 1)).total_steps
-    finished = finished_run(settings, total_steps)
+    total_steps = make_schedule(schedule_settings, data, ResumePoint(None, state), state.get("drafter_ranks", 1)).total_steps
+    finished = finished_run(checkpoint_settings, total_steps)
     if finished:
-        check_checkpoint(Path(settings.resume_from_checkpoint), settings.output_dir)  # a damaged one is named all the same
+        check_checkpoint(Path(named), checkpoint_settings.output_dir)  # a damaged one is named all the same
     return finished
 
 
@@ -953,8 +992,14 @@ def end_finished_run(cluster, line: str) -> None:
 
 def main(argv: list[str]) -> None:
     settings, config_path = parse_settings(argv)
-    cluster = setup_distributed(settings)
-    finished = finished_run(settings)
+    # Each module below takes only the settings it reads, as a dataclass of its own (`settings_for`).
+    schedule_settings = settings_for(ScheduleSettings, settings)
+    feature_settings = settings_for(FeatureSettings, settings)
+    topology_settings = settings_for(TopologySettings, settings)
+    checkpoint_settings = settings_for(CheckpointSettings, settings)
+    progress_settings = settings_for(ProgressSettings, settings)
+    cluster = setup_distributed(topology_settings)
+    finished = finished_run(checkpoint_settings)
     if finished:  # --resume_from_checkpoint latest on a run that ended: nothing to do, and nothing is touched
         return end_finished_run(cluster, finished)
     if config_path == str(DEMO_CONFIG):
@@ -967,48 +1012,52 @@ def main(argv: list[str]) -> None:
     target_config, tokenizer = load_target_config(settings.target_model, gguf_file=settings.target_gguf_file)
     draft_config = drafter_config_for(settings, target_config, tokenizer, compute)
     check_sequence_parallel_heads(settings.sequence_parallel_size, draft_config)
-    weights = loss_weights_for(settings, device)
+    weights = loss_weights_for(settings, draft_config.block_size, device)
     data = load_data(settings, tokenizer, cluster.accelerator)
-    finished = finished_at_named_checkpoint(settings, data)
+    finished = finished_at_named_checkpoint(checkpoint_settings, schedule_settings, data)
     if finished:  # the same, for the checkpoint of a finished run's last step, named
         return end_finished_run(cluster, finished)
-    resume = find_resume_point(settings, cluster.accelerator, cluster.rank)
+    resume = find_resume_point(checkpoint_settings, cluster.accelerator, cluster.rank)
 
     # Topology: what this rank loads, then (auto) the split timed on both sides, then the split settled.
-    roles = plan_rank_roles(settings, cluster, resume)
-    parts = load_target_parts(settings, target_config, draft_config, cluster, roles, compute)
+    roles = plan_rank_roles(topology_settings, cluster, resume)
+    parts = load_target_parts(topology_settings, target_config, draft_config, cluster, roles, compute)
     drafter = build_drafter(settings, draft_config, parts, compute) if roles.needs_drafter else None
     loss_fn = MicroBatchLoss(settings, draft_config, compute, weights, parts.lm_head)
     speed_up_target(parts.extractor, settings, compute)  # before the timing: it times the target as it will run
-    layout = roles.layout or time_rank_split(settings, cluster, roles, data, tokenizer, parts, drafter, loss_fn, compute)
-    settle_split(layout, settings, draft_config, parts, drafter, compute, cluster.rank)
+    layout = roles.layout or time_rank_split(topology_settings, schedule_settings, cluster, roles, data, tokenizer, parts, drafter,
+                                             loss_fn, compute)
+    settle_split(layout, topology_settings, draft_config, parts, drafter, compute, cluster.rank)
     sequence_parallel = make_sequence_parallel_groups(layout, settings.sequence_parallel_size, draft_config)  # collective
     loss_fn = replace(loss_fn, sequence_parallel=sequence_parallel)
-    schedule = make_schedule(settings, data, resume, layout.dp_world)
+    schedule = make_schedule(schedule_settings, data, resume, layout.dp_world)
 
     if layout.is_target:  # context features for the drafter ranks, and nothing else
         if not (layout.is_evaluator and data.eval_prompts):
             # Not needed here (a tensor-parallel group's own copies under auto): freed before serving.
             drafter = loss_fn = parts.embed_tokens = parts.lm_head = None
-        run_target_rank(settings, cluster, compute, data, tokenizer, layout, parts, drafter,
-                        schedule.plan(data, settings, resume, layout.dp_world), resume)
+        run_target_rank(topology_settings, feature_settings, cluster, compute, data, tokenizer, layout, parts, drafter,
+                        schedule.plan(data, schedule_settings, resume, layout.dp_world), resume)
     else:
         engine, scheduler = start_deepspeed(settings, drafter, layout, schedule, compute, resume)
         drafter = engine.module
-        warm_up_flex(settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
-        supply = FeatureSupply(settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule, resume)
-        progress = start_progress(settings, layout, schedule, resume, len(data.dataset), cluster.world)
+        warm_up_flex(settings, schedule_settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
+        supply = FeatureSupply(feature_settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule,
+                               schedule_settings, resume)
+        progress = start_progress(progress_settings, asdict(settings), layout, schedule, resume, len(data.dataset), cluster.world,
+                                  draft_config.block_size)
         evaluate = None
         if data.eval_prompts:
             evaluate = functools.partial(evaluate_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
         with logging_redirect_tqdm():  # log lines above the bar while it runs, not glued onto it
-            train_loop(engine, scheduler, loss_fn, supply, progress, evaluate, settings, layout, schedule, compute, device)
+            train_loop(engine, scheduler, loss_fn, supply, progress, evaluate, settings, layout, schedule, schedule_settings, compute,
+                       device)
             progress.bar.close()
         if supply.receiver is not None:
             supply.receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch
         if DEBUG_LOG:
             debug_log(cluster.rank, {"step": progress.global_step, "weights_sha256": weights_digest(drafter)})
-        finish_run(drafter, progress, evaluate, settings, draft_config, data, layout)
+        finish_run(drafter, progress, evaluate, settings, checkpoint_settings, draft_config, data, layout)
     if cluster.liveness:
         cluster.liveness.finish()  # every rank waits here for the others (the lead's export included), watched
     cluster.accelerator.end_training()

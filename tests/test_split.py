@@ -183,7 +183,7 @@ def test_a_dead_rank_stops_the_others_within_a_minute(victim, how, trainable_qwe
 
 
 def test_choose_target_ranks():
-    from dflash_split import choose_target_ranks
+    from dflash_topology import choose_target_ranks
 
     # A public measurement at Qwen3-8B shapes: one target GPU supplies ~50 samples/s, one drafter GPU takes ~7.
     n, lines = choose_target_ranks(50.0, 7.0, 8)

@@ -266,7 +266,7 @@ def test_sigterm_stops_a_rank_through_its_failure_report_and_kills_its_forked_wo
     """The launcher's SIGTERM raises StoppedByLauncher in the rank (which then reports the failure
     that came first, instead of dying silently); a process forked from the rank, such as a
     data-loading worker, still ends by SIGTERM as by default."""
-    from dflash_split import StoppedByLauncher, _stop_on_sigterm
+    from dflash_liveness import StoppedByLauncher, _stop_on_sigterm
 
     previous = signal.signal(signal.SIGTERM, functools.partial(_stop_on_sigterm, os.getpid()))
     try:
@@ -297,7 +297,7 @@ def test_split_errors_name_the_flags():
 
 
 def test_auto_counts_target_copies_of_a_tensor_parallel_group():
-    from dflash_split import choose_target_ranks
+    from dflash_topology import choose_target_ranks
 
     # One 2-rank copy supplies 10 samples/s, a drafter rank takes 7: 2 copies (4 ranks) feed 4 drafter ranks best.
     n, lines = choose_target_ranks(10.0, 7.0, 8, tp_size=2)

@@ -929,7 +929,8 @@ def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
     compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
     head = torch.nn.Linear(hidden_size, vocab, bias=False)
     weights = loss_weights(block_size, 2.0)
-    loss_fn = MicroBatchLoss(settings, SimpleNamespace(output_multiplier=1.0, final_logit_softcapping=None), compute, weights, head)
+    loss_fn = MicroBatchLoss(settings, SimpleNamespace(output_multiplier=1.0, final_logit_softcapping=None, block_size=block_size),
+                             compute, weights, head)
     seen = {}
 
     def drafter(features, input_ids, anchors, anchor_valid, attention_backend, sequence_parallel=None):  # [batch, N, B, hidden]
