@@ -17,6 +17,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); BEFORE=$(realpath "$2"); RECIPE=${3:-outputs/smollm2-gsm8k-gpu}
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 D=$RECIPE/data
 mkdir -p "$D"
 head -n -500 "$DATA_DIR/gsm8k/train.jsonl" > "$D/train_questions.jsonl"

@@ -12,6 +12,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); FILES=$(realpath "$2")
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 T=$ROOT/random_target
 python3 tools/gpu/random_target.py "$FILES" "$T" > "$OUT/random_target.log" 2>&1
 common=(--target_model "$T" --mask_token_id 16 --train_data "$DATA_DIR/gsm8k/train.jsonl" --max_samples 1280 --num_anchors 128

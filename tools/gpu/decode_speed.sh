@@ -14,6 +14,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); BEFORE=$(realpath "$2"); FILES=$(realpath "$3")
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 T=$ROOT/random_target
 python3 tools/gpu/random_target.py "$FILES" "$T"
 head -n 4096 "$DATA_DIR/gsm8k/train.jsonl" > "$OUT/questions.jsonl"

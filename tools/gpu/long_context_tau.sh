@@ -70,10 +70,11 @@ else
   tiny=()
 fi
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 D=$OUT/data
 
-# 1. The recipe's questions and SmolLM2's greedy replies (tools/gpu/setup.sh).
+# 1. The recipe's questions and SmolLM2's greedy replies (tools/gpu/helpers.sh).
 [[ -f $D/greedy.jsonl && -f $D/heldout_questions.jsonl ]] || recipe_greedy_replies "$D" || exit 1
 # 2. k-shot prompts: eval.jsonl at every length, train_long.jsonl for the long runs.
 if [[ ! -f $D/long/train_long.jsonl ]]; then

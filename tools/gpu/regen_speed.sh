@@ -13,6 +13,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); shift
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 head -n -500 "$DATA_DIR/gsm8k/train.jsonl" > "$OUT/train_questions.jsonl"
 regen=(--target_model "$SMOLLM2" --prompts "$OUT/train_questions.jsonl" --max_new_tokens 320 --batch_size 1024)
 modes=(greedy)

@@ -14,6 +14,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:?usage: bash tools/gpu/split_checkpoints.sh OUT_DIR}")
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 W=$ROOT/shaped
 python3 tools/gpu/shaped_targets.py "$W" "$DATA_DIR/gsm8k/train.jsonl"
 args=(--target_model "$W/small" --target_random_init --train_data "$W/conv8.jsonl" --max_samples 400 --max_seq_length 768

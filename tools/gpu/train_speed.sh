@@ -24,6 +24,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); BEFORE=${2:+$(realpath "$2")}
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 T=${TARGET:-$SMOLLM2}
 common=(--target_model "$T" --mask_token_id 16 --train_data "$DATA_DIR/gsm8k/train.jsonl" --num_anchors 256
         --max_seq_length 512 --max_steps 100 --logging_steps 20 --save_steps 0 --report_to none --num_proc 8)
