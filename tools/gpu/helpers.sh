@@ -40,3 +40,23 @@ recipe_greedy_replies() {  # data folder
   timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$d/train_questions.jsonl" \
     --output "$d/greedy.jsonl" --temperature 0 --max_new_tokens "${RECIPE_MAX_NEW_TOKENS:-320}" --batch_size "${RECIPE_BATCH:-1024}"
 }
+
+# For a CPU trial (TINY=1): the first $2 GSM8K questions in $1/tinydata/gsm8k/train.jsonl and a tiny random
+# Qwen3 target with the Qwen3 tokenizer (hidden 32, 4 layers, its whole vocabulary) in $1/tiny_target.
+# Exports DATA_DIR, ROOT and SMOLLM2 at them: call it before sourcing setup.sh, which then keeps them.
+tiny_target() {  # folder, questions
+  mkdir -p "$1/tinydata/gsm8k"
+  head -n "$2" "${DATA_DIR:-../shared/data}/gsm8k/train.jsonl" > "$1/tinydata/gsm8k/train.jsonl"
+  export DATA_DIR=$1/tinydata ROOT=$1/root SMOLLM2=$1/tiny_target
+  [[ -f $SMOLLM2/config.json ]] || python3 -c "
+import sys, torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from dflash_target import find_qwen3_tokenizer_dir
+tokenizer = AutoTokenizer.from_pretrained(find_qwen3_tokenizer_dir())
+torch.manual_seed(0)
+config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, vocab_size=151936, max_position_embeddings=1024, initializer_range=0.25,
+                     eos_token_id=tokenizer.convert_tokens_to_ids('<|im_end|>'), pad_token_id=tokenizer.pad_token_id)
+Qwen3ForCausalLM(config).save_pretrained(sys.argv[1])
+tokenizer.save_pretrained(sys.argv[1])" "$SMOLLM2"
+}
