@@ -155,14 +155,14 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     (run / "final" / "training_settings.json").write_text(json.dumps({"eval_num_prompts": 8}))
     (tmp_path / "eval_sliding_w64_t0.8.json").write_text(json.dumps({"acceptance_length": 1.875}))  # HELD_OUT's sampled evaluation
     runs = {
-        "tools/gpu/drafter_rank_memory.py": ["--out", str(tmp_path / "rank"), "--device", "cpu", "--tiny", "--steps", "2"],
+        "experiments/gpu/drafter_rank_memory.py": ["--out", str(tmp_path / "rank"), "--device", "cpu", "--tiny", "--steps", "2"],
         "tools/gpu/random_target.py": [str(files), str(tmp_path / "random")],
-        "tools/gpu/shaped_targets.py": [str(tmp_path / "shaped"), str(gsm8k)],
+        "experiments/gpu/shaped_targets.py": [str(tmp_path / "shaped"), str(gsm8k)],
         "tools/gpu/ablation_table.py": [str(tmp_path)],
         "tools/gpu/bench_table.py": [str(tmp_path)],
-        "tools/gpu/decode_step_profile.py": [str(tiny_qwen3_target), str(tmp_path / "decode"), "--rows", "2", "--width", "8",
+        "experiments/gpu/decode_step_profile.py": [str(tiny_qwen3_target), str(tmp_path / "decode"), "--rows", "2", "--width", "8",
                                              "--max_new_tokens", "8", "--valid", "10", "--repeats", "1", "--device", "cpu"],
-        "tools/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
+        "experiments/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
         "tools/anchor_flops.py": [str(gsm8k), str(bad_record), "--target_model", str(files), "--num_anchors", "64", "--max_seq_length", "96",
                                   "--batch_size", "4", "--anchor_slots_multiple", "8", "--skip_bad_samples"],
     }
@@ -170,7 +170,7 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     for script, result in run_two_at_a_time(runs, dict(train_env, HF_HUB_OFFLINE="1")).items():
         assert result.returncode == 0, f"{script}: exit {result.returncode}\n{result.stderr[-3000:]}"
         out[script] = result.stdout
-    assert json.loads(out["tools/gpu/drafter_rank_memory.py"].splitlines()[0])["missing_layer_shards"]
+    assert json.loads(out["experiments/gpu/drafter_rank_memory.py"].splitlines()[0])["missing_layer_shards"]
     assert (tmp_path / "random" / "model.safetensors").is_file() and (tmp_path / "random" / "drafter" / "config.json").is_file()
     assert (tmp_path / "shaped" / "q8b" / "config.json").is_file() and (tmp_path / "shaped" / "conv8.jsonl").is_file()
     assert out["tools/gpu/ablation_table.py"].startswith("| run | held-out tau |")
@@ -188,7 +188,7 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
 def test_the_gpu_shell_scripts_parse():
     """The GPU machine is the only place the tools/gpu/*.sh scripts run whole; here bash at least
     parses each one, so that a syntax slip fails in CI rather than in a device call."""
-    scripts = sorted((REPO / "tools" / "gpu").glob("*.sh"))
+    scripts = sorted([*(REPO / "tools" / "gpu").glob("*.sh"), *(REPO / "experiments" / "gpu").glob("*.sh")])
     assert len(scripts) >= 10
     for script in scripts:  # some parse errors (inside [[ ]]) leave bash -n's exit code 0: stderr tells
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)

@@ -6,7 +6,7 @@
 # so steps 21-80 of a cached run read every sample from the cache; samples/s in 20-step windows.
 # The 8-layer cached run also profiles 5 steps (OUT_DIR/l8c/profile.txt).
 #
-#   bash tools/gpu/cache_speed.sh OUT_DIR TARGET_FILES
+#   bash experiments/gpu/cache_speed.sh OUT_DIR TARGET_FILES
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); FILES=$(realpath "$2")
