@@ -56,8 +56,8 @@ def smoke_runs(tiny_qwen3_target, train_env, tmp_path_factory) -> dict:
                             "--warmup", "0", "--no_append", "--drafter", "dflash2"],
         # Dynamo off: the harness's threads, locks, warm-ups and loss run, without minutes of C++ compiles
         # (flex then runs eagerly, which the CPU allows).
-        "bench_compile_race.py": ["race", "--device", "cpu", "--pattern", "ours", "--runs", "2", "--parallel", "2",
-                                  "--steps", "1", "--log-dir", str(root / "race_logs"), "--record-to", str(root / "BENCHMARKS.md")],
+        "tools/gpu/bench_compile_race.py": ["race", "--device", "cpu", "--pattern", "ours", "--runs", "2", "--parallel", "2",
+                                            "--steps", "1", "--log-dir", str(root / "race_logs"), "--record-to", str(root / "BENCHMARKS.md")],
         "plot_tau.py": [str(run_dir), "--baseline", "prompt lookup=1.3", "--output", str(root / "tau.png")],
         "eval_dflash.py": ["--target_model", str(tiny_qwen3_target), "--draft_model", str(drafter), "--data", str(prompts),
                            "--num_prompts", "1", "--max_new_tokens", "4", "--output", str(root / "eval.json")],
@@ -82,7 +82,7 @@ def test_bench_dflash_tiny(smoke_runs):
 
 
 def test_bench_compile_race_records_the_summary_table(smoke_runs):
-    result, root = _ok(smoke_runs, "bench_compile_race.py")
+    result, root = _ok(smoke_runs, "tools/gpu/bench_compile_race.py")
     recorded = (root / "BENCHMARKS.md").read_text()
     assert "| pattern | runs | reproduced (FX error or hang) | unrelated errors | clean | median seconds |" in recorded
     assert "| ours | 2 | 0 | 0 | 2 |" in recorded, recorded
@@ -108,7 +108,11 @@ def test_regenerate_data(smoke_runs):
 
 
 def test_race_outcomes_count_only_the_fx_error_and_hangs():
-    import bench_compile_race as race
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_compile_race", REPO / "tools" / "gpu" / "bench_compile_race.py")
+    race = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(race)
 
     fx = f"RuntimeError: {race.FX_TRACE_ERROR}. This is not supported at the moment."
     assert race.classify_run(True, None, "") == "hang"
