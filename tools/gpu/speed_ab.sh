@@ -51,7 +51,8 @@
 #   TINY=1 bash tools/gpu/speed_ab.sh WHICH OUT_DIR ...   (the same steps on a CPU: a tiny random Qwen3 target,
 #                                                         60 GSM8K questions, a few tokens and steps each, no
 #                                                         compiles; decode's TARGET_FILES defaults to that
-#                                                         target's files. Checks the plumbing, not the speed)
+#                                                         target's files, loop's RECIPE_DIR to OUT_DIR/recipe.
+#                                                         Checks the plumbing, not the speed)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 WHICH=${1:-}
