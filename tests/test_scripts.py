@@ -56,8 +56,8 @@ def smoke_runs(tiny_qwen3_target, train_env, tmp_path_factory) -> dict:
                             "--warmup", "0", "--no_append", "--drafter", "dflash2"],
         # Dynamo off: the harness's threads, locks, warm-ups and loss run, without minutes of C++ compiles
         # (flex then runs eagerly, which the CPU allows).
-        "bench_compile_race.py": ["race", "--device", "cpu", "--pattern", "ours", "--runs", "2", "--parallel", "2",
-                                  "--steps", "1", "--log-dir", str(root / "race_logs"), "--record-to", str(root / "BENCHMARKS.md")],
+        "tools/gpu/bench_compile_race.py": ["race", "--device", "cpu", "--pattern", "ours", "--runs", "2", "--parallel", "2",
+                                            "--steps", "1", "--log-dir", str(root / "race_logs"), "--record-to", str(root / "BENCHMARKS.md")],
         "plot_tau.py": [str(run_dir), "--baseline", "prompt lookup=1.3", "--output", str(root / "tau.png")],
         "eval_dflash.py": ["--target_model", str(tiny_qwen3_target), "--draft_model", str(drafter), "--data", str(prompts),
                            "--num_prompts", "1", "--max_new_tokens", "4", "--output", str(root / "eval.json")],
@@ -82,7 +82,7 @@ def test_bench_dflash_tiny(smoke_runs):
 
 
 def test_bench_compile_race_records_the_summary_table(smoke_runs):
-    result, root = _ok(smoke_runs, "bench_compile_race.py")
+    result, root = _ok(smoke_runs, "tools/gpu/bench_compile_race.py")
     recorded = (root / "BENCHMARKS.md").read_text()
     assert "| pattern | runs | reproduced (FX error or hang) | unrelated errors | clean | median seconds |" in recorded
     assert "| ours | 2 | 0 | 0 | 2 |" in recorded, recorded
@@ -108,7 +108,11 @@ def test_regenerate_data(smoke_runs):
 
 
 def test_race_outcomes_count_only_the_fx_error_and_hangs():
-    import bench_compile_race as race
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_compile_race", REPO / "tools" / "gpu" / "bench_compile_race.py")
+    race = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(race)
 
     fx = f"RuntimeError: {race.FX_TRACE_ERROR}. This is not supported at the moment."
     assert race.classify_run(True, None, "") == "hang"
@@ -155,14 +159,14 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     (run / "final" / "training_settings.json").write_text(json.dumps({"eval_num_prompts": 8}))
     (tmp_path / "eval_sliding_w64_t0.8.json").write_text(json.dumps({"acceptance_length": 1.875}))  # HELD_OUT's sampled evaluation
     runs = {
-        "tools/gpu/drafter_rank_memory.py": ["--out", str(tmp_path / "rank"), "--device", "cpu", "--tiny", "--steps", "2"],
+        "experiments/gpu/drafter_rank_memory.py": ["--out", str(tmp_path / "rank"), "--device", "cpu", "--tiny", "--steps", "2"],
         "tools/gpu/random_target.py": [str(files), str(tmp_path / "random")],
-        "tools/gpu/shaped_targets.py": [str(tmp_path / "shaped"), str(gsm8k)],
+        "experiments/gpu/shaped_targets.py": [str(tmp_path / "shaped"), str(gsm8k)],
         "tools/gpu/ablation_table.py": [str(tmp_path)],
         "tools/gpu/bench_table.py": [str(tmp_path)],
-        "tools/gpu/decode_step_profile.py": [str(tiny_qwen3_target), str(tmp_path / "decode"), "--rows", "2", "--width", "8",
+        "experiments/gpu/decode_step_profile.py": [str(tiny_qwen3_target), str(tmp_path / "decode"), "--rows", "2", "--width", "8",
                                              "--max_new_tokens", "8", "--valid", "10", "--repeats", "1", "--device", "cpu"],
-        "tools/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
+        "experiments/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
         "tools/anchor_flops.py": [str(gsm8k), str(bad_record), "--target_model", str(files), "--num_anchors", "64", "--max_seq_length", "96",
                                   "--batch_size", "4", "--anchor_slots_multiple", "8", "--skip_bad_samples"],
     }
@@ -170,7 +174,7 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     for script, result in run_two_at_a_time(runs, dict(train_env, HF_HUB_OFFLINE="1")).items():
         assert result.returncode == 0, f"{script}: exit {result.returncode}\n{result.stderr[-3000:]}"
         out[script] = result.stdout
-    assert json.loads(out["tools/gpu/drafter_rank_memory.py"].splitlines()[0])["missing_layer_shards"]
+    assert json.loads(out["experiments/gpu/drafter_rank_memory.py"].splitlines()[0])["missing_layer_shards"]
     assert (tmp_path / "random" / "model.safetensors").is_file() and (tmp_path / "random" / "drafter" / "config.json").is_file()
     assert (tmp_path / "shaped" / "q8b" / "config.json").is_file() and (tmp_path / "shaped" / "conv8.jsonl").is_file()
     assert out["tools/gpu/ablation_table.py"].startswith("| run | held-out tau |")
@@ -188,7 +192,7 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
 def test_the_gpu_shell_scripts_parse():
     """The GPU machine is the only place the tools/gpu/*.sh scripts run whole; here bash at least
     parses each one, so that a syntax slip fails in CI rather than in a device call."""
-    scripts = sorted((REPO / "tools" / "gpu").glob("*.sh"))
+    scripts = sorted([*(REPO / "tools" / "gpu").glob("*.sh"), *(REPO / "experiments" / "gpu").glob("*.sh")])
     assert len(scripts) >= 10
     for script in scripts:  # some parse errors (inside [[ ]]) leave bash -n's exit code 0: stderr tells
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""The table of tools/gpu/quality_ablations.sh and sliding_window.sh: per run, held-out tau
+"""The table of tools/gpu/quality_ablations.sh and experiments/gpu/sliding_window.sh: per run, held-out tau
 (OUT_DIR/eval_<run>.json, or else the last held-out evaluation in the run's own train_log.jsonl, whose
 prompt count is the run's --eval_num_prompts), held-out tau at temperature 0.8 where
 OUT_DIR/eval_<run>_t0.8.json exists, and the tau estimate from training (`tau_estimate`), the mean of

@@ -11,6 +11,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:?usage: bash tools/gpu/bench_grid.sh OUT_DIR}")
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 step grid 560 python3 bench_dflash.py --variant compile_layers+fused_ce_compiled --steps 4 --warmup 2 --budget_s 470 \
   --record-to "$OUT/BENCHMARKS.md"

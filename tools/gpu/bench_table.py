@@ -1,4 +1,4 @@
-"""The table of tools/gpu/bench_tools.sh: reads OUT_DIR (steps.tsv, the regeneration logs, the training
+"""The table of `tools/gpu/speed_ab.sh loop`: reads OUT_DIR (steps.tsv, the regeneration logs, the training
 logs, the evaluation results) and prints a BENCHMARKS.md section (date, GPU, versions, command).
 
     python3 tools/gpu/bench_table.py OUT_DIR
@@ -80,7 +80,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"### The tools of the quality loop on one GPU: regeneration, training, evaluation ({datetime.date.today()})\n")
     print(f"{gpu}, torch {torch.__version__}, transformers {transformers.__version__}, SmolLM2-135M-Instruct (Q4_1 GGUF, bf16). "
-          f"Command: `bash tools/gpu/bench_tools.sh OUT BEFORE_DIR`. {note}\n")
+          f"Command: `bash tools/gpu/speed_ab.sh loop OUT BEFORE_DIR`. {note}\n")
     print("| measurement | before | after | after/before | unit | note |\n|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("\nSteps (seconds, exit code): " + ", ".join(f"{k} {v[0]:.0f} s ({v[1]})" for k, v in steps.items()))

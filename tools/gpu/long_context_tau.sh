@@ -43,21 +43,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:?usage: bash tools/gpu/long_context_tau.sh OUT_DIR}")
 mkdir -p "$OUT"
+source tools/gpu/helpers.sh
 if [[ ${TINY:-0} == 1 ]]; then  # a tiny random Qwen3 target with the Qwen3 tokenizer, 60 GSM8K questions
-  mkdir -p "$OUT/tinydata/gsm8k"
-  head -n 60 "${DATA_DIR:-../shared/data}/gsm8k/train.jsonl" > "$OUT/tinydata/gsm8k/train.jsonl"
-  export DATA_DIR=$OUT/tinydata ROOT=$OUT/root SMOLLM2=$OUT/tiny_target RECIPE_HELDOUT=10 RECIPE_MAX_NEW_TOKENS=24 RECIPE_BATCH=8
-  [[ -f $SMOLLM2/config.json ]] || python3 -c "
-import sys, torch
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-from dflash_target import find_qwen3_tokenizer_dir
-tokenizer = AutoTokenizer.from_pretrained(find_qwen3_tokenizer_dir())
-torch.manual_seed(0)
-config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=8, vocab_size=151936, max_position_embeddings=1024, initializer_range=0.25,
-                     eos_token_id=tokenizer.convert_tokens_to_ids('<|im_end|>'), pad_token_id=tokenizer.pad_token_id)
-Qwen3ForCausalLM(config).save_pretrained(sys.argv[1])
-tokenizer.save_pretrained(sys.argv[1])" "$SMOLLM2"
+  tiny_target "$OUT" 60
+  export RECIPE_HELDOUT=10 RECIPE_MAX_NEW_TOKENS=24 RECIPE_BATCH=8
   lengths=100,300,600 num_eval=2 train_lengths=256,512 num_train=8 steps=3 steps_long=3 new_tokens=8 long_seq=640
   launch=(python3 launch.py train_dflash.py)
   tiny=(--target_layer_ids 0 2 --num_draft_layers 2 --mask_token_id 151669 --per_device_batch_size 2 --num_anchors 8
@@ -73,7 +62,7 @@ source tools/gpu/setup.sh
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 D=$OUT/data
 
-# 1. The recipe's questions and SmolLM2's greedy replies (tools/gpu/setup.sh).
+# 1. The recipe's questions and SmolLM2's greedy replies (tools/gpu/helpers.sh).
 [[ -f $D/greedy.jsonl && -f $D/heldout_questions.jsonl ]] || recipe_greedy_replies "$D" || exit 1
 # 2. k-shot prompts: eval.jsonl at every length, train_long.jsonl for the long runs.
 if [[ ! -f $D/long/train_long.jsonl ]]; then

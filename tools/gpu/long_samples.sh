@@ -54,6 +54,7 @@ else
                   --variant compile_layers+fused_ce_compiled+checkpoint_layers)
 fi
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 rows=$OUT/long_rows.jsonl
 [[ -n ${2:-} && ! -f $rows ]] && cp "$2" "$rows"

@@ -28,6 +28,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:-outputs/optimizer-ablation}")
 RECIPE=$(realpath -m "${2:-outputs/smollm2-gsm8k-gpu}")
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 mkdir -p "$OUT"
 RUNS=${RUNS:-spec_default base muon muon_linear muon_linear_sliding}
 ARGMAX_RUNS=${ARGMAX_RUNS:-}

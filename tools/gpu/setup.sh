@@ -1,6 +1,6 @@
-# Sourced by the scripts in tools/gpu/ (bash), from the repository root. A GPU machine with the
-# requirements installed and internet access needs none of this; it stages a machine without
-# internet from what a run carried along:
+# Offline staging, sourced by the GPU scripts (tools/gpu/, experiments/gpu/; bash) from the repository
+# root; their shell helpers are tools/gpu/helpers.sh. A GPU machine with the requirements installed and
+# internet access needs none of this; it stages a machine without internet from what a run carried along:
 #   .whl/*.whl        Python packages the machine lacks (../shared/tools/device_wheels.sh), installed into $ROOT/site
 #   .stage/a/part00   first half of the SmolLM2-135M-Instruct GGUF (../shared/tools/device_smollm2.sh), kept in $ROOT/st
 #   .stage/b/part01   second half, in a later call; joined to $ROOT/st/smollm2.gguf
@@ -41,41 +41,3 @@ flock -u 9
 # One compile cache for every call on this machine: later runs load what earlier ones compiled.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/inductor_cache}
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-
-# For the benchmark scripts: run a step with a time cap, its output in $OUT/NAME.log, and append
-# "NAME<TAB>seconds<TAB>exit code" to $OUT/steps.tsv (a failed or capped step does not stop the script).
-step() {  # name, seconds cap, command...: log to OUT/name.log, "name seconds rc" to OUT/steps.tsv
-  local name=$1 cap=$2 start ms rc=0
-  shift 2
-  start=$(date +%s%N)
-  timeout "$cap" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  ms=$((($(date +%s%N) - start) / 1000000))
-  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/steps.tsv"
-}
-
-# For the pipelines: run a step (its output where it goes), print and append "NAME<TAB>seconds<TAB>exit
-# code" to $OUT/timings.tsv, and return its exit code.
-timed() {  # name, command...
-  local name=$1 start ms rc=0
-  shift
-  start=$(date +%s%N)
-  "$@" || rc=$?
-  ms=$((($(date +%s%N) - start) / 1000000))
-  printf '%s\t%d.%03d\t%d\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$OUT/timings.tsv"
-  return $rc
-}
-
-# The recipe's questions and greedy replies in folder $1: the GSM8K training split less its last 500
-# questions (train_questions.jsonl, answered by SmolLM2 into greedy.jsonl; regenerate_data.py skips
-# replies already written) and those 500 (heldout_questions.jsonl: never regenerated or trained on).
-# 1024 rows decode together (each takes the next question when its reply ends): more rows spread a
-# decode step's fixed cost (the kernels of a 135M target are small, BENCHMARKS.md) over more replies.
-# RECIPE_HELDOUT, RECIPE_MAX_NEW_TOKENS and RECIPE_BATCH (default 500, 320, 1024) shrink it for a tiny CPU run.
-recipe_greedy_replies() {  # data folder
-  local d=$1 questions=$DATA_DIR/gsm8k/train.jsonl held=${RECIPE_HELDOUT:-500}
-  mkdir -p "$d"
-  head -n -"$held" "$questions" > "$d/train_questions.jsonl"  # 6,973 questions
-  tail -n "$held" "$questions" > "$d/heldout_questions.jsonl"
-  timed regenerate_greedy python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$d/train_questions.jsonl" \
-    --output "$d/greedy.jsonl" --temperature 0 --max_new_tokens "${RECIPE_MAX_NEW_TOKENS:-320}" --batch_size "${RECIPE_BATCH:-1024}"
-}

@@ -13,10 +13,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-outputs/smollm2-gsm8k-gpu}
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 D=$OUT/data
 SAMPLES=${SAMPLES:-4}  # sampled replies per question (sample k has the same seed whatever SAMPLES is)
 
-# 1. SmolLM2 answers every training question: once greedily (recipe_greedy_replies, tools/gpu/setup.sh),
+# 1. SmolLM2 answers every training question: once greedily (recipe_greedy_replies, tools/gpu/helpers.sh),
 # $SAMPLES times sampled, 1024 rows decoding together.
 recipe_greedy_replies "$D"
 timed regenerate_sampled python3 regenerate_data.py --target_model "$SMOLLM2" --prompts "$D/train_questions.jsonl" \

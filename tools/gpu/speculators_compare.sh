@@ -76,6 +76,7 @@ cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${1:-outputs/speculators-compare}")
 RECIPE=$(realpath -m "${2:-outputs/smollm2-gsm8k-gpu}")
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 

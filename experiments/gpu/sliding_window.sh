@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sliding-window drafter layers on one GPU (not run yet; about 20 minutes of an H200):
+# Sliding-window drafter layers on one GPU (about 20 minutes of an H200):
 #  1. quality: the short SmolLM2 GSM8K recipe (as tools/gpu/quality_ablations.sh's base: greedy replies,
 #     654 steps, held-out tau on 100 questions at the end) with all layers full against 4 sliding + 1 full
 #     at window 2048 (GSM8K samples are <= 512 tokens: it never binds, so tau should match the full run),
@@ -10,7 +10,7 @@
 # Needs the recipe's data (tools/gpu/smollm2_gsm8k.sh, step 1). Writes OUT/table.md and the benchmark
 # tables OUT/bench_*.md.
 #
-#   bash tools/gpu/sliding_window.sh OUT_DIR [RECIPE_DIR]
+#   bash experiments/gpu/sliding_window.sh OUT_DIR [RECIPE_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); RECIPE=${2:-outputs/smollm2-gsm8k-gpu}

@@ -36,14 +36,14 @@ as a reproduction; "clean" finished without an error. A table per pattern (runs,
 unrelated errors, clean, median seconds) is printed and appended to BENCHMARKS.md.
 
     # one H200; cold runs in parallel, each on its own cache dir (tools/gpu/compile_race.sh runs both)
-    python bench_compile_race.py race --pattern naive --runs 3 --parallel 3 --timeout 90
-    python bench_compile_race.py race --pattern ours --runs 10 --parallel 5
+    python tools/gpu/bench_compile_race.py race --pattern naive --runs 3 --parallel 3 --timeout 90
+    python tools/gpu/bench_compile_race.py race --pattern ours --runs 10 --parallel 5
     # checkpoint mode of the chunked loss: step time and peak memory, 8192 rows x 151936 vocab x 4096 hidden, bf16
-    python bench_compile_race.py checkpoint
+    python tools/gpu/bench_compile_race.py checkpoint
     # eager vs compiled create_block_mask at a real size
-    python bench_compile_race.py mask
+    python tools/gpu/bench_compile_race.py mask
     # CPU smoke of the logic (tiny sizes, forward only: flex has no CPU backward), nothing recorded
-    OMP_NUM_THREADS=1 python bench_compile_race.py race --device cpu --pattern ours --runs 1 --no-record
+    OMP_NUM_THREADS=1 python tools/gpu/bench_compile_race.py race --device cpu --pattern ours --runs 1 --no-record
 """
 
 import argparse
@@ -61,6 +61,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo's flat modules (dflash_compile, dflash_model)
 
 # Attention and loss sizes of a race run (the sequence lengths come from --lengths). "small" is
 # realistic-but-small for one GPU (one drafter layer of a 1024-wide model, 64 anchors x 16);
@@ -116,7 +119,7 @@ def chunked_loss(rows, head_weight, labels, weights, chunk_size: int, checkpoint
 
 def record(title: str, lines: list[str], environment: str, path: str | None) -> None:
     """Append a dated section to BENCHMARKS.md (default: the repo's; created with a short header if missing)."""
-    path = Path(path) if path else Path(__file__).resolve().parent / "BENCHMARKS.md"
+    path = Path(path) if path else REPO / "BENCHMARKS.md"
     if not path.exists():
         path.write_text(
             "# Benchmarks\n\nMeasured results, newest last. Each entry names the date, the machine, the torch "

@@ -7,10 +7,10 @@ layer 4's output from a whole copy's (written by --engine whole first). A hang (
 whose from_pretrained builds its mesh over the whole world whatever `device_mesh` it is given) is
 cut after 120 s with a traceback.
 
-    python tools/tp_subgroup_check.py --make_target /tmp/tp/target       # Qwen3, hidden 512, 8 layers
-    torchrun --nproc_per_node 3 tools/tp_subgroup_check.py --engine whole --target /tmp/tp/target
-    torchrun --nproc_per_node 3 tools/tp_subgroup_check.py --engine deepspeed --target /tmp/tp/target
-    torchrun --nproc_per_node 3 tools/tp_subgroup_check.py --engine transformers --target /tmp/tp/target
+    python experiments/tp_subgroup_check.py --make_target /tmp/tp/target       # Qwen3, hidden 512, 8 layers
+    torchrun --nproc_per_node 3 experiments/tp_subgroup_check.py --engine whole --target /tmp/tp/target
+    torchrun --nproc_per_node 3 experiments/tp_subgroup_check.py --engine deepspeed --target /tmp/tp/target
+    torchrun --nproc_per_node 3 experiments/tp_subgroup_check.py --engine transformers --target /tmp/tp/target
 """
 
 import argparse

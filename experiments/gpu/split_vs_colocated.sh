@@ -5,14 +5,15 @@
 # --target_ranks auto measures and picks. 30 steps each; the means of the log windows after the
 # first (which holds the flex compile) go to OUT_DIR/table.md, what auto picked to OUT_DIR/auto.txt.
 #
-#   bash tools/gpu/split_vs_colocated.sh OUT_DIR      (about 10 minutes on 2 H200s)
+#   bash experiments/gpu/split_vs_colocated.sh OUT_DIR      (about 10 minutes on 2 H200s)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=$(realpath -m "${1:?usage: bash tools/gpu/split_vs_colocated.sh OUT_DIR}")
+OUT=$(realpath -m "${1:?usage: bash experiments/gpu/split_vs_colocated.sh OUT_DIR}")
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 W=$ROOT/shaped
-python3 tools/gpu/shaped_targets.py "$W" "$DATA_DIR/gsm8k/train.jsonl"
+python3 experiments/gpu/shaped_targets.py "$W" "$DATA_DIR/gsm8k/train.jsonl"
 args=(--target_model "$W/q8b" --target_random_init --train_data "$W/conv8.jsonl" --max_samples 400 --max_seq_length 768
       --per_device_batch_size 2 --num_anchors 256 --max_steps 30 --logging_steps 10 --save_steps 0 --attention_backend flex
       --report_to none --num_proc 8)

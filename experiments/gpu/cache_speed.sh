@@ -6,12 +6,13 @@
 # so steps 21-80 of a cached run read every sample from the cache; samples/s in 20-step windows.
 # The 8-layer cached run also profiles 5 steps (OUT_DIR/l8c/profile.txt).
 #
-#   bash tools/gpu/cache_speed.sh OUT_DIR TARGET_FILES
+#   bash experiments/gpu/cache_speed.sh OUT_DIR TARGET_FILES
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); FILES=$(realpath "$2")
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 T=$ROOT/random_target
 python3 tools/gpu/random_target.py "$FILES" "$T" > "$OUT/random_target.log" 2>&1
 common=(--target_model "$T" --mask_token_id 16 --train_data "$DATA_DIR/gsm8k/train.jsonl" --max_samples 1280 --num_anchors 128

@@ -1,5 +1,5 @@
 """Random-weight targets at real shapes and long GSM8K conversations, for the multi-GPU measurements:
-    python3 tools/gpu/shaped_targets.py WORK_DIR GSM8K_JSONL
+    python3 experiments/gpu/shaped_targets.py WORK_DIR GSM8K_JSONL
 
 WORK_DIR gets, each skipped when it is there already:
     q8b/          Qwen3-8B's shape (36 layers, hidden 4096, 32/8 heads) with the Qwen3 tokenizer: a config

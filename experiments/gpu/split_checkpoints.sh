@@ -8,14 +8,15 @@
 #                the heartbeat can stop it (expected: exit 1 within about 45 s)
 # Results in OUT_DIR/summary.txt, logs beside it.
 #
-#   bash tools/gpu/split_checkpoints.sh OUT_DIR      (about 4 minutes on 2 H200s)
+#   bash experiments/gpu/split_checkpoints.sh OUT_DIR      (about 4 minutes on 2 H200s)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=$(realpath -m "${1:?usage: bash tools/gpu/split_checkpoints.sh OUT_DIR}")
+OUT=$(realpath -m "${1:?usage: bash experiments/gpu/split_checkpoints.sh OUT_DIR}")
 mkdir -p "$OUT"
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 W=$ROOT/shaped
-python3 tools/gpu/shaped_targets.py "$W" "$DATA_DIR/gsm8k/train.jsonl"
+python3 experiments/gpu/shaped_targets.py "$W" "$DATA_DIR/gsm8k/train.jsonl"
 args=(--target_model "$W/small" --target_random_init --train_data "$W/conv8.jsonl" --max_samples 400 --max_seq_length 768
       --per_device_batch_size 2 --num_anchors 128 --logging_steps 5 --attention_backend flex --report_to none --num_proc 8)
 launch=(accelerate launch --config_file accelerate_configs/2gpu.yaml train_dflash.py)
