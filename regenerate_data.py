@@ -296,7 +296,7 @@ class StaticBatchDecoder:
     attention.
 
     Raises:
-        ValueError: for targets that cannot decode from a static cache (`eval_dflash.static_cache_problem`:
+        ValueError: for targets that cannot decode from a static cache (`dflash_decoding.static_cache_problem`:
             attention without a 4D mask, sliding-window or linear-attention layers); use --kv_cache dynamic.
     """
 
@@ -307,7 +307,7 @@ class StaticBatchDecoder:
                  compile_step: bool = False):
         from transformers import AttentionInterface, StaticCache
 
-        from eval_dflash import _cache_argument, static_cache_problem
+        from dflash_decoding import cache_argument_name, static_cache_problem
 
         problem = static_cache_problem(model)
         if problem is not None:
@@ -315,7 +315,7 @@ class StaticBatchDecoder:
         self.model, self.width, self.max_new_tokens = model, prompt_width, max_new_tokens
         self.length = prompt_width + max_new_tokens  # columns of the ring
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
-        self.cache_argument = _cache_argument(model)
+        self.cache_argument = cache_argument_name(model)
         implementation = model.config._attn_implementation
         self.additive_mask = implementation == "eager"
         self.attention = PACKED_GQA_SDPA if implementation == "sdpa" else implementation  # for the decoder's forwards
@@ -813,7 +813,7 @@ def main(argv: list[str] | None = None) -> dict:
         model, _ = load_target(target_path, gguf_file=gguf_file, dtype=dtype, device=device)
         static = args.kv_cache == "static" or (args.kv_cache == "auto" and device.type == "cuda")
         if static and args.kv_cache == "auto":
-            from eval_dflash import static_cache_problem
+            from dflash_decoding import static_cache_problem
 
             problem = static_cache_problem(model)
             if problem is not None:
