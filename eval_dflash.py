@@ -100,35 +100,6 @@ class EvalArgs:
     cuda_graphs: str = field(default="auto", metadata={"help": "Replay the target's and the drafter's forwards from CUDA graphs: on, off, or auto (on with a static cache on CUDA)."})
 
 
-
-def plot_acceptance(path: str, rates: list, tau: float | None, baseline_tau: float | None, title: str) -> None:
-    """Bar chart of the acceptance rate by block position k = 1..B-1 (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
-
-    positions = list(range(1, len(rates) + 1))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(positions, [r or 0.0 for r in rates], color="tab:blue")
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("fraction of verify steps accepting >= k drafts")
-    ax.set_ylim(0, 1)
-    ax.set_xticks(positions)
-    label = f"DFlash tau = {tau:.2f}" if tau is not None else "DFlash tau = n/a"
-    if baseline_tau is not None:
-        label += f"   prompt lookup tau = {baseline_tau:.2f}"
-    ax.set_title(f"{title}\n{label}", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-
-
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -412,6 +383,30 @@ def run_description(run: EvalRun, plot_path: str) -> dict:
     else:
         where = f"{device} ({platform.machine()}, {torch.get_num_threads()} threads)"
     return {"settings": settings, "versions": versions, "device": where}
+
+
+def plot_acceptance(path: str, rates: list, tau: float | None, baseline_tau: float | None, title: str) -> None:
+    """Bar chart of the acceptance rate by block position k = 1..B-1 (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    positions = list(range(1, len(rates) + 1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(positions, [r or 0.0 for r in rates], color="tab:blue")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("fraction of verify steps accepting >= k drafts")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(positions)
+    label = f"DFlash tau = {tau:.2f}" if tau is not None else "DFlash tau = n/a"
+    if baseline_tau is not None:
+        label += f"   prompt lookup tau = {baseline_tau:.2f}"
+    ax.set_title(f"{title}\n{label}", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def write_results(results: dict, args: EvalArgs, plot_path: str, block_size: int) -> None:
