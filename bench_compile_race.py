@@ -149,6 +149,7 @@ def race_child(args) -> None:
     import torch.utils.checkpoint
 
     import dflash_compile as dc
+    import dflash_masks
     import dflash_model as dm
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s", stream=sys.stderr)
@@ -183,9 +184,9 @@ def race_child(args) -> None:
             shapes = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, context_len=seq_len,
                           num_anchors=num_anchors, block_size=block_size, dtype=dtype)
             if train:
-                dc.warm_up_flex_attention(device, dm.create_anchor_block_mask, **shapes, training=True)
+                dc.warm_up_flex_attention(device, dflash_masks.create_anchor_block_mask, **shapes, training=True)
             if not train or (args.layer_checkpoint and args.loss_checkpoint == "reentrant"):  # its first forward runs without grad
-                dc.warm_up_flex_attention(device, dm.create_anchor_block_mask, **shapes, training=False)
+                dc.warm_up_flex_attention(device, dflash_masks.create_anchor_block_mask, **shapes, training=False)
     warm_seconds = time.perf_counter() - start
     compiles_before = dc.flex_compile_stats()["compiles"]
 
@@ -203,8 +204,8 @@ def race_child(args) -> None:
                 context = torch.randn(batch, seq_len, hidden, device=device, dtype=dtype)
                 x = torch.randn(batch, q_len, hidden, device=device, dtype=dtype, requires_grad=train)
                 loss_mask = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
-                anchors, anchor_valid = dm.sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(step))
-                block_mask = dm.create_anchor_block_mask(anchors, anchor_valid, seq_len, block_size)
+                anchors, anchor_valid = dflash_masks.sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(step))
+                block_mask = dflash_masks.create_anchor_block_mask(anchors, anchor_valid, seq_len, block_size)
 
                 def heads_first(t, n):  # [batch, T, n * head_dim] -> [batch, n, T, head_dim]
                     return t.view(batch, t.shape[1], n, head_dim).transpose(1, 2)
@@ -438,7 +439,7 @@ def mask(args) -> None:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
-    import dflash_model as dm
+    import dflash_masks
 
     device = torch.device(args.device)
     compiled = torch.compile(create_block_mask, dynamic=False)
@@ -448,16 +449,16 @@ def mask(args) -> None:
         times = []
         for call in range(args.steps + 1):
             loss_mask = torch.ones(args.batch, args.context_len, dtype=torch.bool, device=device)
-            anchors, valid = dm.sample_anchors(loss_mask, args.num_anchors, torch.Generator().manual_seed(call))
+            anchors, valid = dflash_masks.sample_anchors(loss_mask, args.num_anchors, torch.Generator().manual_seed(call))
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 baseline = torch.cuda.memory_allocated()
             start = time.perf_counter()
             if name == "eager":
-                dm.create_anchor_block_mask(anchors, valid, args.context_len, args.block_size)
+                dflash_masks.create_anchor_block_mask(anchors, valid, args.context_len, args.block_size)
             else:
-                mask_mod = dm.anchor_block_mask_mod(anchors, valid, args.context_len, args.block_size)
+                mask_mod = dflash_masks.anchor_block_mask_mod(anchors, valid, args.context_len, args.block_size)
                 compiled(mask_mod, args.batch, None, q_len, args.context_len + q_len, device=device)
             if device.type == "cuda":
                 torch.cuda.synchronize()

@@ -116,15 +116,11 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
+from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
 from dflash_model import (
-    DFlash2Config,
-    DFlash2DraftModel,
     DFlashConfig,
     DFlashDraftModel,
-    block_labels,
-    create_anchor_block_mask,
-    sample_anchors,
-    selector_predecessor_ids,
 )
 from dflash_loss import LOSSES, block_target_hidden, dflash_loss, loss_weights, selector_objective
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention

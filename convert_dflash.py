@@ -50,7 +50,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, Qwen3Config
 
-from dflash_model import DFLASH2_FIELDS, DFlash2Config, DFlashConfig
+from dflash2_model import DFLASH2_FIELDS, DFlash2Config
+from dflash_model import DFlashConfig
 from dflash_target import resolve_target_path
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout this writes and reads

@@ -27,7 +27,8 @@ from accelerate import Accelerator
 from safetensors.torch import save_file
 
 from dflash_loss import default_loss_gamma
-from dflash_model import DFlash2Config, DFlashConfig, DFlashDraftModel
+from dflash2_model import DFlash2Config
+from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_schedule import ResumePoint
 from dflash_target import SMOLLM2_PACKAGE, target_fingerprint
 

@@ -525,7 +525,7 @@ def warm_up_flex_attention(
     Args:
         device: the rank's GPU ("cpu" in tests).
         build_mask: the drafter's mask builder, `build_mask(anchors, anchor_valid, context_len,
-            block_size, causal, window) -> BlockMask` (`dflash_model.create_anchor_block_mask`).
+            block_size, causal, window) -> BlockMask` (`dflash_masks.create_anchor_block_mask`).
         batch: rows of a micro-batch; heads, kv_heads, head_dim: the drafter's attention sizes.
         context_len: S, a padded length bucket (a multiple of 128 on GPU).
         num_anchors: N, static; block_size: B. Q = N*B, KV = S + N*B.

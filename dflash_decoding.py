@@ -74,7 +74,8 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_compile import CUDAGraphCall
-from dflash_model import DFlash2DraftModel, DFlashDraftModel, sampling_probs
+from dflash2_model import DFlash2DraftModel
+from dflash_model import DFlashDraftModel, sampling_probs
 
 logger = logging.getLogger(__name__)
 PROPOSALS = ("sample", "argmax")  # what a drafter proposes at temperature > 0 (speculative_generate)

@@ -803,7 +803,7 @@ def selector_objective(
         hidden: [batch, N, B-1, hidden], drafter output at block positions 1..B-1 (after `norm`).
         head_weight: [vocab, hidden], the target's LM head (frozen).
         labels, label_valid: [batch, N, B-1] from `block_labels`.
-        predecessor_ids: [batch, N, B-1] int64 from `dflash_model.selector_predecessor_ids`.
+        predecessor_ids: [batch, N, B-1] int64 from `dflash2_model.selector_predecessor_ids`.
         row_weights: [T] float32, the weight of each valid position in `label_valid.nonzero()` order:
             `dflash_loss`'s third output with return_row_weights=True (speculators, too, weights the
             selector as the drafter), or `loss_weights(B)[k]` of each row.

@@ -53,7 +53,8 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_compile import CUDAGraphCall, compile_once_locked, running_compiled
-from dflash_model import DFLASH2_FIELDS, DFlash2Config, DFlashConfig, default_target_layer_ids, resolve_layer_types
+from dflash2_model import DFLASH2_FIELDS, DFlash2Config
+from dflash_model import DFlashConfig, default_target_layer_ids, resolve_layer_types
 
 log = logging.getLogger("dflash_target")
 
@@ -686,7 +687,7 @@ def drafter_config_for_target(
         conv_kernel_size, conv_group_size, selector_rank, selector_top_k: DFlash2's sizes; None
             keeps `DFlash2Config`'s defaults.
     Raises:
-        ValueError: as `DFlashConfig` / `DFlash2Config` (dflash_model.py), when the heads do not divide
+        ValueError: as `DFlashConfig` / `DFlash2Config`, when the heads do not divide
             into the KV heads, on an unknown drafter, or on DFlash2 sizes for a DFlash drafter.
     """
     extra = {name: value for name, value in zip(DFLASH2_FIELDS, (conv_kernel_size, conv_group_size, selector_rank, selector_top_k))

@@ -94,18 +94,18 @@ from dflash_loss import (
     loss_weights,
     selector_objective,
 )
-from dflash_model import (
-    DFlash2Config,
-    DFlash2DraftModel,
-    DFlashConfig,
-    DFlashDraftModel,
-    SequenceParallel,
+from dflash_masks import (
     anchor_slots,
     block_label_valid,
     block_labels,
     create_anchor_block_mask,
     sample_anchors,
-    selector_predecessor_ids,
+)
+from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
+from dflash_model import (
+    DFlashConfig,
+    DFlashDraftModel,
+    SequenceParallel,
 )
 from dflash_progress import (
     DEBUG_LOG,

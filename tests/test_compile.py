@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import dflash_compile as dc
+import dflash_masks
 import dflash_model as dm
 from dflash_compile import (
     COMPILE_LOCK_DIR_ENV,
@@ -33,7 +34,7 @@ from dflash_compile import (
     flex_shape_key,
     setup_compile_cache,
 )
-from dflash_model import create_anchor_block_mask, dense_anchor_block_mask
+from dflash_masks import create_anchor_block_mask, dense_anchor_block_mask
 
 # The sizes of test_model.test_compiled_flex_forward_equals_sdpa_on_cpu.
 SHAPES = dict(batch=2, heads=2, kv_heads=1, head_dim=8, context_len=24, num_anchors=6, block_size=4)
@@ -76,7 +77,7 @@ WORKER = textwrap.dedent(
     from pathlib import Path
     import torch
     import dflash_compile as dc
-    import dflash_model as dm
+    import dflash_masks
     sys.path.insert(0, "tests")
     from test_model import _batch, tiny_drafter
 
@@ -95,12 +96,12 @@ WORKER = textwrap.dedent(
     (root / f"ready_{rank}").touch()  # start line: nobody compiles before all 4 are ready
     while len(list(root.glob("ready_*"))) < world:
         time.sleep(0.02)
-    dc.warm_up_flex_attention("cpu", dm.create_anchor_block_mask, **shapes, dtype=torch.float32, training=False)
+    dc.warm_up_flex_attention("cpu", dflash_masks.create_anchor_block_mask, **shapes, dtype=torch.float32, training=False)
 
     drafter = tiny_drafter(block_size=4)
     input_ids, loss_mask = _batch()
     features = torch.randn(2, input_ids.shape[1], 2 * 16)
-    anchors, valid = dm.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(rank))
+    anchors, valid = dflash_masks.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(rank))
     with torch.no_grad():
         flex = drafter(features, input_ids, anchors, valid, attention_backend="flex")
         sdpa = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
@@ -358,9 +359,9 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
         torch.manual_seed(0)
         input_ids, loss_mask = _batch()
         features = torch.randn(2, input_ids.shape[1], 2 * 16)
-        anchors, valid = dm.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
+        anchors, valid = dflash_masks.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
         hidden = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
-        labels, label_valid = dm.block_labels(input_ids, loss_mask, anchors, valid, 4)
+        labels, label_valid = dflash_masks.block_labels(input_ids, loss_mask, anchors, valid, 4)
         loss, _ = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid,
                               loss_weights(4, gamma=3.0), compiled=compiled)
         drafter.zero_grad(set_to_none=True)

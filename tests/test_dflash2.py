@@ -29,18 +29,22 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash_decoding
 from dflash_loss import dflash_loss, dpace_weights, loss_weights, selector_loss, selector_objective, selector_training_candidates
-from dflash_model import (
-    DFlash2Config,
-    DFlash2DraftModel,
-    DFlashDraftModel,
-    GroupedDynamicCausalConv,
+from dflash_masks import (
     block_labels,
     dense_anchor_block_mask,
     position_rule,
     sample_anchors,
+)
+from dflash2_model import (
+    DFlash2Config,
+    DFlash2DraftModel,
+    GroupedDynamicCausalConv,
+    selector_predecessor_ids,
+)
+from dflash_model import (
+    DFlashDraftModel,
     sample_index,
     sampling_probs,
-    selector_predecessor_ids,
 )
 from dflash_target import drafter_config_for_target
 from dflash_decoding import Decoder, greedy_generate, speculative_generate
@@ -695,7 +699,7 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(monkeypatch
 
 
 # ----------------------------------------------------------------------------------------------
-# Sliding windows: each engine's rule (dflash_model.py, the table above `position_rule`)
+# Sliding windows: each engine's rule (dflash_masks.py, the table above `position_rule`)
 
 
 def zlab_rule(q, k, causal, window):

@@ -14,11 +14,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from dflash_model import (
-    DFlashDraftModel,
-    block_labels,
-    sample_anchors,
-)
+from dflash_masks import block_labels, sample_anchors
+from dflash_model import DFlashDraftModel
 from dflash_loss import dflash_loss, loss_weights
 from dflash_target import TargetFeatureExtractor, check_target_scaling, drafter_config_for_target
 from dflash_decoding import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem

@@ -22,12 +22,8 @@ from dflash_flops import (
     visible_pairs,
 )
 from dflash_loss import weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
-from dflash_model import (
-    DFlashDraftModel,
-    block_labels,
-    dense_anchor_block_mask,
-    sample_anchors,
-)
+from dflash_masks import block_labels, dense_anchor_block_mask, sample_anchors
+from dflash_model import DFlashDraftModel
 from dflash_loss import dflash_loss, loss_weights
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 

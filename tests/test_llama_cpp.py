@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from dflash_model import DFlash2DraftModel, DFlashDraftModel
+from dflash2_model import DFlash2DraftModel
+from dflash_model import DFlashDraftModel
 from dflash_target import drafter_config_for_target
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))

@@ -7,9 +7,9 @@ path and checkpointed decoder layers give the plain forward's loss and gradients
 import pytest
 import torch
 
-import dflash_model
+import dflash_masks
 from dflash_loss import dflash_loss, loss_weights
-from dflash_model import block_labels, create_anchor_block_mask, sample_anchors
+from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from test_model import VOCAB, _batch, tiny_drafter
 
 BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -25,7 +25,7 @@ def test_block_mask_built_in_query_chunks_equals_one_build(monkeypatch, causal, 
     anchors, valid = sample_anchors(loss_mask, 40, torch.Generator().manual_seed(0))
     whole = create_anchor_block_mask(anchors, valid, seq_len, block_size, causal, window)
     kv_len = seq_len + 40 * block_size
-    monkeypatch.setattr(dflash_model, "MASK_BUILD_ELEMENTS", 2 * kv_len * 200)  # 128-row chunks: 5 builds of Q = 640
+    monkeypatch.setattr(dflash_masks, "MASK_BUILD_ELEMENTS", 2 * kv_len * 200)  # 128-row chunks: 5 builds of Q = 640
     chunked = create_anchor_block_mask(anchors, valid, seq_len, block_size, causal, window)
     assert chunked.seq_lengths == whole.seq_lengths == (640, kv_len)
     for name in BLOCK_MASK_FIELDS:

@@ -12,19 +12,21 @@ from transformers import LlamaConfig, Qwen3Config
 
 from dflash_target import drafter_config_for_target
 from dflash_decoding import DFlashStaticContextCache  # the static cache lives where it is used
-from dflash_model import (
-    DFlashConfig,
-    DFlashDraftModel,
+from dflash_masks import (
     anchor_slots,
     block_input_ids,
     block_label_valid,
     block_labels,
     block_position_ids,
     create_anchor_block_mask,
-    default_target_layer_ids,
     dense_anchor_block_mask,
-    resolve_layer_types,
     sample_anchors,
+)
+from dflash_model import (
+    DFlashConfig,
+    DFlashDraftModel,
+    default_target_layer_ids,
+    resolve_layer_types,
     scale_and_cap_logits,
 )
 from dflash_loss import dflash_loss, estimate_acceptance_length, default_loss_gamma, loss_weights

@@ -36,7 +36,9 @@ def one_case(case, sp):
     from transformers import Qwen3Config
 
     from dflash_loss import loss_weights
-    from dflash_model import DFlash2DraftModel, DFlashDraftModel, sample_anchors
+    from dflash_masks import sample_anchors
+    from dflash2_model import DFlash2DraftModel
+    from dflash_model import DFlashDraftModel
     from dflash_target import drafter_config_for_target
     from train_dflash import Compute, MicroBatchLoss, TrainSettings
 

@@ -921,7 +921,7 @@ def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
 
     sys.path.insert(0, str(REPO))
     from dflash_loss import dflash_loss, loss_weights
-    from dflash_model import block_labels
+    from dflash_masks import block_labels
     from train_dflash import Compute, MicroBatchLoss, TrainSettings
 
     block_size, hidden_size, vocab = 4, 8, 50

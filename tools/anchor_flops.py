@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat 
 
 from dflash_flops import drafter_step_flops, target_forward_flops  # noqa: E402
 from dflash_data import build_train_dataset, length_grouped_batches  # noqa: E402
-from dflash_model import anchor_slots, block_labels, eligible_anchors, sample_anchors  # noqa: E402
+from dflash_masks import anchor_slots, block_labels, eligible_anchors, sample_anchors  # noqa: E402
 from dflash_target import drafter_config_for_target, load_target_config  # noqa: E402
 
 

@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo's flat modules
 
 from dflash_bench_training import MasterWeightAdamW, make_batch
-from dflash_model import DFlashDraftModel, block_labels, sample_anchors
+from dflash_masks import block_labels, sample_anchors
+from dflash_model import DFlashDraftModel
 from dflash_loss import dflash_loss, loss_weights
 from dflash_target import SAFETENSORS_INDEX, drafter_config_for_target, load_target_embeddings, parameter_bytes
 
