@@ -266,9 +266,9 @@ def test_sigterm_stops_a_rank_through_its_failure_report_and_kills_its_forked_wo
     """The launcher's SIGTERM raises StoppedByLauncher in the rank (which then reports the failure
     that came first, instead of dying silently); a process forked from the rank, such as a
     data-loading worker, still ends by SIGTERM as by default."""
-    from dflash_split import StoppedByLauncher, stop_on_sigterm
+    from dflash_split import StoppedByLauncher, _stop_on_sigterm
 
-    previous = signal.signal(signal.SIGTERM, functools.partial(stop_on_sigterm, os.getpid()))
+    previous = signal.signal(signal.SIGTERM, functools.partial(_stop_on_sigterm, os.getpid()))
     try:
         child = os.fork()
         if child == 0:  # the worker: inherits the handler
