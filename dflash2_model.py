@@ -345,7 +345,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         Returns:
             tokens [batch, B-1] int64, candidate_ids [batch, B-1, K] int64, and q [batch, B-1, K]
             float32: the distribution over candidate_ids each token was drawn from, given the
-            tokens before it (verification's q; `eval_dflash.rejection_sample` with draft_indices).
+            tokens before it (verification's q; `dflash_decoding.rejection_sample` with draft_indices).
         """
         if not temperature > 0:
             raise ValueError(f"draft_sample needs --temperature > 0, got {temperature}; use draft_block for greedy drafts")

@@ -390,7 +390,7 @@ def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer
     return out
 
 
-def _report_truncation(columns: dict[str, list], max_seq_length: int, max_dropped_fraction: float) -> None:
+def report_truncation(columns: dict[str, list], max_seq_length: int, max_dropped_fraction: float) -> None:
     """One warning about what max_seq_length cost (samples dropped, replies cut, share of assistant
     tokens lost); a ValueError when more than `max_dropped_fraction` of the samples were dropped.
 
@@ -688,7 +688,7 @@ def build_train_dataset(
         tokenized = tokenized.filter(lambda reason: not reason, input_columns="reason", desc="Dropping bad samples")
     if len(tokenized):
         columns = tokenized.select_columns(["dropped", "full_tokens", "full_loss_tokens", "num_loss_tokens"]).to_dict()
-        _report_truncation(columns, max_seq_length, max_dropped_fraction)
+        report_truncation(columns, max_seq_length, max_dropped_fraction)
         if any(columns["dropped"]):
             tokenized = tokenized.filter(lambda dropped: not dropped, input_columns="dropped", desc="Dropping samples with nothing to train on")
     if len(tokenized) == 0:

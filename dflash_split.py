@@ -37,7 +37,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from dflash_target import _decoder_and_layers
+from dflash_target import decoder_and_layers
 
 # ----------------------------------------------------------------------------------------------
 # Nodes, rank layout and process groups
@@ -280,7 +280,7 @@ class DrafterGroupMPU:
 def strip_target_layers(target: torch.nn.Module) -> None:
     """Drop every decoder layer of the target in place: a drafter rank only borrows the target's
     embedding and LM head (the target ranks compute the features)."""
-    decoder, layers_name, _ = _decoder_and_layers(target)
+    decoder, layers_name, _ = decoder_and_layers(target)
     setattr(decoder, layers_name, torch.nn.ModuleList())
 
 

@@ -823,7 +823,7 @@ def target_fingerprint(embedding: torch.Tensor, num_layers: int) -> dict:
 # Context features
 
 
-def _decoder_and_layers(target: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleList]:
+def decoder_and_layers(target: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleList]:
     """The base decoder module (no LM head), the name of its layer list, and the list itself."""
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
     for name in ("layers", "h", "blocks"):  # Qwen3/Llama/Mistral use `layers`; GPT-2-style `h`
@@ -864,7 +864,7 @@ class TargetFeatureExtractor:
                  last_hidden: bool = False):
         if truncate and (predict_next or last_hidden):
             raise ValueError("TargetFeatureExtractor(predict_next=True or last_hidden=True) needs the whole target: pass truncate=False")
-        decoder, layers_name, layers = _decoder_and_layers(target)
+        decoder, layers_name, layers = decoder_and_layers(target)
         # The untruncated count (the drafter config needs it). The config keeps it even when an
         # earlier extractor already truncated this target's layer list.
         self.num_target_layers = getattr(target.config.get_text_config(), "num_hidden_layers", None) or len(layers)

@@ -49,7 +49,7 @@ from dflash_target import (
     load_target_model,
     parameter_bytes,
 )
-from eval_dflash import evaluate_acceptance
+from dflash_decoding import evaluate_acceptance
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
 

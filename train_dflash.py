@@ -159,7 +159,7 @@ from dflash_topology import (
     setup_distributed,
     time_rank_split,
 )
-from eval_dflash import evaluate_acceptance
+from dflash_decoding import evaluate_acceptance
 
 logger = logging.getLogger("train_dflash")
 # DeepSpeed's ZeRO step gathers parameters through an all-gather that newer torch deprecates: one

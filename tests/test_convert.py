@@ -245,9 +245,9 @@ def test_what_the_other_layout_cannot_express_is_refused_in_one_line(tmp_path, t
         (changed / "config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(ConversionError, match=message):
             convert(changed, tmp_path / "out", "zlab", target_dir)
-    import eval_dflash  # evaluation names the conversion when handed a speculators checkpoint
+    import dflash_decoding  # evaluation names the conversion when handed a speculators checkpoint
     with pytest.raises(ValueError, match=r"is a speculators checkpoint; convert it .*convert_dflash.py .* --to zlab"):
-        eval_dflash.load_drafter(str(tmp_path / "spec"), torch.float32, torch.device("cpu"))
+        dflash_decoding.load_drafter(str(tmp_path / "spec"), torch.float32, torch.device("cpu"))
     with pytest.raises(ConversionError, match="already our export"):
         convert(tmp_path / "full", tmp_path / "out", "zlab", target_dir)
     with pytest.raises(ConversionError, match="exists; pass --overwrite"):

@@ -264,7 +264,7 @@ def test_samples_with_nothing_left_after_truncation_are_dropped_and_counted(tmp_
 def test_truncation_hint_names_a_length_above_the_setting(caplog):
     """The hint names a longer --max_seq_length: the 95th percentile's when it is above the setting,
     else the longest sample's (20 samples, one of them cut: 95% are whole already)."""
-    from dflash_data import _report_truncation
+    from dflash_data import report_truncation
 
     def columns(full_tokens):
         cut = [n > 100 for n in full_tokens]
@@ -272,8 +272,8 @@ def test_truncation_hint_names_a_length_above_the_setting(caplog):
                 "num_loss_tokens": [40 if c else 50 for c in cut]}
 
     with caplog.at_level(logging.WARNING, logger="dflash_data"):
-        _report_truncation(columns([80] * 19 + [130]), max_seq_length=100, max_dropped_fraction=0.5)
-        _report_truncation(columns([80] * 10 + [120] * 10), max_seq_length=100, max_dropped_fraction=0.5)
+        report_truncation(columns([80] * 19 + [130]), max_seq_length=100, max_dropped_fraction=0.5)
+        report_truncation(columns([80] * 10 + [120] * 10), max_seq_length=100, max_dropped_fraction=0.5)
     first, second = [r.getMessage() for r in caplog.records]
     assert first.endswith("(--max_seq_length 130 would keep every sample whole)."), first
     assert second.endswith("(--max_seq_length 120 would keep 95% of the samples whole)."), second

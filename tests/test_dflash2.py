@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import eval_dflash
+import dflash_decoding
 from dflash_loss import dflash_loss, dpace_weights, loss_weights, selector_loss, selector_objective, selector_training_candidates
 from dflash_masks import (
     block_labels,
@@ -47,7 +47,7 @@ from dflash_model import (
     sampling_probs,
 )
 from dflash_target import drafter_config_for_target
-from eval_dflash import Decoder, greedy_generate, speculative_generate
+from dflash_decoding import Decoder, greedy_generate, speculative_generate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VOCAB = 64
@@ -176,7 +176,7 @@ def test_training_forward_equals_draft_pass_at_every_anchor():
     input_ids, _ = _batch(seq_len=seq_len, batch=1)
     features = torch.randn(1, seq_len, 2 * HIDDEN)
     anchors = torch.arange(1, seq_len)[None]  # every anchor with some context: overlapping blocks throughout
-    static = eval_dflash.DFlashStaticContextCache(drafter.config, 1, seq_len + 4, torch.float32, "cpu")
+    static = dflash_decoding.DFlashStaticContextCache(drafter.config, 1, seq_len + 4, torch.float32, "cpu")
     with torch.no_grad():
         hidden = drafter(features, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))  # [1, N, B, hidden]
         drafter.extend_context(static, torch.randn(1, seq_len + 4, 2 * HIDDEN))  # stale values everywhere
@@ -533,7 +533,7 @@ def test_export_round_trip(tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == ["DFlash2DraftModel"] and saved["block_size"] == saved["dflash_config"]["block_size"] == 4
     assert not set(saved) & {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
-    reloaded = eval_dflash.load_drafter(str(tmp_path), torch.float32, torch.device("cpu"))
+    reloaded = dflash_decoding.load_drafter(str(tmp_path), torch.float32, torch.device("cpu"))
     assert type(reloaded) is DFlash2DraftModel and reloaded.config.selector_top_k == 5 and reloaded.config.is_causal is False
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
@@ -550,7 +550,7 @@ def test_a_config_without_is_causal_reads_sliding_layers_as_causal(tmp_path):
     assert saved["is_causal"] is saved["dflash_config"]["causal"] is False
     del saved["is_causal"], saved["dflash_config"]["causal"]
     config_file.write_text(json.dumps(saved))
-    reloaded = eval_dflash.load_drafter(str(tmp_path), torch.float32, torch.device("cpu"))
+    reloaded = dflash_decoding.load_drafter(str(tmp_path), torch.float32, torch.device("cpu"))
     assert reloaded.config.is_causal is None
     assert [reloaded.config.attention_rule(i) for i in range(2)] == [(True, 3), (False, None)]
     reloaded.attach_target(drafter.target_embed_tokens, drafter.target_lm_head)
@@ -636,7 +636,7 @@ def test_greedy_speculative_decoding_is_lossless_fp32(tmp_path):
     drafter = tiny_dflash2(block_size=4, scale=0.2, target_config=target.config, layer_types="last_full", sliding_window=3)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     drafter.save_pretrained(tmp_path)
-    reloaded = eval_dflash.load_drafter(str(tmp_path), torch.float32, torch.device("cpu"))
+    reloaded = dflash_decoding.load_drafter(str(tmp_path), torch.float32, torch.device("cpu"))
     reloaded.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     static = Decoder(target, drafter, "static", max_length=64)
     accepted = []
@@ -690,8 +690,8 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(monkeypatch
 
     # The check has power: a verifier that reads q as if it were over token ids 0..K-1 (ignoring the
     # candidate ids) fails it.
-    original = eval_dflash.rejection_sample
-    monkeypatch.setattr(eval_dflash, "rejection_sample", lambda drafts, q, p, generator, draft_indices=None: original(
+    original = dflash_decoding.rejection_sample
+    monkeypatch.setattr(dflash_decoding, "rejection_sample", lambda drafts, q, p, generator, draft_indices=None: original(
         drafts, F.pad(q, (0, SMALL_VOCAB - q.shape[1])), p, generator))
     wrong, _ = samples(150)
     wrong_tv = [tv(torch.bincount(wrong[:, j], minlength=SMALL_VOCAB).float() / len(wrong), exact[j]) for j in range(1, TOKENS)]

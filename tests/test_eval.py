@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 import eval_dflash
 from dflash_model import DFlashDraftModel
 from dflash_target import drafter_config_for_target
-from eval_dflash import (
+from dflash_decoding import (
     DFlashStaticContextCache,
     check_drafter_matches_target,
     evaluate_acceptance,
@@ -322,7 +322,7 @@ def test_evaluate_acceptance_restores_training_mode(qwen3_dirs):
     assert evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12, block_size=3)["acceptance_rate_by_position"].__len__() == 2
     assert not drafter.training
     # prompt_lookup: transformers' prompt lookup on the same prompts beside it, counted as the CLI counts it.
-    from eval_dflash import encode_prompt, eos_token_ids_of, prompt_lookup_generate, prompt_lookup_tau
+    from dflash_decoding import encode_prompt, eos_token_ids_of, prompt_lookup_generate, prompt_lookup_tau
 
     with_baseline = evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12, prompt_lookup=True)
     assert "prompt_lookup_acceptance_length" not in summary
@@ -368,7 +368,7 @@ def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path, monkeypatch):
 def test_static_cache_decodes_like_the_dynamic_one(attention):
     """One static `Decoder` reused over many prompts gives the dynamic path's tokens and tau exactly:
     the stale positions past each crop are masked, in the target's and the drafter's cache."""
-    from eval_dflash import Decoder
+    from dflash_decoding import Decoder
 
     target = tiny_target(seed=11, attn_implementation=attention)
     drafter = tiny_drafter(target, seed=12)
@@ -415,7 +415,7 @@ def test_static_drafter_cache_drafts_like_the_growing_one(target, drafter):
 
 
 def test_kv_cache_settings():
-    from eval_dflash import resolve_kv_cache
+    from dflash_decoding import resolve_kv_cache
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_kv_cache("auto", "auto", cpu) == ("dynamic", False)

@@ -18,7 +18,7 @@ from dflash_masks import block_labels, sample_anchors
 from dflash_model import DFlashDraftModel
 from dflash_loss import dflash_loss, loss_weights
 from dflash_target import TargetFeatureExtractor, check_target_scaling, drafter_config_for_target
-from eval_dflash import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem
+from dflash_decoding import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem
 
 VOCAB = 96
 MASK_ID = VOCAB - 1
@@ -233,16 +233,16 @@ def test_verify_keep_check_catches_a_cache_that_is_not_cut_back(family, monkeypa
     """The start-up check passes on the installed transformers, and fails in one error naming its
     version when the rollback leaves state behind: a restore that restores nothing (linear-attention
     targets) or a crop that crops nothing (attention-only targets)."""
-    import eval_dflash
+    import dflash_decoding
 
     target = tiny_target(family)
-    eval_dflash.check_verify_keep(target)
+    dflash_decoding.check_verify_keep(target)
     if family in HYBRID:
-        monkeypatch.setattr(eval_dflash, "_cache_restore", lambda cache, snapshot: None)
+        monkeypatch.setattr(dflash_decoding, "_cache_restore", lambda cache, snapshot: None)
     else:
-        monkeypatch.setattr(eval_dflash.DynamicCache, "crop", lambda self, n: None)
+        monkeypatch.setattr(dflash_decoding.DynamicCache, "crop", lambda self, n: None)
     with pytest.raises(ValueError, match=f"transformers {transformers.__version__}.*not be lossless"):
-        eval_dflash.check_verify_keep(target)
+        dflash_decoding.check_verify_keep(target)
     drafter = drafter_for(target)
     with pytest.raises(ValueError, match="verify-then-keep"):  # decoding refuses to start
         speculative_generate(target, drafter, torch.randint(0, MASK_ID, (1, 9)), 8)
@@ -252,14 +252,14 @@ def test_hybrid_detection_never_falls_back_silently(monkeypatch):
     """Without transformers' linear-attention cache layers, a target whose config names
     linear-attention layers is refused (naming the transformers version); an attention-only one
     still decodes with cropping."""
-    import eval_dflash
+    import dflash_decoding
 
     hybrid, attention_only = tiny_target("qwen3_next"), tiny_target("qwen3")
-    assert eval_dflash._needs_rollback_cache(hybrid) and not eval_dflash._needs_rollback_cache(attention_only)
+    assert dflash_decoding._needs_rollback_cache(hybrid) and not dflash_decoding._needs_rollback_cache(attention_only)
     monkeypatch.delattr(transformers.cache_utils, "LinearAttentionCacheLayerMixin")
     with pytest.raises(ValueError, match=f"linear_attention layers, but transformers {transformers.__version__}"):
-        eval_dflash._needs_rollback_cache(hybrid)
-    assert not eval_dflash._needs_rollback_cache(attention_only)
+        dflash_decoding._needs_rollback_cache(hybrid)
+    assert not dflash_decoding._needs_rollback_cache(attention_only)
 
 
 def reference_draft_logits(drafter: DFlashDraftModel, features: torch.Tensor, anchor: int, embed: torch.Tensor,

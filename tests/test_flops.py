@@ -1,4 +1,4 @@
-"""bench_dflash.py's analytic FLOP count against torch's FlopCounterMode, and its fused loss against dflash_loss.
+"""dflash_flops.py's analytic FLOP count against torch's FlopCounterMode, and bench_dflash.py's fused loss against dflash_loss.
 
 FlopCounterMode counts the matmuls that actually run. SDPA is forced onto the math backend, whose
 matmuls it counts densely over the whole [Q, KV] score matrix (it has no formula for the CPU flash
@@ -15,9 +15,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config
 
-from bench_dflash import (
+from bench_dflash import fused_dflash_loss
+from dflash_flops import (
     drafter_step_flops,
-    fused_dflash_loss,
     target_forward_flops,
     visible_pairs,
 )

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, Qwen3Config
 
 from dflash_target import drafter_config_for_target
-from eval_dflash import DFlashStaticContextCache  # the static cache lives where it is used
+from dflash_decoding import DFlashStaticContextCache  # the static cache lives where it is used
 from dflash_masks import (
     anchor_slots,
     block_input_ids,

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import dflash_batch_decoding
 import regenerate_data
 from dflash_data import build_train_dataset, prompt_hash
 
@@ -183,8 +184,8 @@ def test_seeded_sampling_draws_from_the_nucleus():
     expected = torch.where(keep, probs, 0.0)
     expected /= expected.sum()
     rows = 6000
-    seeds = torch.tensor([regenerate_data.reply_seed(3, i, 0) for i in range(rows)])
-    sampler = regenerate_data.SeededSampling(seeds, prompt_width=4, temperature=temperature, top_p=top_p)
+    seeds = torch.tensor([dflash_batch_decoding.reply_seed(3, i, 0) for i in range(rows)])
+    sampler = dflash_batch_decoding.SeededSampling(seeds, prompt_width=4, temperature=temperature, top_p=top_p)
     scores = sampler(torch.zeros(rows, 9, dtype=torch.long), logits.expand(rows, -1))
     draws = scores.argmax(-1)
     assert torch.equal(scores.isfinite().sum(-1), torch.ones(rows, dtype=torch.long)), "one finite score: the draw"
@@ -192,7 +193,7 @@ def test_seeded_sampling_draws_from_the_nucleus():
     assert observed[~keep].sum() == 0, "a token outside the nucleus was drawn"
     assert 0.5 * (observed - expected).abs().sum() < 0.02, (observed, expected)
     # A row's draw depends on its seed and step only: the same rows in another batch, same draws.
-    again = regenerate_data.SeededSampling(seeds[:100], 4, temperature, top_p)(torch.zeros(100, 9, dtype=torch.long), logits.expand(100, -1))
+    again = dflash_batch_decoding.SeededSampling(seeds[:100], 4, temperature, top_p)(torch.zeros(100, 9, dtype=torch.long), logits.expand(100, -1))
     assert torch.equal(again.argmax(-1), draws[:100])
     next_step = sampler(torch.zeros(rows, 10, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
     assert not torch.equal(next_step, draws), "each step must draw anew"
@@ -207,8 +208,8 @@ def test_seeded_sampling_equals_a_hand_built_inverse_cdf():
     logits = torch.randint(-4, 5, (rows, vocab)).float() / 2  # many equal logits: the tie order matters
     seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 13
     steps = torch.arange(rows, dtype=torch.int64) % 5
-    sampler = regenerate_data.SeededSampling(seeds, 0, temperature, top_p)
-    uniform = regenerate_data.counter_uniform(seeds, steps).tolist()
+    sampler = dflash_batch_decoding.SeededSampling(seeds, 0, temperature, top_p)
+    uniform = dflash_batch_decoding.counter_uniform(seeds, steps).tolist()
     expected = []
     for row, u in zip(logits.tolist(), uniform):
         ranked = sorted(range(vocab), key=lambda t: (-row[t], t))
@@ -394,13 +395,13 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
     expected = [reply[: next((i + 1 for i, t in enumerate(reply) if t in eos), max_new)] for reply in alone]
     lengths = [len(reply) for reply in expected]
     assert 1 < len(set(lengths)), lengths  # the test needs replies of different lengths
-    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "CHECK_EVERY", check_every)
+    monkeypatch.setattr(dflash_batch_decoding.StaticBatchDecoder, "CHECK_EVERY", check_every)
     # Small shape buckets, so that prefills pad rows (past the batch, too) and columns here.
     # Batch 3 starts 3 prompts as two chunks of 2 rows; batch 2 pads 1 prompt to 2 rows.
     buckets = (2,) if batch_size == 3 else (2, 4)
-    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "PREFILL_ROW_BUCKETS", buckets)
-    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "PREFILL_WIDTH_MULTIPLE", 4)
-    decoder = regenerate_data.StaticBatchDecoder(model, batch_size, max(map(len, ids)), max_new, cuda_graphs=False)
+    monkeypatch.setattr(dflash_batch_decoding.StaticBatchDecoder, "PREFILL_ROW_BUCKETS", buckets)
+    monkeypatch.setattr(dflash_batch_decoding.StaticBatchDecoder, "PREFILL_WIDTH_MULTIPLE", 4)
+    decoder = dflash_batch_decoding.StaticBatchDecoder(model, batch_size, max(map(len, ids)), max_new, cuda_graphs=False)
     shapes = []
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
@@ -427,7 +428,7 @@ def test_a_repeated_prefill_shape_creates_no_tensor_from_host_data(tiny_model_an
     host data (a copy to the GPU from unpinned memory is not allowed inside a capture; transformers'
     growing cache made one on every call) and writes what the first call wrote."""
     model, _, ids = tiny_model_and_prompts
-    decoder = regenerate_data.StaticBatchDecoder(model, 4, max(map(len, ids)), 8, cuda_graphs=False)
+    decoder = dflash_batch_decoding.StaticBatchDecoder(model, 4, max(map(len, ids)), 8, cuda_graphs=False)
     width = max(len(p) for p in ids[:2])
     input_ids = torch.zeros(2, width, dtype=torch.long)
     real = torch.zeros(2, width, dtype=torch.bool)
@@ -459,7 +460,7 @@ def test_the_prefill_replays_from_a_cuda_graph_as_the_eager_prefill(tiny_model_a
     rows = torch.tensor([0, 2, 3], device="cuda")
     results = []
     for graphs in (True, False):
-        decoder = regenerate_data.StaticBatchDecoder(model, 4, max(map(len, ids)), 8, cuda_graphs=graphs)
+        decoder = dflash_batch_decoding.StaticBatchDecoder(model, 4, max(map(len, ids)), 8, cuda_graphs=graphs)
         for _ in range(2):  # the first call captures, the second replays
             logits = decoder._prefill(rows, ids[:3], 5, 0)
         if graphs:
@@ -477,7 +478,7 @@ def test_failed_decoding_retries_the_replies_in_flight(tmp_path, tiny_target, pr
     the same as an uninterrupted run."""
     reference = tmp_path / "reference.jsonl"
     regenerate(tiny_target, prompts_file, reference, "--kv_cache", "static", "--batch_size", "4")
-    real, calls = regenerate_data.StaticBatchDecoder._prefill, []
+    real, calls = dflash_batch_decoding.StaticBatchDecoder._prefill, []
 
     def failing_once(self, rows, *args):
         calls.append(len(rows))
@@ -485,7 +486,7 @@ def test_failed_decoding_retries_the_replies_in_flight(tmp_path, tiny_target, pr
             raise RuntimeError("simulated out of memory")
         return real(self, rows, *args)
 
-    monkeypatch.setattr(regenerate_data.StaticBatchDecoder, "_prefill", failing_once)
+    monkeypatch.setattr(dflash_batch_decoding.StaticBatchDecoder, "_prefill", failing_once)
     output = tmp_path / "out.jsonl"
     with caplog.at_level(logging.WARNING, logger="regenerate_data"):
         summary = regenerate(tiny_target, prompts_file, output, "--kv_cache", "static", "--batch_size", "4")
@@ -598,10 +599,10 @@ def test_packed_gqa_sdpa_matches_repeated_kv_heads():
     key, value = torch.randn(2, batch, kv_heads, columns, head_dim)
     mask = torch.rand(batch, 1, 1, columns) < 0.7
     mask[..., 0] = True  # no fully masked row
-    packed, _ = regenerate_data.packed_gqa_sdpa(Attention(), query, key, value, mask, scaling=0.3)
+    packed, _ = dflash_batch_decoding.packed_gqa_sdpa(Attention(), query, key, value, mask, scaling=0.3)
     expected = torch.nn.functional.scaled_dot_product_attention(query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.3)
     assert packed.shape == (batch, 1, kv_heads * 3, head_dim)
     torch.testing.assert_close(packed, expected.transpose(1, 2))
     queries, mask = torch.randn(batch, kv_heads * 3, 4, head_dim), torch.ones(batch, 1, 4, columns, dtype=torch.bool).tril(columns - 4)
-    torch.testing.assert_close(regenerate_data.packed_gqa_sdpa(Attention(), queries, key, value, mask, scaling=0.3)[0],
+    torch.testing.assert_close(dflash_batch_decoding.packed_gqa_sdpa(Attention(), queries, key, value, mask, scaling=0.3)[0],
                                sdpa_attention_forward(Attention(), queries, key, value, mask, scaling=0.3)[0])

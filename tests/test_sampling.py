@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import eval_dflash
+import dflash_decoding
 from dflash_model import DFlashDraftModel, sampling_probs
 from dflash_target import drafter_config_for_target
-from eval_dflash import Decoder, plain_generate, rejection_sample, speculative_generate
+from dflash_decoding import Decoder, plain_generate, rejection_sample, speculative_generate
 
 VOCAB = 16
 MASK_ID = VOCAB - 1
@@ -119,7 +119,7 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(proposal, m
         # proposal fixed by the context is exact under a one-hot q, so propose the most likely token of each
         # position instead: accepted often, rejected often.
         likely = torch.stack([x.argmax() for x in exact[1:]])[None]  # [1, BLOCK - 1]
-        monkeypatch.setattr(eval_dflash.Drafting, "draft", lambda self, anchor: likely)
+        monkeypatch.setattr(dflash_decoding.Drafting, "draft", lambda self, anchor: likely)
     samples, stats = speculative_samples(target, drafter, SEEDS, TOKENS, proposal)
     accepted = [n for s in stats for n in s["accepted_drafts"]]
     # Every outcome of a verify step happens often: a rejection at each position, and full acceptance.
@@ -131,7 +131,7 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(proposal, m
         return
 
     # The check has power: a verifier that accepts every draft (tokens 2..4 from q, not p) fails it.
-    monkeypatch.setattr(eval_dflash, "rejection_sample", lambda drafts, q, p, generator: (
+    monkeypatch.setattr(dflash_decoding, "rejection_sample", lambda drafts, q, p, generator: (
         len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))))
     wrong, _ = speculative_samples(target, drafter, 150, TOKENS)
     wrong_tv = [tv(torch.bincount(wrong[:, j], minlength=VOCAB).float() / len(wrong), exact[j]) for j in range(1, TOKENS)]

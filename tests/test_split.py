@@ -92,7 +92,7 @@ def test_split_run_logs_both_sides_and_checkpoints(split_run):
     config = json.loads((out / "final" / "config.json").read_text())  # the lead (rank 1) exported
     assert config["dflash_config"]["target_layer_ids"] == [1, 3]
     assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 16
-    from eval_dflash import load_drafter
+    from dflash_decoding import load_drafter
 
     reloaded = load_drafter(str(out / "final"), torch.float32, torch.device("cpu"))
     assert type(reloaded).__name__ == "DFlash2DraftModel"

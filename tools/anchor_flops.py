@@ -1,7 +1,7 @@
 """How much of a training step's compute is padded anchor slots, on your data (CPU, no weights needed).
 
 Tokenizes the data as train_dflash.py does, draws each sample's anchors, and counts FLOPs per
-sample (forward + backward, `bench_dflash.drafter_step_flops`; the target's forward at the padded
+sample (forward + backward, `dflash_flops.drafter_step_flops`; the target's forward at the padded
 length): the useful drafter work (valid anchor blocks), what a step executes with every row
 carrying --num_anchors slots, and what it executes with --anchor_slots_multiple M (micro-batches
 grouped by assistant length, each keeping the slots its fullest row needs, rounded up to M).
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat modules
 
-from bench_dflash import drafter_step_flops, target_forward_flops  # noqa: E402
+from dflash_flops import drafter_step_flops, target_forward_flops  # noqa: E402
 from dflash_data import build_train_dataset, length_grouped_batches  # noqa: E402
 from dflash_masks import anchor_slots, block_labels, eligible_anchors, sample_anchors  # noqa: E402
 from dflash_target import drafter_config_for_target, load_target_config  # noqa: E402

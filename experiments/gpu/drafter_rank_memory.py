@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo's flat modules
 
-from bench_dflash import MasterWeightAdamW, make_batch
+from dflash_bench_training import MasterWeightAdamW, make_batch
 from dflash_masks import block_labels, sample_anchors
 from dflash_model import DFlashDraftModel
 from dflash_loss import dflash_loss, loss_weights

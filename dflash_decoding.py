@@ -1,0 +1,1167 @@
+"""Speculative decoding with a DFlash drafter, batch size 1: what eval_dflash.py measures, what
+training's held-out tau runs (`evaluate_acceptance`), and the static-cache check regeneration uses.
+
+In reading order:
+  - checks and helpers: the drafter against its target (`check_drafter_matches_target`), loading a
+    drafter checkpoint (`load_drafter`), the verified block size, EOS ids, prompt encoding;
+  - the target's runner: a growing KV cache cut back after each verify forward (`TargetRunner`), or
+    a static one replayed as CUDA graphs (`StaticTargetRunner`);
+  - the drafter's side: its static context cache (`DFlashStaticContextCache`) and its draft pass
+    (`Drafting`);
+  - `Decoder`: both, made once per run and reused for every prompt;
+  - the generate functions: plain decoding, the lossless reference (`plain_generate`,
+    `greedy_generate`), DFlash speculative decoding (`speculative_generate`), and transformers'
+    prompt lookup as a baseline (`prompt_lookup_generate`);
+  - speculative sampling of one block at temperature > 0 (`rejection_sample`);
+  - acceptance: tau and acceptance by position over prompts (`summarize_speculative`,
+    `prompt_lookup_tau`), held-out tau (`evaluate_acceptance`), and where a speculative output first
+    leaves greedy decoding and whether that is a near-tie (`first_divergence`, `logit_margin`,
+    `near_tie_bound`).
+
+One speculative step: the drafter drafts B-1 tokens from the target's context features, the target
+verifies `[anchor, d_1..d_{B-1}]` in one forward, the longest prefix where d_i == the target's
+argmax is committed plus the target's bonus token, and both caches are cut back to the committed
+tokens (`speculative_generate` says it in full).
+
+On a GPU, plain and speculative decoding run with static KV caches (transformers' `StaticCache` for
+the target, a preallocated context cache for the drafter) and every fixed-shape forward (one-token
+decode, block verify, draft pass) is captured once as a CUDA graph and replayed (`resolve_kv_cache`:
+eval_dflash.py's `--kv_cache`, `--cuda_graphs`). A small target at batch size 1 is bound by Python
+and kernel launches, not by the GPU: without graphs the speedup would measure that overhead. On a
+CPU both run with growing (dynamic) caches; the static path computes the same tokens there (tested).
+
+How tau is counted (as in the DFlash reference implementation):
+  tau = tokens committed by verify forwards / number of verify forwards, bonus token included.
+  The prefill forward and the first token it produces are not counted. So for a prompt that
+  generated N tokens with F verify forwards, N - 1 = tau * F exactly (truncation at EOS or at
+  max_new_tokens counts only the tokens actually committed).
+Prompt lookup's tau (transformers' assisted decoding) is counted the same way: a forward hook
+counts the target's forwards F inside `generate`, and a streamer records the tokens committed at
+each step (never the stopping criteria, which some transformers versions call twice per forward).
+transformers' FIRST forward is the prefill and already verifies prompt-lookup candidates, so it
+and every token it committed are excluded: tau = (generated - committed by the first) / (F - 1).
+
+Per-position acceptance rate k (k = 1..B-1) = fraction of verify forwards whose longest matching
+draft prefix had at least k tokens. It describes the drafter, so it is measured before the
+block is truncated at EOS or at max_new_tokens.
+
+Greedy decoding (temperature 0, the default) makes the output equal plain greedy decoding's. With
+temperature T > 0 (and top_p P) both sides sample, as DFlash's reference does: the drafter's B-1
+drafts are sampled from its own distribution q (one parallel pass, so each q_i is independent of the
+other drafts), the target accepts draft i with probability min(1, p_i / q_i) and replaces the first
+rejected one with a sample from the normalised residual max(0, p_i - q_i), or adds a bonus token
+sampled from p after a fully accepted block (`rejection_sample`). A DFlash2 drafter samples its
+drafts left to right along its candidate selector's walk, each q_i over the selector's K candidates
+given d_{i-1}, and verification takes q_i in that candidate-index form. The output is then
+distributed exactly as plain sampling from the target, which tests/test_sampling.py checks
+statistically. tau and acceptance by position are counted as above. Targets with linear-attention
+layers (Qwen3.5, Qwen3-Next) decode with a dynamic cache whose recurrent state is restored and re-run
+after a partly rejected block (`TargetRunner`).
+"""
+
+import inspect
+import json
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+from dflash_compile import CUDAGraphCall
+from dflash2_model import DFlash2DraftModel
+from dflash_model import DFlashDraftModel, sampling_probs
+
+logger = logging.getLogger(__name__)
+PROPOSALS = ("sample", "argmax")  # what a drafter proposes at temperature > 0 (speculative_generate)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks and helpers: the drafter against its target, loading a drafter, prompts, EOS ids
+
+
+def check_drafter_matches_target(target, drafter) -> None:
+    """Raise ValueError when the drafter was not built for this target.
+
+    Checks hidden size, embedding rows (vocab), decoder-layer count and `target_layer_ids`, the
+    embedding and logit scaling (`check_target_scaling`), and that the drafter's dtype equals the
+    target's: `draft_block` runs the target's LM head on the drafter's hidden states, so the two
+    must agree (cast with `drafter.to(target.dtype)`).
+    """
+    target_layers = len(target.get_decoder().layers)
+    check_shapes(drafter.config, target.config.get_text_config().hidden_size, target.get_input_embeddings().weight.shape[0],
+                 target_layers, truncated_hint=True)
+    from dflash_target import check_target_scaling
+
+    check_target_scaling(target, drafter.config)
+    drafter_dtype = next(drafter.parameters()).dtype
+    target_dtype = target.get_input_embeddings().weight.dtype
+    if drafter_dtype != target_dtype:
+        raise ValueError(
+            f"dtype mismatch: the drafter is {drafter_dtype}, the target is {target_dtype}; the drafter uses the target's "
+            f"LM head on its own hidden states. Cast it with drafter.to({target_dtype})."
+        )
+
+
+def check_config_matches_target(config, target_config) -> None:
+    """`check_drafter_matches_target`'s shape checks from the two configs alone, so that a drafter
+    built for another target is refused before any weights load.
+
+    Args:
+        config: the drafter's `DFlashConfig`.
+        target_config: the target's `PretrainedConfig` (its text config is read).
+    Raises:
+        ValueError: on another hidden size, embedding rows (vocab_size) or decoder-layer count, or
+            target_layer_ids outside the target's layers.
+    """
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    check_shapes(config, text.hidden_size, text.vocab_size, text.num_hidden_layers)
+
+
+def check_shapes(config, target_hidden: int, target_rows: int, target_layers: int, truncated_hint: bool = False) -> None:
+    """Raise ValueError when the drafter `config` was sized for a target of another hidden size,
+    embedding rows or layer count (one line each, naming the fix)."""
+    if config.hidden_size != target_hidden:
+        raise ValueError(
+            f"hidden size mismatch: the drafter has hidden_size {config.hidden_size}, the target has {target_hidden}. "
+            f"Pass the target the drafter was trained for (--target_model) or a drafter trained for this target (--draft_model)."
+        )
+    if config.vocab_size != target_rows:
+        raise ValueError(
+            f"vocab mismatch: the drafter has vocab_size {config.vocab_size}, the target's embedding has {target_rows} rows. "
+            f"Pass the target the drafter was trained for (--target_model) or a drafter trained for this target (--draft_model)."
+        )
+    if config.num_target_layers is not None and config.num_target_layers != target_layers:
+        raise ValueError(
+            f"layer count mismatch: the drafter was trained on a target with {config.num_target_layers} decoder layers, "
+            f"this target has {target_layers}. Pass the matching --target_model"
+            + ("; a target truncated by TargetFeatureExtractor(truncate=True) cannot verify drafts (no logits): pass the "
+               "full target." if truncated_hint else " or a drafter trained for this target (--draft_model).")
+        )
+    if any(not 0 <= i < target_layers for i in config.target_layer_ids):
+        raise ValueError(f"drafter target_layer_ids {config.target_layer_ids} are outside the target's {target_layers} layers")
+
+
+def target_fingerprint_warning(target, config) -> str | None:
+    """One line when the target's fingerprint differs from the one the drafter's export recorded
+    (`dflash_target.target_fingerprint`: same shapes, other weights); None when they agree or the
+    drafter has none (written before fingerprints, by another trainer, or converted)."""
+    recorded = (config.dflash_config or {}).get("target_fingerprint")
+    if not recorded:
+        return None
+    from dflash_target import target_fingerprint
+
+    found = target_fingerprint(target.get_input_embeddings().weight, len(target.get_decoder().layers))
+    if found == recorded:
+        return None
+    differ = ", ".join(f"{key} {found.get(key)} here, {value} at export" for key, value in recorded.items() if found.get(key) != value)
+    return (f"the target differs from the one this drafter was trained for ({differ}): other weights give the drafter "
+            f"other context features, so expect tau near 1; pass the target it was trained for (the drafter folder's "
+            f"training_settings.json names it)")
+
+
+def resolve_block_size(drafter, block_size: int | None) -> int:
+    """The verified block size: default the drafter's; smaller drafts fewer tokens, larger is refused.
+    `drafter` may be the drafter or its config."""
+    trained = getattr(drafter, "config", drafter).block_size
+    if block_size is None:
+        return trained
+    if not 2 <= block_size <= trained:
+        raise ValueError(
+            f"--block_size {block_size} must be between 2 and the drafter's trained block size {trained}: the drafter "
+            f"drafts at most {trained - 1} tokens per pass (smaller blocks use the first block_size - 1 of them)."
+        )
+    return block_size
+
+
+def eos_token_ids_of(tokenizer, target) -> list[int]:
+    """EOS ids: the tokenizer's eos plus the target's generation_config eos (e.g. <|im_end|> and <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(target.generation_config, "eos_token_id", None)
+    ids |= set(config_eos if isinstance(config_eos, list) else [config_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict | None, device) -> torch.Tensor:
+    """Chat template with the generation prompt -> input_ids [1, P] int64 on `device`."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {}))
+    # The template already wrote BOS/special tokens; don't let the tokenizer add more.
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return ids.to(device)  # [1, P]
+
+
+def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
+    """Load a DFlash or DFlash2 drafter checkpoint (by its config's `architectures`), refusing folders
+    that are not one (`drafter_class`)."""
+    return drafter_class(path).from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def drafter_class(path: str) -> type:
+    """DFlashDraftModel or DFlash2DraftModel for the checkpoint folder `path`, by its config's
+    `architectures`; nothing but config.json and the weights' header is read.
+
+    Raises:
+        ValueError: for a folder without config.json, a speculators checkpoint, a config without
+            dflash_config, or weights that do not fit the config (`check_weights_fit_config`).
+    """
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--draft_model {path!r} has no config.json; pass the folder of a DFlash drafter checkpoint")
+    with open(config_path) as f:
+        config = json.load(f)
+    if "speculators_model_type" in config:
+        raise ValueError(
+            f"--draft_model {path!r} is a speculators checkpoint; convert it to our export first: "
+            f"python convert_dflash.py {path} {path.rstrip('/')}-zlab --to zlab"
+        )
+    if "dflash_config" not in config:
+        raise ValueError(
+            f"--draft_model {path!r} is not a DFlash drafter: its config.json has no 'dflash_config' "
+            f"(mask_token_id, target_layer_ids). Pass a checkpoint written by train_dflash.py or a released DFlash drafter."
+        )
+    model_class = DFlash2DraftModel if "DFlash2DraftModel" in (config.get("architectures") or []) else DFlashDraftModel
+    check_weights_fit_config(path, model_class)
+    return model_class
+
+
+def check_weights_fit_config(path: str, model_class) -> None:
+    """Raise ValueError, before any weight loads, when the tensors of `path`/model.safetensors (or its
+    shards) are not those its config.json describes (names and shapes, from the file's header and a drafter built on
+    the meta device): transformers would print its load report and fail with a traceback, or start
+    from random weights where names are missing."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):  # a sharded checkpoint
+        with open(index) as f:
+            weights_files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        weights_files = [os.path.join(path, "model.safetensors")]
+    in_file = {}
+    for weights_file in weights_files:
+        if not os.path.isfile(weights_file):
+            raise ValueError(f"--draft_model {path!r} has no {os.path.basename(weights_file)}; pass the folder of a DFlash drafter checkpoint")
+        try:
+            with safe_open(weights_file, framework="pt") as f:
+                in_file.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as error:  # a damaged header, named in one line
+            raise ValueError(f"--draft_model {path!r}: {weights_file} does not open ({type(error).__name__}: {error})") from None
+    with torch.device("meta"):
+        expected = {name: list(t.shape) for name, t in model_class(model_class.config_class.from_pretrained(path)).state_dict().items()}
+    problems = [f"{name} is {in_file[name]} in the file, {shape} by config.json" for name, shape in expected.items()
+                if name in in_file and in_file[name] != shape]
+    problems += [f"{name} is missing from the file" for name in expected if name not in in_file]
+    problems += [f"{name} is in the file but not in a drafter of this config" for name in in_file if name not in expected]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"--draft_model {path!r}: its weights do not fit its config.json: {'; '.join(problems[:3])}{more}; "
+                         f"the two files come from different drafters: copy the pair from one export")
+
+
+@contextmanager
+def eval_mode(*modules):
+    """Put modules in eval mode (dropout off) and restore each one's mode afterwards."""
+    modes = [getattr(m, "training", None) for m in modules]
+    for m in modules:
+        if hasattr(m, "eval"):
+            m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            if mode is not None:
+                m.train(mode)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (CUDA kernels run asynchronously: without a sync a clock
+    stops before the work is done); nothing on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The target during decoding: a growing KV cache, or a static one replayed as CUDA graphs
+
+
+class LayerOutputCapture:
+    """Forward hooks that keep the outputs of target decoder layers `layer_ids` from the last forward.
+
+    Layer i's output is HF `hidden_states[i + 1]`. Hooks are used rather than
+    `output_hidden_states`, whose last entry transformers replaces with the final-norm output,
+    and so the full target can run its normal cached, logits-producing forward (verification needs
+    the logits; `TargetFeatureExtractor` calls the decoder without the LM head).
+    Use as a context manager; the hooks are removed on exit.
+    """
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.layer_ids = list(layer_ids)
+        self.outputs: dict[int, torch.Tensor] = {}
+        layers = target.get_decoder().layers
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, layer_id: int):
+        def hook(module, args, output):
+            # Decoder layers return a tensor in transformers 5; older / remote-code ones a tuple.
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def features(self) -> torch.Tensor | None:
+        """[batch, T, len(layer_ids) * hidden] of the last forward (T = its input length), in list
+        order; None without layers (plain decoding)."""
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def cache_argument_name(target) -> str:
+    """The keyword under which `target`'s forward takes its KV cache: transformers 5.24 names it
+    `cache` (and warns on `past_key_values`); 5.17 only accepts `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+# Layer types whose cache holds a recurrent state rather than per-position keys and values
+# (transformers' `layer_types` names; "hybrid" layers hold both).
+RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding"}
+
+
+def _needs_rollback_cache(target) -> bool:
+    """Whether the target's cache holds state that cannot be cut back (linear-attention layers:
+    Qwen3.5, Qwen3-Next). Their recurrent state after a verify forward includes the rejected
+    drafts, and transformers can crop only attention keys/values.
+
+    Raises:
+        ValueError: the target's config names recurrent layers, but this transformers gives its
+            cache no linear-attention layers, so rejected drafts could not be rolled back.
+    """
+    layer_types = getattr(target.config.get_text_config(decoder=True), "layer_types", None) or []
+    recurrent = sorted(RECURRENT_LAYER_TYPES.intersection(layer_types))
+    linear = getattr(transformers.cache_utils, "LinearAttentionCacheLayerMixin", None)
+    found = linear is not None and any(isinstance(layer, linear) for layer in DynamicCache(config=target.config).layers)
+    if recurrent and not found:
+        raise ValueError(
+            f"the target has {'/'.join(recurrent)} layers, but transformers {transformers.__version__} builds its cache "
+            "without linear-attention layers, so rejected drafts cannot be rolled back and decoding would not be "
+            "lossless; use a transformers version that requirements.txt allows"
+        )
+    return found
+
+
+def _cache_snapshot(cache) -> list[dict]:
+    """Every layer's state, restorable with `_cache_restore`. Attention layers replace their `keys`
+    and `values` on update (torch.cat), so references suffice; every other tensor may be written in
+    place (linear-attention conv and recurrent states, token counters), so those (small, fixed-size)
+    tensors are cloned, whether they sit on the layer or in one of its dicts."""
+    def copy(value):
+        return value.clone() if torch.is_tensor(value) else value
+
+    snapshot = []
+    for layer in cache.layers:
+        state = {}
+        for name, value in vars(layer).items():
+            if name in ("keys", "values"):
+                state[name] = value
+            elif isinstance(value, dict):
+                state[name] = {k: copy(v) for k, v in value.items()}
+            else:
+                state[name] = copy(value)
+        snapshot.append(state)
+    return snapshot
+
+
+def _cache_restore(cache, snapshot: list[dict]) -> None:
+    for layer, state in zip(cache.layers, snapshot):
+        layer.__dict__.update(state)
+
+
+class TargetRunner:
+    """The target with transformers' `DynamicCache`: every forward appends to the cache, and after a
+    verify forward `keep` cuts it back to the committed tokens. Works for every causal LM; on a GPU
+    each forward pays Python and kernel-launch time (about 27 ms per forward for a 135M target on an
+    H200, BENCHMARKS.md).
+
+    Attention-only targets get a cache of full-length layers, which crop exactly (sliding-window
+    layers still see only their window: the masks come from the config). A target with
+    linear-attention layers (Qwen3.5, Qwen3-Next) keeps a recurrent state that cannot be cropped:
+    `verify` saves the cache first, and when drafts were rejected `keep` restores it and runs the
+    committed tokens again (one extra forward of those tokens per partly rejected block).
+
+    Attributes: `length`, the positions in the cache; `rollback`, whether the target needs the re-run.
+    """
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.target = target
+        self.capture = LayerOutputCapture(target, layer_ids)
+        self.cache_argument = cache_argument_name(target)
+        self.rollback = _needs_rollback_cache(target)
+        self.cache = None
+        self.length = 0
+        self._verify = None  # (block, features, first position, saved cache) of the last verify forward
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a new sequence: input_ids [1, P] -> (logits [1, 1, vocab] after the last prompt
+        token, context features [1, P, F])."""
+        self.cache = DynamicCache(config=self.target.config) if self.rollback else DynamicCache()
+        self.length = 0
+        return self.forward(input_ids, logits_to_keep=1)
+
+    def forward(self, tokens: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [1, T] at positions length..length+T-1, appended to the cache -> (logits
+        [1, T or logits_to_keep, vocab], context features [1, T, F])."""
+        logits = self.target(input_ids=tokens, use_cache=True, logits_to_keep=logits_to_keep,
+                             **{self.cache_argument: self.cache}).logits
+        self.length += tokens.shape[1]
+        return logits, self.capture.features()
+
+    def verify(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify forward: `forward(block)`, remembered so that `keep` can cut it back.
+        block [1, b] -> (logits [1, b, vocab], features [1, b, F])."""
+        saved = _cache_snapshot(self.cache) if self.rollback else None
+        start = self.length
+        logits, features = self.forward(block)
+        self._verify = (block, features, start, saved)
+        return logits, features
+
+    def keep(self, count: int) -> torch.Tensor:
+        """Keep the first `count` tokens of the last `verify` block (the anchor and the accepted
+        drafts) in the cache and drop the rest. Returns their features [1, count, F], the context
+        the drafter gets next (None without layer ids)."""
+        block, features, start, saved = self._verify
+        self._verify = None
+        if count == block.shape[1]:
+            return features
+        if saved is None:
+            self.crop(start + count)
+            return features[:, :count] if features is not None else None
+        _cache_restore(self.cache, saved)  # the state before the block, then only the kept tokens
+        self.length = start
+        return self.forward(block[:, :count])[1]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (transformers 5 `crop` takes -tokens_to_remove).
+
+        Raises:
+            ValueError: for a target with linear-attention layers (use `verify` and `keep`).
+        """
+        if self.rollback:
+            raise ValueError("a linear-attention target's cache cannot be cropped; use verify() and keep()")
+        if self.length > length:
+            self.cache.crop(length - self.length)
+        self.length = length
+
+    def close(self) -> None:
+        self.capture.__exit__()
+
+
+@torch.no_grad()
+def check_verify_keep(target) -> None:
+    """Start-up check of the rollback that lossless decoding rests on: a verify forward of 5 tokens
+    followed by `keep(2)` must leave the target's cache as if only those 2 had been fed. Runs the
+    same forwards on a fresh cache without the rejected tokens and compares the next logits
+    (identical kernels and shapes, so they agree to rounding). Cheap: five forwards of a few tokens.
+
+    Raises:
+        ValueError: the two differ (the transformers version's cache keeps state that `keep` does
+            not cut back); the message names the transformers version.
+    """
+    vocab = target.get_input_embeddings().weight.shape[0]
+    device = target.get_input_embeddings().weight.device
+    tokens = torch.randint(0, vocab, (1, 14), generator=torch.Generator().manual_seed(0)).to(device)
+    prompt, block, after = tokens[:, :6], tokens[:, 6:11], tokens[:, 11:]
+    runner, reference = TargetRunner(target, []), TargetRunner(target, [])
+    try:
+        runner.prefill(prompt)
+        runner.verify(block)
+        runner.keep(2)
+        logits = runner.forward(after)[0].float()
+        reference.prefill(prompt)
+        reference.forward(block[:, :2])
+        expected = reference.forward(after)[0].float()
+    finally:
+        runner.close()
+        reference.close()
+    difference = (logits - expected).abs().max().item()
+    if difference > 1e-3 * (1.0 + expected.abs().max().item()):
+        raise ValueError(
+            f"verify-then-keep does not roll the target's cache back on transformers {transformers.__version__} "
+            f"({'restore and re-run' if runner.rollback else 'crop'}: next logits differ by {difference:.3g} from "
+            "a cache that never saw the rejected drafts), so speculative decoding would not be lossless; "
+            "use a transformers version that requirements.txt allows"
+        )
+
+
+def static_cache_problem(target) -> str | None:
+    """Why the target cannot decode with a static KV cache (`StaticTargetRunner`), or None if it can."""
+    from transformers import StaticCache
+
+    implementation = getattr(target.config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return f"a static KV cache needs sdpa or eager attention; this target uses {implementation!r}"
+    if _needs_rollback_cache(target):
+        return "this target has linear-attention layers, whose state a static cache cannot cut back"
+    layers = StaticCache(config=target.config, max_cache_len=1).layers
+    if not all(hasattr(layer, "cumulative_length") and not getattr(layer, "is_sliding", False) for layer in layers):
+        return "this target's static cache has sliding-window layers"
+    return None
+
+
+class StaticTargetRunner(TargetRunner):
+    """The target with a preallocated KV cache of `max_length` positions (transformers' `StaticCache`).
+
+    The cache never moves and the attention mask (key position <= query position, over all
+    `max_length` slots) is built inside the forward from the position ids, so every forward of a
+    given length is one fixed computation: with `cuda_graphs` it is captured once per length (the
+    prefill stays eager) and replayed. `crop` only moves the write position; positions past it hold
+    stale keys that the causal mask hides until they are overwritten.
+
+    Raises:
+        ValueError: for targets whose attention implementation takes no 4D mask (flash, flex), or
+            whose cache has sliding-window or linear-attention layers (`static_cache_problem`); use
+            `TargetRunner` for those.
+    """
+
+    def __init__(self, target, layer_ids: list[int], max_length: int, cuda_graphs: bool = False):
+        from transformers import StaticCache
+
+        problem = static_cache_problem(target)
+        if problem is not None:
+            raise ValueError(f"{problem}: use --kv_cache dynamic")
+        super().__init__(target, layer_ids)
+        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
+        self.max_length = max_length
+        self.additive_mask = getattr(target.config, "_attn_implementation", None) == "eager"
+        self.dtype = target.get_input_embeddings().weight.dtype
+        self.graphed = CUDAGraphCall(self._forward_at) if cuda_graphs else None
+
+    def _forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [1, T] -> (logits [1, T or logits_to_keep, vocab], features [1, T, F]); no host sync."""
+        # StaticCache writes at, then advances, each layer's cumulative_length (a device tensor):
+        # point it at this forward's first position, from the inputs, so a replay does it too.
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(positions[0, 0])
+        slots = torch.arange(self.max_length, device=tokens.device)
+        mask = (slots[None, :] <= positions[0][:, None])[None, None]  # [1, 1, T, max_length], True = attend
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=tokens.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+        logits = self.target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                             logits_to_keep=logits_to_keep, **{self.cache_argument: self.cache}).logits
+        return logits, self.capture.features()
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `TargetRunner.prefill`; eager (prompt lengths vary), into the same static cache."""
+        self.length = 0
+        return self.forward(input_ids, logits_to_keep=1, graphed=False)
+
+    def forward(self, tokens: torch.Tensor, logits_to_keep: int = 0, graphed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `TargetRunner.forward`, replayed from a CUDA graph when the runner has them."""
+        length = tokens.shape[1]
+        if self.length + length > self.max_length:
+            raise ValueError(f"{self.length + length} positions do not fit the static KV cache of {self.max_length}")
+        positions = torch.arange(self.length, self.length + length, device=tokens.device)[None]  # [1, T]
+        if graphed and self.graphed is not None:
+            logits, features = self.graphed(tokens, positions)
+            logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
+        else:
+            logits, features = self._forward_at(tokens, positions, logits_to_keep)
+        self.length += length
+        return logits, features
+
+    def crop(self, length: int) -> None:
+        self.length = length
+
+
+# ----------------------------------------------------------------------------------------------
+# The drafter during decoding: its context cache, static for CUDA graphs, and its draft pass
+
+
+class DFlashStaticContextCache:
+    """`dflash_model.DFlashContextCache` in preallocated buffers of `max_length` positions, for CUDA graphs.
+
+    keys[i], values[i]: [batch, kv_heads, max_length, head_dim], written in place by
+    `extend_context`; positions >= `length` hold stale values that `draft_block` masks out. The
+    buffers never move, so a CUDA graph of `draft_block` captured once stays valid: it reads the
+    context length from `length_tensor` (a 0-dim int64 on the device), not from Python.
+    """
+
+    def __init__(self, config, batch: int, max_length: int, dtype: torch.dtype, device):
+        shape = (batch, config.num_key_value_heads, max_length, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.max_length = max_length
+        self.length = 0
+        self.length_tensor = torch.zeros((), dtype=torch.long, device=device)
+
+    def crop(self, length: int) -> None:
+        """Set the context length (shorter or longer: the caller knows which positions are valid)."""
+        if not 0 <= length <= self.max_length:
+            raise ValueError(f"context length {length} outside the static cache's 0..{self.max_length}")
+        self.length = length
+        self.length_tensor.fill_(length)  # a device-side write: no host sync
+
+    def extend(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "DFlashStaticContextCache":
+        """Write the new positions' (k, v) of every layer, each [batch, kv_heads, s_new, head_dim], in place."""
+        start, s_new = self.length, kv[0][0].shape[2]
+        if start + s_new > self.max_length:
+            raise ValueError(f"context of {start + s_new} positions does not fit the static cache ({self.max_length})")
+        for i, (k, v) in enumerate(kv):
+            self.keys[i][:, :, start : start + s_new] = k
+            self.values[i][:, :, start : start + s_new] = v
+        self.crop(start + s_new)
+        return self
+
+    def key_layout(self, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the block's first position as a 0-dim device tensor, key positions [max_length + B] of every
+        slot then the block, which keys are valid [max_length + B] bool): no host sync."""
+        start = self.length_tensor
+        slots = torch.arange(self.max_length, device=device)
+        key_positions = torch.cat([slots, start + torch.arange(block_size, device=device)])
+        key_valid = torch.cat([slots < start, torch.ones(block_size, dtype=torch.bool, device=device)])
+        return start, key_positions, key_valid
+
+
+class Drafting:
+    """The drafter's side of decoding: its context cache and its draft pass.
+
+    kv_cache "dynamic": `DFlashContextCache`, grown by concatenation. "static":
+    `DFlashStaticContextCache` of `max_length` positions; with `cuda_graphs` the draft pass is
+    captured once and replayed (one graph for greedy drafts, one per sampling setting).
+    `drafter` is a `DFlashDraftModel` or `DFlash2DraftModel` (or, with "dynamic", any object with
+    `extend_context` and `draft_block`, and `draft_probs` or `draft_sample` for sampling).
+    """
+
+    def __init__(self, drafter, kv_cache: str = "dynamic", max_length: int | None = None, cuda_graphs: bool = False):
+        self.drafter, self.static = drafter, kv_cache == "static"
+        self.cache = None
+        if self.static:
+            weight = drafter.fc.weight
+            self.cache = DFlashStaticContextCache(drafter.config, 1, max_length, weight.dtype, weight.device)
+        self.cuda_graphs = self.static and cuda_graphs
+        self.graphed = CUDAGraphCall(lambda anchor: self.drafter.draft_block(self.cache, anchor)) if self.cuda_graphs else None
+        self.graphed_probs: dict[tuple[float, float], CUDAGraphCall] = {}
+        self.graphed_samples: dict[tuple[float, float], CUDAGraphCall] = {}
+
+    @property
+    def length(self) -> int:
+        return self.cache.length if self.cache is not None else 0
+
+    def start(self, context_features: torch.Tensor) -> None:
+        """A new sequence whose context is `context_features` [1, P, F]."""
+        if self.static:
+            self.cache.crop(0)
+            self.drafter.extend_context(self.cache, context_features)
+        else:
+            self.cache = self.drafter.extend_context(None, context_features)
+
+    def extend(self, context_features: torch.Tensor) -> None:
+        self.cache = self.drafter.extend_context(self.cache, context_features)
+
+    def draft(self, anchor: torch.Tensor) -> torch.Tensor:
+        """anchor [1] int64 -> greedy drafts [1, B-1] int64 (the drafter's full block)."""
+        if self.graphed is not None:
+            return self.graphed(anchor)
+        return self.drafter.draft_block(self.cache, anchor)
+
+    def draft_probs(self, anchor: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+        """anchor [1] int64 -> the drafter's distribution q [1, B-1, vocab] float32 (`DFlashDraftModel.draft_probs`).
+        Sampling from it happens outside, so a captured graph holds no random state and no host sync."""
+        if not self.cuda_graphs:
+            return self.drafter.draft_probs(self.cache, anchor, temperature, top_p)
+        key = (temperature, top_p)
+        if key not in self.graphed_probs:
+            self.graphed_probs[key] = CUDAGraphCall(lambda a: self.drafter.draft_probs(self.cache, a, temperature, top_p))
+        return self.graphed_probs[key](anchor)
+
+    def draft_sample(self, anchor: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor):
+        """anchor [1] int64, uniform [1, B-1] draws in [0, 1) -> a DFlash2 drafter's sampled block
+        (`DFlash2DraftModel.draft_sample`: tokens, candidate ids, q rows over them). The draws come
+        from outside, so a captured graph holds no random state."""
+        if not self.cuda_graphs:
+            return self.drafter.draft_sample(self.cache, anchor, temperature, top_p, uniform)
+        key = (temperature, top_p)
+        if key not in self.graphed_samples:
+            self.graphed_samples[key] = CUDAGraphCall(lambda a, u: self.drafter.draft_sample(self.cache, a, temperature, top_p, u))
+        return self.graphed_samples[key](anchor, uniform)
+
+
+def resolve_kv_cache(kv_cache: str, cuda_graphs: str, device: torch.device, target=None) -> tuple[str, bool]:
+    """(kv_cache, cuda_graphs) for `--kv_cache auto|static|dynamic` and `--cuda_graphs auto|on|off`:
+    auto = static with CUDA graphs on a GPU, dynamic on a CPU (where graphs do not exist) and for a
+    `target` that a static cache cannot serve (`static_cache_problem`: linear-attention or
+    sliding-window layers, flash attention)."""
+    if kv_cache not in ("auto", "static", "dynamic") or cuda_graphs not in ("auto", "on", "off"):
+        raise ValueError(f"--kv_cache must be auto, static or dynamic and --cuda_graphs auto, on or off; got {kv_cache!r}, {cuda_graphs!r}")
+    on_gpu = device.type == "cuda"
+    if kv_cache == "auto":
+        problem = static_cache_problem(target) if target is not None and on_gpu else None
+        if problem is not None:
+            logger.info("--kv_cache auto: dynamic, because %s", problem)
+        kv_cache = "static" if on_gpu and problem is None else "dynamic"
+    graphs = cuda_graphs == "on" or (cuda_graphs == "auto" and on_gpu and kv_cache == "static")
+    if graphs and (not on_gpu or kv_cache != "static"):
+        raise ValueError("--cuda_graphs on needs a CUDA device and --kv_cache static")
+    return kv_cache, graphs
+
+
+class Decoder:
+    """What decoding needs, made once per run and reused for every prompt: the target's runner
+    (its KV cache and, on a GPU, its CUDA graphs) and the drafter's `Drafting`.
+
+    Args:
+        target: the full HF causal LM (verification needs its logits).
+        drafter: a `DFlashDraftModel` / `DFlash2DraftModel` in the target's dtype with `attach_target` done, or None
+            (plain greedy decoding only).
+        kv_cache: "dynamic" or "static" (see `resolve_kv_cache`).
+        max_length: with "static", the most positions one prompt plus its generation needs
+            (prompt + max_new_tokens + block size).
+        cuda_graphs: replay forwards from CUDA graphs ("static" on CUDA only).
+    """
+
+    def __init__(self, target, drafter=None, kv_cache: str = "dynamic", max_length: int | None = None, cuda_graphs: bool = False):
+        layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+        if kv_cache == "static":
+            self.target = StaticTargetRunner(target, layer_ids, max_length, cuda_graphs)
+        else:
+            check_verify_keep(target)  # never decode with a cache that cannot be cut back
+            self.target = TargetRunner(target, layer_ids)
+        self.drafting = Drafting(drafter, kv_cache, max_length, cuda_graphs) if drafter is not None else None
+        self.kv_cache, self.cuda_graphs = kv_cache, cuda_graphs
+
+    def close(self) -> None:
+        self.target.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding: greedy reference, DFlash speculative, prompt lookup
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """logits [vocab] -> the argmax (temperature 0) or a token sampled from `sampling_probs`."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(sampling_probs(logits, temperature, top_p), 1, generator=generator))
+
+
+@torch.no_grad()
+def plain_generate(
+    target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids=(), decoder: Decoder | None = None,
+    temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+) -> list[int]:
+    """Plain decoding with the KV cache, one target forward per token: the reference speculative
+    decoding must reproduce (exactly when greedy, in distribution when sampling).
+
+    Args:
+        input_ids: [1, P] int64 prompt.
+        eos_token_ids: generation stops after the first of these (it is included in the output).
+        decoder: a `Decoder` to reuse (static cache, CUDA graphs); default a dynamic cache.
+        temperature: 0 for greedy (argmax); > 0 samples from `sampling_probs(logits, temperature, top_p)`.
+        generator: the random stream when sampling.
+    Returns:
+        The generated token ids (at most max_new_tokens), EOS included when reached.
+    """
+    eos = set(eos_token_ids)
+    own = decoder is None
+    decoder = decoder or Decoder(target)
+    try:
+        with eval_mode(target):
+            logits, _ = decoder.target.prefill(input_ids)  # [1, 1, vocab]
+            tokens = []
+            while True:
+                tokens.append(_next_token(logits[0, -1], temperature, top_p, generator))
+                if tokens[-1] in eos or len(tokens) >= max_new_tokens:
+                    return tokens
+                step = torch.tensor([[tokens[-1]]], device=input_ids.device)  # [1, 1]
+                logits, _ = decoder.target.forward(step)  # [1, 1, vocab]
+    finally:
+        if own:
+            decoder.close()
+
+
+def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids=(), decoder: Decoder | None = None) -> list[int]:
+    """`plain_generate` at temperature 0: plain greedy decoding, the lossless reference."""
+    return plain_generate(target, input_ids, max_new_tokens, eos_token_ids, decoder)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target, drafter, input_ids: torch.Tensor, max_new_tokens: int, block_size: int | None = None, eos_token_ids=(),
+    decoder: Decoder | None = None, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+    proposal: str = "sample",
+) -> tuple[list[int], dict]:
+    """DFlash speculative decoding, batch size 1. Lossless: greedy returns plain greedy decoding's
+    tokens; sampling returns tokens distributed as plain sampling from the target.
+
+    Invariant at the top of every step: the target's KV cache and the drafter's context cache
+    both hold positions 0..L-1 (prompt + committed tokens except the last); the last committed
+    token is the anchor, at position L. One step:
+      1. the drafter drafts d_1..d_{b-1} for positions L+1..L+b-1 (b = block_size; a drafter
+         trained with a larger block drafts its full block and we keep the first b-1, since the
+         drafts of one pass are made together and it was trained on full blocks): the argmax at
+         temperature 0, else (proposal "sample") samples from its distribution q, or (proposal
+         "argmax") proposes the argmax with a one-hot q. A DFlash2 drafter drafts along its
+         selector's walk: its argmax path (one-hot q under "argmax"), or a sampled path with q rows
+         over its candidates;
+      2. the target runs `[anchor, d_1..d_{b-1}]` at positions L..L+b-1 in one cached forward;
+      3. greedy: n = longest prefix with d_i == the target's argmax after block[:i], and the
+         target's argmax after the n accepted drafts is the bonus token. Sampling:
+         `rejection_sample` gives n and the token after them. Commit the n drafts and that token,
+         truncated after the first EOS and at max_new_tokens;
+      4. c tokens were committed: positions L..L+c-1 (anchor + c-1 accepted drafts, whose inputs
+         were right) stay in the target's KV cache, the rest is dropped (`TargetRunner.keep`); their
+         layer features go into the drafter's cache. The new anchor (last committed token) sits at L+c.
+
+    Args:
+        target: HF causal LM (full, not truncated: verification needs its logits).
+        drafter: `DFlashDraftModel` or `DFlash2DraftModel` in the target's dtype with `attach_target`
+            done (or any object with `config.block_size`, `config.target_layer_ids`, `extend_context`,
+            `draft_block`, and for sampling `draft_probs`, or `draft_sample` for a selector walk).
+        input_ids: [1, P] int64 prompt on the target's device.
+        max_new_tokens: most tokens generated, the prefill token included.
+        block_size: tokens per verify forward, anchor included (2..drafter block size); default
+            the drafter's.
+        eos_token_ids: stop after the first of these (included in the output, nothing after it).
+        decoder: a `Decoder(target, drafter, ...)` to reuse across prompts (static caches, CUDA
+            graphs); default a dynamic cache made for this call.
+        temperature: 0 (greedy) or > 0 (sampling, with nucleus `top_p`; `sampling_probs`).
+        generator: the random stream when sampling, on the target's device.
+        proposal: at temperature > 0, "sample" (each draft drawn from q_i) or "argmax" (the draft
+            pass's argmax, i.e. q_i one-hot: accepted with probability p_i(d_i), else the token comes
+            from p_i without d_i). Both are exact. A DFlash drafter samples its positions
+            independently given the context, so sampled drafts stop agreeing with one another
+            down the block; the argmax path keeps them one consistent continuation.
+    Returns:
+        tokens: the generated ids.
+        stats: {"prompt_tokens", "generated_tokens", "verify_forwards", "committed" (tokens per
+            verify forward, list), "accepted_drafts" (accepted drafts n per verify forward, before
+            EOS / length truncation, list), "block_size"}.
+    """
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative_generate decodes one prompt at a time; got a batch of {input_ids.shape[0]}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if proposal not in PROPOSALS:
+        raise ValueError(f"proposal must be one of {', '.join(PROPOSALS)}, got {proposal!r}")
+    block_size = resolve_block_size(drafter, block_size)
+    selector_walk = hasattr(drafter, "draft_sample")  # DFlash2: drafts and q come from the selector's walk
+    eos = set(eos_token_ids)
+    device = input_ids.device
+    committed, accepted_drafts = [], []
+    own = decoder is None
+    decoder = decoder or Decoder(target, drafter)
+    runner, drafting = decoder.target, decoder.drafting
+    try:
+        with eval_mode(drafter, target):
+            # Prefill: not a verify forward. Its features cover every prompt position, i.e. every
+            # token before the first anchor.
+            logits, features = runner.prefill(input_ids)  # [1, 1, vocab], [1, P, F]
+            tokens = [_next_token(logits[0, -1], temperature, top_p, generator)]
+            drafting.start(features)  # context 0..P-1
+            length = input_ids.shape[1]  # L: positions in both caches; the anchor tokens[-1] sits at L
+
+            while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+                anchor = torch.tensor([tokens[-1]], device=device)  # [1]
+                candidates = None
+                if temperature == 0 or proposal == "argmax":
+                    drafts = drafting.draft(anchor)[:, : block_size - 1].to(device)  # [1, b-1]
+                    if temperature > 0:  # one-hot q_i on d_i: the candidate form with one candidate each
+                        candidates, q = drafts[0, :, None], torch.ones(block_size - 1, 1, device=device)  # [b-1, 1]
+                elif selector_walk:
+                    uniform = torch.rand(1, drafter.config.block_size - 1, generator=generator, device=device)  # [1, B-1]
+                    drafts, candidates, q = drafting.draft_sample(anchor, temperature, top_p, uniform)
+                    drafts, candidates, q = drafts[:, : block_size - 1], candidates[0, : block_size - 1], q[0, : block_size - 1]
+                else:
+                    q = drafting.draft_probs(anchor, temperature, top_p)[0, : block_size - 1].to(device)  # [b-1, vocab]
+                    drafts = torch.multinomial(q, 1, generator=generator).T  # [1, b-1], d_i ~ q_i
+                block = torch.cat([anchor[:, None], drafts], dim=1)  # [1, b] at positions L..L+b-1
+                logits, _ = runner.verify(block)  # [1, b, vocab]
+                if temperature == 0:
+                    predicted = logits[0].argmax(dim=-1)  # [b]
+                    n = int((drafts[0] == predicted[:-1]).long().cumprod(dim=0).sum())  # longest matching draft prefix
+                    new = predicted[: n + 1].tolist()  # accepted drafts (== predicted there) + the bonus token
+                elif candidates is not None:  # q rows over candidates: DFlash2's selector, or the one-hot argmax
+                    n, token = rejection_sample(drafts[0], q, sampling_probs(logits[0], temperature, top_p), generator, candidates)
+                    new = drafts[0, :n].tolist() + [token]
+                else:
+                    n, token = rejection_sample(drafts[0], q, sampling_probs(logits[0], temperature, top_p), generator)
+                    new = drafts[0, :n].tolist() + [token]
+                stop = next((j for j, t in enumerate(new) if t in eos), None)
+                if stop is not None:
+                    new = new[: stop + 1]  # EOS inside the block: commit through it, nothing after
+                new = new[: max_new_tokens - len(tokens)]  # a block crossing the limit is truncated
+                tokens += new
+                committed.append(len(new))
+                accepted_drafts.append(n)
+
+                # Keep the anchor and the len(new) - 1 accepted drafts: both caches end at the new anchor.
+                drafting.extend(runner.keep(len(new)))
+                length += len(new)
+                assert runner.length == length == drafting.length, "target and drafter caches out of step"
+    finally:
+        if own:
+            decoder.close()
+
+    stats = {
+        "prompt_tokens": int(input_ids.shape[1]),
+        "generated_tokens": len(tokens),
+        "verify_forwards": len(committed),
+        "committed": committed,
+        "accepted_drafts": accepted_drafts,
+        "block_size": block_size,
+    }
+    return tokens, stats
+
+
+class _CommitCounter(BaseStreamer):
+    """Records how many tokens `generate` commits at each step (a streamer gets them as they are
+    committed: in assisted decoding, the accepted candidates plus one, once per target forward).
+    The prompt, which `generate` puts first, is not counted."""
+
+    def __init__(self):
+        self.committed: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.committed.append(int(value.numel()))
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def prompt_lookup_generate(
+    target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids, pad_token_id: int,
+    num_tokens: int = 10, max_ngram_size: int = 2, temperature: float = 0.0, top_p: float = 1.0,
+) -> tuple[list[int], dict]:
+    """transformers' prompt-lookup decoding (greedy, or sampling at temperature > 0 from torch's
+    global random stream), with its target forwards and commits counted here.
+
+    A forward hook counts the target's forwards F, and a streamer records the tokens committed
+    after each of them; nothing relies on how often `generate` calls its stopping criteria, which
+    differs between transformers versions.
+
+    Args:
+        input_ids: [1, P] int64 prompt.
+        num_tokens: candidates per step (`prompt_lookup_num_tokens`).
+        max_ngram_size: longest n-gram matched in the context (`max_matching_ngram_size`).
+    Returns:
+        tokens: generated ids (EOS included when reached).
+        stats: {"generated_tokens", "target_forwards" (prefill included), "verify_forwards"
+            (forwards after the first), "committed_after_first" (tokens committed by them)}.
+            See the module docstring for why the first forward is excluded.
+    """
+    forwards = []
+    handle = target.register_forward_hook(lambda module, args, output: forwards.append(1))
+    counter = _CommitCounter()
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=None,
+        prompt_lookup_num_tokens=num_tokens,
+        max_matching_ngram_size=max_ngram_size,
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=pad_token_id,
+    )
+    try:
+        output = target.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=counter,
+        )  # [1, P + generated]
+    finally:
+        handle.remove()
+    tokens = output[0, input_ids.shape[1] :].tolist()
+    first = counter.committed[0] if counter.committed else len(tokens)  # committed by the prefill forward
+    stats = {
+        "generated_tokens": len(tokens),
+        "target_forwards": len(forwards),
+        "verify_forwards": len(forwards) - 1,
+        "committed_after_first": len(tokens) - first,
+    }
+    return tokens, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Rejection sampling: verifying sampled drafts
+
+
+def rejection_sample(
+    drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None,
+    draft_indices: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """Speculative sampling of one block (Leviathan et al. 2023; DFlash's reference verifies the same way).
+
+    Draft i (sampled from q_i) is accepted with probability min(1, p_i(d_i) / q_i(d_i)), in order,
+    until the first rejection; the token there is sampled from the residual max(0, p_i - q_i),
+    renormalised (from p_i itself if p_i == q_i leaves no residual). If every draft is accepted,
+    the bonus token is sampled from the target's distribution after the last one. The tokens this
+    commits are distributed exactly as plain sampling from the target: the verification is lossless.
+    q_i must be the distribution d_i was drawn from given d_1..d_{i-1}: DFlash's drafts are
+    independent given the context (one parallel pass), a DFlash2 draft depends on the one before it
+    (the selector's walk), and either way d_i is judged only once d_1..d_{i-1} are accepted, i.e.
+    are the tokens p_i is conditioned on.
+
+    Args:
+        drafts: [k] int64, d_1..d_k.
+        draft_probs: [k, vocab] float, q_1..q_k (rows sum to 1); with draft_indices, [k, K]: q_i
+            over the K candidate ids draft_indices[i] (DFlash2's selector), zero elsewhere.
+        target_probs: [k + 1, vocab] float, p_1..p_{k+1}: the target's distribution after
+            [anchor, d_1..d_{i-1}], i.e. its verify logits at block positions 0..k.
+        generator: for reproducible draws (on the tensors' device).
+        draft_indices: [k, K] int64 distinct candidate ids per position, or None (q over the vocab).
+    Returns:
+        (n, token): n accepted drafts (0..k) and the token committed after them (host ints; one sync).
+    """
+    k = drafts.shape[0]
+    if draft_indices is not None:  # the candidate-index form: q over the vocab is q_i scattered onto its ids
+        draft_probs = torch.zeros_like(target_probs[:k]).scatter(1, draft_indices, draft_probs.to(target_probs.dtype))
+    p = target_probs[:k].gather(1, drafts[:, None])[:, 0]  # [k]
+    q = draft_probs.gather(1, drafts[:, None])[:, 0]  # [k], > 0: each draft was sampled from its q
+    u = torch.rand(k, generator=generator, device=drafts.device)
+    n = int((u * q < p).long().cumprod(0).sum())  # accept while u < p / q
+    if n == k:
+        return n, int(torch.multinomial(target_probs[k], 1, generator=generator))
+    residual = (target_probs[n] - draft_probs[n]).clamp(min=0)  # [vocab]
+    total = residual.sum()
+    residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(residual.dtype).tiny), target_probs[n])
+    return n, int(torch.multinomial(residual, 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------------------------
+# Acceptance: tau and acceptance by position, held-out tau, the lossless check's near-ties
+
+
+def prompt_lookup_tau(stats_list: list[dict]) -> float | None:
+    """Prompt lookup's tau over `prompt_lookup_generate` stats: tokens committed by the forwards after
+    the first, per such forward (module docstring); None if no prompt needed one."""
+    forwards = sum(s["verify_forwards"] for s in stats_list)
+    return sum(s["committed_after_first"] for s in stats_list) / forwards if forwards else None
+
+
+def summarize_speculative(stats_list: list[dict], block_size: int) -> dict:
+    """Aggregate `speculative_generate` stats over prompts.
+
+    tau = all verify-committed tokens / all verify forwards (a mean over steps, not over prompts).
+    acceptance_rate_by_position[k-1] = fraction of verify forwards with >= k accepted drafts.
+    """
+    forwards = sum(s["verify_forwards"] for s in stats_list)
+    committed = sum(sum(s["committed"]) for s in stats_list)
+    accepted = [n for s in stats_list for n in s["accepted_drafts"]]
+    histogram = [0] * block_size
+    for n in accepted:
+        histogram[n] += 1
+    rates = [sum(n >= k for n in accepted) / forwards if forwards else None for k in range(1, block_size)]
+    return {
+        "acceptance_length": committed / forwards if forwards else None,
+        "acceptance_rate_by_position": rates,
+        "accepted_drafts_histogram": histogram,  # verify forwards that accepted 0, 1, ..., B-1 drafts
+        "mean_accepted_drafts": sum(accepted) / forwards if forwards else None,
+        "num_prompts": len(stats_list),
+        "generated_tokens": sum(s["generated_tokens"] for s in stats_list),
+        "verify_forwards": forwards,
+        "verify_committed_tokens": committed,
+    }
+
+
+@torch.no_grad()
+def evaluate_acceptance(
+    target, drafter, tokenizer, prompts: list[list[dict]], max_new_tokens: int, block_size: int | None = None,
+    eos_token_ids=None, chat_template_kwargs: dict | None = None, progress: bool = False,
+    kv_cache: str = "auto", cuda_graphs: str = "auto", prompt_lookup: bool = False,
+) -> dict:
+    """tau of `drafter` on `prompts` by real speculative decoding (for held-out evaluation in training).
+
+    Args:
+        target: the FULL target (not truncated by `TargetFeatureExtractor(truncate=True)`: verification
+            needs its logits), on the device where it should run.
+        drafter: the drafter module (unwrapped from DeepSpeed / DDP) on the same device, in the target's
+            dtype, with `attach_target(embed_tokens, lm_head)` done. Put in eval mode for the call;
+            its previous mode is restored.
+        prompts: message lists, e.g. from `dflash_data.load_prompts`.
+        eos_token_ids: default the tokenizer's and target generation_config's EOS ids.
+        kv_cache, cuda_graphs: as `--kv_cache` / `--cuda_graphs` of the CLI (`resolve_kv_cache`):
+            by default static caches replayed from CUDA graphs on a GPU, dynamic on a CPU.
+        prompt_lookup: also decode every prompt with transformers' prompt lookup (the CLI's
+            defaults: 10 candidates, 2-grams) and return its tau, the baseline a drafter must beat.
+    Returns:
+        `summarize_speculative`'s dict plus "speculative_tokens_per_s", "seconds" (the drafter's
+        decoding) and, with `prompt_lookup`, "prompt_lookup_acceptance_length".
+    """
+    check_drafter_matches_target(target, drafter)
+    block_size = resolve_block_size(drafter, block_size)
+    if eos_token_ids is None:
+        eos_token_ids = eos_token_ids_of(tokenizer, target)
+    device = target.get_input_embeddings().weight.device
+    encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]
+    kv_cache, graphs = resolve_kv_cache(kv_cache, cuda_graphs, device, target)
+    max_length = max(ids.shape[1] for ids in encoded) + max_new_tokens + drafter.config.block_size
+    decoder = Decoder(target, drafter, kv_cache, max_length, graphs)
+    stats_list = []
+    synchronize(device)
+    start = time.perf_counter()
+    try:
+        with eval_mode(drafter):
+            for input_ids in tqdm(encoded, desc="tau eval", disable=not progress, leave=False):
+                _, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, block_size, eos_token_ids, decoder)
+                stats_list.append(stats)
+    finally:
+        decoder.close()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    summary = summarize_speculative(stats_list, block_size)
+    summary["seconds"] = seconds
+    summary["speculative_tokens_per_s"] = summary["generated_tokens"] / seconds if seconds > 0 else None
+    if prompt_lookup:
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        lookup = [prompt_lookup_generate(target, input_ids, max_new_tokens, eos_token_ids, pad_token_id)[1] for input_ids in encoded]
+        summary["prompt_lookup_acceptance_length"] = prompt_lookup_tau(lookup)
+    return summary
+
+
+def first_divergence(reference: list[int], candidate: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length if one is a prefix); None if equal."""
+    for i, (a, b) in enumerate(zip(reference, candidate)):
+        if a != b:
+            return i
+    return None if len(reference) == len(candidate) else min(len(reference), len(candidate))
+
+
+@torch.no_grad()
+def logit_margin(target, input_ids: torch.Tensor, prefix: list[int]) -> tuple[float, float]:
+    """Top-1 minus top-2 of the target's logits for the token after prompt + prefix (one uncached
+    forward), and the top-1 logit itself. Returns (margin, top-1 logit).
+
+    A margin near 0 at a divergence is a numerical near-tie (e.g. bf16 batched vs one-token
+    matmuls), not a verification bug (`near_tie_bound`)."""
+    ids = torch.cat([input_ids, torch.tensor([prefix], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+    logits = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()  # [vocab]
+    top2 = logits.topk(2).values
+    return float(top2[0] - top2[1]), float(top2[0])
+
+
+NEAR_TIE_ULPS = 4
+NEAR_TIE_RULE = (
+    f"a divergence is a near-tie when the target's top-1 minus top-2 logit after the common prefix is at most "
+    f"{NEAR_TIE_ULPS} units in the last place of the top-1 logit in the evaluation dtype (bf16 at a logit of 20: "
+    f"{NEAR_TIE_ULPS} x 0.125 = 0.5): the 16-token verify forward and a one-token decode step may then round to "
+    f"different argmaxes. Any other divergence is a decoding bug"
+)
+
+
+def near_tie_bound(top_logit: float, dtype: torch.dtype) -> float:
+    """The largest logit margin that `NEAR_TIE_RULE` counts as a near-tie: NEAR_TIE_ULPS spacings of
+    `dtype`'s floating-point grid at |top_logit| (bf16: 2^-7 of the power of two below it; fp32: 2^-23)."""
+    magnitude = max(abs(top_logit), torch.finfo(dtype).tiny)
+    return NEAR_TIE_ULPS * torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
