@@ -40,9 +40,11 @@ $(STAMP): requirements.txt Makefile
 demo: setup
 	$(PY) launch.py train_dflash.py
 
-# The suite, then the family and evaluation tests (the cache and decoding paths that follow
+# The style check (ruff's lint and format, pyproject.toml), the suite, then the family and evaluation tests (the cache and decoding paths that follow
 # transformers' API) again on the oldest transformers allowed.
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadscope
 	$(MAKE) --no-print-directory test-lower
 

@@ -22,7 +22,7 @@ random: speed does not depend on them.
 
 What it measures, in one run:
   (a) drafter train step, exactly as train_dflash.py does it (sample_anchors -> drafter forward
-      with flex -> block_labels -> dflash_loss on hidden[:, :, 1:] -> backward -> optimizer),
+      with flex -> block_labels -> weighted_block_loss on hidden[:, :, 1:] -> backward -> optimizer),
       with plain torch AdamW (fused) on fp32 master copies of the bf16 weights plus grad clipping
       (DeepSpeed's bf16 mode without sharding): ms/step, ms/sample, samples/s, useful FLOPs per
       sample, useful TFLOP/s, MFU against a bf16 matmul rate measured in the same run
@@ -42,7 +42,7 @@ What it measures, in one run:
 Prints markdown tables and appends them, with date, GPU, versions and the command, to BENCHMARKS.md.
 
 Useful FLOPs (analytic, `dflash_flops.drafter_step_flops`, whose module docstring lists what is counted,
-part by part): matmul work that the math needs, nothing recomputed. The checkpointed loss of dflash_loss
+part by part): matmul work that the math needs, nothing recomputed. The checkpointed loss of weighted_block_loss
 recomputes the head forward in backward (one extra head fwd, ~14% of the useful work at 256 anchors): that is
 executed but not useful, so it is not counted; fused_ce below removes it.
 
@@ -54,7 +54,7 @@ Variants (--variant, repeatable; join levers with '+'), each with its prediction
                       trains as compile_layers+fused_ce_compiled (--compile_drafter auto, on with flex).
                       Prediction: ~105 ms/sample (~50 block GEMMs, ~15 eager elementwise, ~32 head + CE, ~7 the
                       unsharded optimizer, ~8 flex + mask), ~325 useful TFLOP/s (the first colocated run in BENCHMARKS.md:
-                      ~140 ms/sample colocated, ~22 of them target forward; bench_compile_race.py checkpoint:
+                      ~140 ms/sample colocated, ~22 of them target forward; tools/gpu/bench_compile_race.py checkpoint:
                       67.4 ms for the checkpointed loss fwd+bwd over 8192 rows, 49.7 ms without checkpointing).
   loss_chunk_2048     same, 2048-row chunks. Prediction: time within +-3%, peak memory about -3 GB.
   loss_chunk_8192     same, 8192-row chunks. Prediction: time within +-3%, peak memory about +6 GB.
@@ -116,17 +116,17 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
+from dflash_bench_training import MasterWeightAdamW, make_batch
+from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
+from dflash_flops import drafter_step_flops, target_forward_flops
+from dflash_loss import LOSSES, block_target_hidden, loss_weights, selector_objective, weighted_block_loss
+from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
 )
-from dflash_loss import LOSSES, block_target_hidden, dflash_loss, loss_weights, selector_objective
-from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
-from dflash_bench_training import MasterWeightAdamW, make_batch
-from dflash_flops import drafter_step_flops, target_forward_flops
 
 REPO_DIR = Path(__file__).resolve().parent
 H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 datasheet figure (H100/H200 SXM)
@@ -236,8 +236,8 @@ def shapes(args) -> dict:
 def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False, **objective):
     """`dflash_loss.dflash_loss` (the fused form, gradient in the forward), optionally with the
     per-chunk elementwise work compiled (`dflash_loss.compiled_ce_grad_chunk`, as in training).
-    objective: dflash_loss's loss / target_hidden / loss_weighting keywords."""
-    return dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, compiled=compiled, **objective)
+    objective: weighted_block_loss's loss / target_hidden / loss_weighting keywords."""
+    return weighted_block_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, compiled=compiled, **objective)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,10 +251,10 @@ OBJECTIVE_LEVERS = ("dpace", "loss_kl", "loss_tv", "loss_nla", "loss_lk")  # wha
 class Variant:
     name: str
     compile_layers: bool = False
-    loss: str = "chunked"  # chunked (dflash_loss) | fused | fused_compiled
+    loss: str = "chunked"  # chunked (weighted_block_loss) | fused | fused_compiled
     chunk_size: int = 4096
-    objective: str = "ce"  # dflash_loss's loss: ce | kl | tv | nla | lk
-    weighting: str = "exp"  # dflash_loss's loss_weighting: exp | dpace
+    objective: str = "ce"  # weighted_block_loss's loss: ce | kl | tv | nla | lk
+    weighting: str = "exp"  # weighted_block_loss's loss_weighting: exp | dpace
     context_chunk: int = 0  # DFlashDraftModel.chunk_context (0: the context path in one piece)
     checkpoint_layers: bool = False  # DFlashDraftModel.checkpoint_layers
 
@@ -294,7 +294,7 @@ def parse_variant(name: str) -> Variant:
 def loss_fn(variant: Variant):
     """The variant's loss: (hidden, head_weight, labels, label_valid, weights, chunk_size=, **objective) -> (loss, accepted)."""
     if variant.loss == "chunked":
-        return dflash_loss
+        return weighted_block_loss
     return lambda *a, chunk_size, **objective: fused_dflash_loss(*a, chunk_size=chunk_size, compiled=variant.loss == "fused_compiled",
                                                                  **objective)
 

@@ -28,8 +28,8 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from dflash_loss import default_loss_gamma
 from dflash2_model import DFlash2Config
+from dflash_loss import default_loss_gamma
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_schedule import ResumePoint
 from dflash_target import SMOLLM2_PACKAGE, target_fingerprint

@@ -73,8 +73,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from dflash_compile import CUDAGraphCall
 from dflash2_model import DFlash2DraftModel
+from dflash_compile import CUDAGraphCall
 from dflash_model import DFlashDraftModel, sampling_probs
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ needed, 1 x fwd where only one is. Per micro-batch (L drafter layers, T = valid 
   target_head   T x hidden x vocab, the target's logits for the distribution losses (loss_kl, ...)   bwd 0x
 Not counted: norms, RoPE, softmax, the loss's elementwise work, the optimizer. Block position 0 of
 the LAST layer goes through q/o/MLP without feeding any label (about 1% of the layer work); it is
-counted, as the model computes it. The checkpointed loss of dflash_loss recomputes the head forward
+counted, as the model computes it. The checkpointed loss of weighted_block_loss recomputes the head forward
 in backward (one extra head fwd, ~14% of the useful work at 256 anchors): that is executed but
 not useful, so it is not counted (bench_dflash.py's fused_ce removes it). tests/test_flops.py checks
 this count against torch's FlopCounterMode.

@@ -124,7 +124,7 @@ def start_liveness(rank: int, world: int, dead_after_s: float) -> Liveness | Non
     _ACTIVE = Liveness(dist.PrefixStore(prefix, client), rank, world, dead_after_s, f"{host}:{port}")
     _ACTIVE.thread.start()
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        signal.signal(signal.SIGTERM, functools.partial(_stop_on_sigterm, os.getpid()))
+        signal.signal(signal.SIGTERM, functools.partial(stop_on_sigterm, os.getpid()))
     return _ACTIVE
 
 
@@ -133,7 +133,7 @@ class StoppedByLauncher(Exception):
     error, or when its own run is interrupted."""
 
 
-def _stop_on_sigterm(owner_pid: int, signum: int, frame) -> None:
+def stop_on_sigterm(owner_pid: int, signum: int, frame) -> None:
     """SIGTERM handler of a rank with liveness: raise `StoppedByLauncher` in the main thread, so that
     the rank goes through `report_failure` and logs which rank failed first. Without it the agent's
     SIGTERM can kill a rank before it has noticed the failure, silently. Processes forked from the

@@ -6,14 +6,14 @@ The fused kernel: the gradient of CE with respect to the logits is known in clos
 onehot), so each chunk's logits serve the loss and the input gradient at once and are then dropped:
 at most `chunk_size x vocab` logits exist at a time, the head matmul runs twice per chunk instead of
 three times (logits, checkpoint recompute, dlogits @ W), and nothing vocab-sized is kept for backward
-(the idea of Liger-Kernel's fused linear cross-entropy). `dflash_loss` defines the DFlash loss (which
+(the idea of Liger-Kernel's fused linear cross-entropy). `weighted_block_loss` defines the DFlash loss (which
 rows, which weights, the normalisation, the accuracy) and calls `fused_linear_weighted_ce`.
 
 Beyond the paper's objective (docs/training.md, "The objective"): D-PACE position weights
 (`dpace_weights`, the default of speculators for DFlash), and losses against the target's whole
 distribution p instead of its argmax (`LOSSES`: kl, tv, nla, lk). Both need a per-row quantity before
 the weighted sum, so they run through `fused_linear_row_loss`, which returns each row's loss and keeps
-each row's unweighted input gradient; the weights are applied afterwards (`dflash_loss` explains why
+each row's unweighted input gradient; the weights are applied afterwards (`weighted_block_loss` explains why
 that is exact and cheap). DFlash2 adds its candidate selector's objective (`selector_objective`): a
 hard K-way cross-entropy over the drafter's top-K candidates with teacher-forced predecessors, added
 to the DFlash loss.
@@ -104,7 +104,7 @@ def dpace_weights(confidence: torch.Tensor, label_valid: torch.Tensor, alpha: fl
     Args:
         confidence: [batch, N, B-1] float, c_k in [0, 1] (any value where masked): exp(-CE_k) for the CE
             loss, the acceptance probability sum_v min(p_v, q_v) for the distribution losses
-            (`dflash_loss`). Detached here: the weights carry no gradient.
+            (`weighted_block_loss`). Detached here: the weights carry no gradient.
         label_valid: [batch, N, B-1] bool from `block_labels`.
         alpha: smoothing in [0, 1]; alpha = 1 gives each valid position the count of valid positions at
             or after it in its block.
@@ -486,7 +486,7 @@ _compiled_ce = None
 def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                            multiplier: float = 1.0, softcap: float | None = None):
     """`weighted_ce_and_grad_chunk`, torch.compile'd (dynamic shapes: the rows vary per step);
-    `dflash_loss(..., compiled=True)` uses it. Compiles under the compile lock
+    `weighted_block_loss(..., compiled=True)` uses it. Compiles under the compile lock
     at the first call (and again for a 1-row chunk, which dynamo specialises). Measured at
     Qwen3-8B shapes on an H200 (bench_dflash.py): 92.4 -> 83.8 ms/sample. Runs outside autograd
     (inside the fused loss's forward), so nothing compiles in a backward thread."""
@@ -506,7 +506,7 @@ _compiled_row_loss = None
 def compiled_row_loss_chunk(logits: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None, loss: str = "ce",
                             multiplier: float = 1.0, softcap: float | None = None, lk_eta: float = DEFAULT_LK_ETA):
     """`row_loss_and_grad_chunk`, torch.compile'd (dynamic shapes), under the compile lock as
-    `compiled_ce_grad_chunk`; one graph per loss. `dflash_loss(..., compiled=True)` uses it for every
+    `compiled_ce_grad_chunk`; one graph per loss. `weighted_block_loss(..., compiled=True)` uses it for every
     loss or weighting that needs per-row values."""
     global _compiled_row_loss
     if _compiled_row_loss is None:
@@ -519,7 +519,7 @@ def compiled_row_loss_chunk(logits: torch.Tensor, targets: torch.Tensor, target_
         return _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta)
 
 
-def dflash_loss(
+def weighted_block_loss(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
     labels: torch.Tensor,
@@ -672,7 +672,7 @@ def estimate_acceptance_length(accepted: torch.Tensor) -> float:
     [0.9, 0.72, 0.36] -> 1 + 0.9 + 0.72 + 0.36 = 2.98.
 
     Args:
-        accepted: [B-1] float from `dflash_loss` (a window's mean), NaN where a position had no
+        accepted: [B-1] float from `weighted_block_loss` (a window's mean), NaN where a position had no
             label (treated as 0).
     """
     return 1.0 + torch.nan_to_num(accepted.float(), nan=0.0).sum().item()
@@ -707,12 +707,12 @@ def selector_training_candidates(candidate_ids: torch.Tensor, targets: torch.Ten
 
 def selector_loss(scores: torch.Tensor, target_index: torch.Tensor, row_weights: torch.Tensor, normalize: str = "weights") -> torch.Tensor:
     """Position-weighted K-way cross-entropy of the selector: sum_i w_i * CE(scores_i, index_i) / Z,
-    with Z = sum_i w_i (normalize="weights") or T (normalize="count"), as `dflash_loss` normalises.
+    with Z = sum_i w_i (normalize="weights") or T (normalize="count"), as `weighted_block_loss` normalises.
 
     Args:
         scores: [T, K] float, the `CandidateSelector`'s scores of the training candidates.
         target_index: [T] int64 (`selector_training_candidates`).
-        row_weights: [T] float32, each row's position weight (the drafter loss's, `dflash_loss`).
+        row_weights: [T] float32, each row's position weight (the drafter loss's, `weighted_block_loss`).
         normalize: "weights" or "count".
     Returns:
         scalar float32.
@@ -772,13 +772,13 @@ def selector_objective(
     valid_index: torch.Tensor | None = None,
     normalize: str = "weights",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DFlash2's selector loss, to be added with weight 1.0 to the drafter's own loss (`dflash_loss`).
+    """DFlash2's selector loss, to be added with weight 1.0 to the drafter's own loss (`weighted_block_loss`).
 
     At each valid label position: take the drafter's top-K logits, put the label
     in slot K when it is missing (`selector_training_candidates`), score the K candidates with the
     selector given the true previous token (teacher forcing: `predecessor_ids`, the anchor at k = 1),
     and take the hard K-way cross-entropy against the label, with the drafter loss's own position
-    weights (`dflash_loss(..., return_row_weights=True)`: the fixed decay, or D-PACE from the
+    weights (`weighted_block_loss(..., return_row_weights=True)`: the fixed decay, or D-PACE from the
     drafter's confidences) and its normaliser. Gradients reach the selector and, through the unary logits and the hidden
     projection, the drafter's hidden states (as in speculators).
 
@@ -805,7 +805,7 @@ def selector_objective(
         labels, label_valid: [batch, N, B-1] from `block_labels`.
         predecessor_ids: [batch, N, B-1] int64 from `dflash2_model.selector_predecessor_ids`.
         row_weights: [T] float32, the weight of each valid position in `label_valid.nonzero()` order:
-            `dflash_loss`'s third output with return_row_weights=True (speculators, too, weights the
+            `weighted_block_loss`'s third output with return_row_weights=True (speculators, too, weights the
             selector as the drafter), or `loss_weights(B)[k]` of each row.
         chunk_size: rows per chunk of the top-K head matmul (one extra matmul of the head, no backward).
         output_multiplier, final_logit_softcapping: the drafter's logit scaling and cap, applied to
@@ -814,7 +814,7 @@ def selector_objective(
         normalize: "weights" or "count", as the drafter's loss (`selector_loss`).
     Returns:
         loss: scalar float32 (0 with a graph if nothing is valid).
-        accepted: [B-1] float32, as `dflash_loss`'s, for the selector's path (a hit needs the label
+        accepted: [B-1] float32, as `weighted_block_loss`'s, for the selector's path (a hit needs the label
             among the unary top-K and the selector's argmax on it); `estimate_acceptance_length`
             turns it into the path's tau.
     """

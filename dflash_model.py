@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from huggingface_hub.dataclasses import strict
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -703,7 +703,7 @@ class DFlashDraftModel(PreTrainedModel):
         """Drafter hidden states [..., hidden] (after `norm`) -> logits [..., vocab] in the head's dtype:
         the target's LM head, times `config.output_multiplier`, then capped with
         c * tanh(logits / c) when `config.final_logit_softcapping` is c. The training loss applies the
-        same two steps to its logits (`dflash_loss`).
+        same two steps to its logits (`weighted_block_loss`).
         """
         logits = self.target_lm_head(hidden)
         return scale_and_cap_logits(logits, self.config.output_multiplier, self.config.final_logit_softcapping)

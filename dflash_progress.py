@@ -24,9 +24,9 @@ from tqdm.auto import tqdm
 from dflash_checkpoint import checkpoint_dirs
 from dflash_compile import flex_compile_stats
 from dflash_features import FeatureSupply
+from dflash_liveness import StoppedByLauncher, report_failure
 from dflash_loss import estimate_acceptance_length
 from dflash_schedule import ResumePoint, Schedule
-from dflash_liveness import StoppedByLauncher, report_failure
 
 REPO_DIR = Path(__file__).resolve().parent
 

@@ -30,9 +30,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -645,7 +645,7 @@ def broadcast_drafter_weights(drafter: torch.nn.Module, group, src: int) -> None
     bf16 and fp16 weights) so both sides agree on the layout whatever dtypes they hold."""
     device = next(drafter.parameters()).device
     with torch.no_grad():
-        for name, tensor in drafter.state_dict().items():
+        for tensor in drafter.state_dict().values():
             buffer = tensor.detach().to(device=device, dtype=torch.float32).contiguous()
             dist.broadcast(buffer, src, group=group)
             if dist.get_rank() != src:

@@ -52,8 +52,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from dflash_compile import CUDAGraphCall, compile_once_locked, running_compiled
 from dflash2_model import DFLASH2_FIELDS, DFlash2Config
+from dflash_compile import CUDAGraphCall, compile_once_locked, running_compiled
 from dflash_model import DFlashConfig, default_target_layer_ids, resolve_layer_types
 
 log = logging.getLogger("dflash_target")

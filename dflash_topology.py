@@ -13,8 +13,8 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -22,6 +22,7 @@ from accelerate.utils import set_seed
 
 from dflash_compile import setup_compile_cache
 from dflash_data import collate_batch
+from dflash_decoding import evaluate_acceptance
 from dflash_features import FeatureSettings, serve_context_features, target_features
 from dflash_liveness import Liveness, start_liveness
 from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
@@ -49,7 +50,6 @@ from dflash_target import (
     load_target_model,
     parameter_bytes,
 )
-from dflash_decoding import evaluate_acceptance
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
 
@@ -496,7 +496,7 @@ def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig)
 EVAL_RESULTS = ("acceptance_length", "speculative_tokens_per_s", "prompt_lookup_acceptance_length")
 
 
-def evaluate_for_lead(drafter: DFlashDraftModel, target, tokenizer, data, settings: TopologySettings, layout,
+def serve_held_out_evaluation(drafter: DFlashDraftModel, target, tokenizer, data, settings: TopologySettings, layout,
                       device: torch.device) -> None:
     """Split mode, on the first target group: receive the lead's drafter weights, measure held-out tau
     with the target that is already here, send (tau, tokens/s) back (dflash_split.py, "Held-out evaluation")."""
@@ -520,6 +520,6 @@ def run_target_rank(settings: TopologySettings, feature_settings: FeatureSetting
     evaluate = None
     if drafter is not None:
         to_compute_dtype(drafter, cluster.device, compute.dtype)
-        evaluate = functools.partial(evaluate_for_lead, drafter, parts.target, tokenizer, data, settings, layout, cluster.device)
+        evaluate = functools.partial(serve_held_out_evaluation, drafter, parts.target, tokenizer, data, settings, layout, cluster.device)
     serve_context_features(plan, data.dataset, tokenizer, parts.extractor, layout, feature_settings, cluster.device,
                            compute.pad_multiple, resume.global_step, evaluate)

@@ -79,6 +79,7 @@ from accelerate.utils import DeepSpeedPlugin
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
+from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
 from dflash_checkpoint import (
     CheckpointSettings,
     ModelCardSettings,
@@ -92,9 +93,10 @@ from dflash_checkpoint import (
     save_checkpoint,
     save_export,
 )
-from dflash_cli import SettingsParser, HelpFormatter, check_yaml_values, did_you_mean, yaml_error_line
+from dflash_cli import HelpFormatter, SettingsParser, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
+from dflash_decoding import evaluate_acceptance
 from dflash_features import FeatureSettings, FeatureSupply, to_device
 from dflash_loss import (
     DEFAULT_LOSS_GAMMA,
@@ -103,9 +105,9 @@ from dflash_loss import (
     LOSSES,
     block_target_hidden,
     default_loss_gamma,
-    dflash_loss,
     loss_weights,
     selector_objective,
+    weighted_block_loss,
 )
 from dflash_masks import (
     anchor_slots,
@@ -114,7 +116,6 @@ from dflash_masks import (
     create_anchor_block_mask,
     sample_anchors,
 )
-from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
 from dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
@@ -124,10 +125,10 @@ from dflash_progress import (
     DEBUG_LOG,
     Progress,
     ProgressSettings,
-    format_tau,
     check_finite_loss,
     debug_log,
     exit_after_failure,
+    format_tau,
     plot_training_curves,
     profile_window,
     start_progress,
@@ -145,7 +146,13 @@ from dflash_schedule import (
     real_micro_batches,
 )
 from dflash_split import DrafterGroupMPU, broadcast_drafter_weights, broadcast_scalars
-from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, drafter_config_for_target, load_target_config, resolve_mask_token_id
+from dflash_target import (
+    SMOLLM2_PACKAGE,
+    TargetFeatureExtractor,
+    drafter_config_for_target,
+    load_target_config,
+    resolve_mask_token_id,
+)
 from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
@@ -159,7 +166,6 @@ from dflash_topology import (
     setup_distributed,
     time_rank_split,
 )
-from dflash_decoding import evaluate_acceptance
 
 logger = logging.getLogger("train_dflash")
 # DeepSpeed's ZeRO step gathers parameters through an all-gather that newer torch deprecates: one
@@ -207,8 +213,8 @@ class TrainSettings:
     selector_top_k: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: draft-logit candidates the selector rescores per position (default 16)"})
     # objective
     num_anchors: int = field(default=512, metadata={"group": "objective", "help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
-    label_source: str = field(default="data", metadata={"group": "objective", "help": "What each block position is trained to predict: data (the reply's next token) or target_argmax (the target's greedy next token after the reply's prefix: the token temperature-0 verification accepts at a block's first position, and at later ones while the reply's tokens in the block are the greedy ones). target_argmax runs the whole target (every layer and its LM head) on the target ranks; not with --target_tp_size > 1"})
-    loss: str = field(default="ce", metadata={"group": "objective", "help": "Per-position loss: ce (cross-entropy on the labels, the paper's), or against the target's whole distribution p (draft q): kl (KL(p||q)), tv (1 - sum min(p, q), one minus the acceptance probability at temperature 1), nla (-log sum min(p, q)), lk (KL and TV blended by the acceptance, lambda = exp(-eta * sg[sum min(p, q)])). The distribution losses run every target layer and send its last hidden state with the features (hidden x 2 bytes per token in bf16)"})
+    label_source: str = field(default="data", metadata={"group": "objective", "help": "What each block position learns: data (the reply's next token) or target_argmax (the target's greedy next token: what temperature-0 verification accepts; runs the whole target, not with --target_tp_size > 1; docs/training.md#labels-the-datas-next-token-or-the-targets-argmax)"})
+    loss: str = field(default="ce", metadata={"group": "objective", "help": "Per-position loss: ce (the paper's), or against the target's distribution p: kl, tv (1 - sum min(p, q)), nla (-log sum min(p, q)), lk (KL and TV blended by the acceptance). The last four send the target's last hidden state too (docs/training.md#beyond-the-paper-d-pace-weights-and-losses-against-the-targets-distribution)"})
     loss_weighting: str = field(default="exp", metadata={"group": "objective", "help": "Position weights: exp (w_k = exp(-(k-1)/gamma), the paper's weights) or dpace (D-PACE, the weighting speculators trains with unless told otherwise: the expected accepted tokens each position carries, from the drafter's detached confidence)"})
     dpace_alpha: float = field(default=0.5, metadata={"group": "objective", "help": "D-PACE's smoothing: confidence s_k = (1 - alpha) * exp(-CE_k) + alpha (the acceptance probability instead of exp(-CE_k) with a distribution loss)"})
     loss_normalize: str = field(default="weights", metadata={"group": "objective", "help": "Divide the weighted loss sum by the sum of weights (weights, a weighted mean) or by the valid positions (count, speculators' reduction)"})
@@ -232,23 +238,23 @@ class TrainSettings:
     # speed and memory
     dtype: str = field(default="auto", metadata={"group": "speed", "help": "Target and drafter compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 trains ~1.4x faster than float32 on a CPU with AVX512-BF16"})
     attention_backend: str = field(default="auto", metadata={"group": "speed", "help": "flex | sdpa | auto (flex on CUDA, sdpa on CPU)"})
-    compile_drafter: str = field(default="auto", metadata={"group": "speed", "help": "torch.compile the drafter's decoder layers and the loss's per-chunk softmax/gradient (each new shape compiles once, under the compile lock): on | off | auto (on with flex, i.e. on CUDA). Measured 92.4 -> 70.2 ms/sample at Qwen3-8B shapes (BENCHMARKS.md)"})
+    compile_drafter: str = field(default="auto", metadata={"group": "speed", "help": "torch.compile the drafter's layers and the loss's chunks, each new shape once under the compile lock: on | off | auto (on with flex, i.e. on CUDA; 92.4 -> 70.2 ms/sample at Qwen3-8B shapes)"})
     compile_target: str = field(default="auto", metadata={"group": "speed", "help": "torch.compile the target's decoder layers for the feature forward (each new shape compiles once, under the compile lock; a target kept whole for evaluation decodes eagerly): on | off | auto (on with flex, i.e. on CUDA)"})
     target_cuda_graphs: bool = field(default=False, metadata={"group": "speed", "help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
-    cache_target_outputs: bool = field(default=False, metadata={"group": "speed", "help": "Keep each sample's context features (and, with --label_source target_argmax, its labels) on the device after the target's first forward over it, so that later epochs skip the target. Colocated ranks only (--target_ranks 0). Costs tokens x target layer ids x hidden x 2 bytes in bf16, 4 in float32 (SmolLM2, 5 target layers, 35k GSM8K replies: ~58 GB), in GPU memory, or host memory on CPU. Pays only where the target's forward is a large share of the step: on an H200 with a 135M target the drafter's own work sets the pace, and the cache made it 1.05x faster at 5 drafter layers, 1.01x at 8 (BENCHMARKS.md)"})
+    cache_target_outputs: bool = field(default=False, metadata={"group": "speed", "help": "Keep each sample's context features (and target_argmax labels) on the device after the first epoch, so later epochs skip the target; colocated only; costs tokens x layers x hidden x 2 bytes (docs/training.md#where-the-time-goes-and-the-levers)"})
     loss_chunk_size: int = field(default=4096, metadata={"group": "speed", "help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
-    context_chunk_size: int = field(default=0, metadata={"group": "speed", "help": "Long samples: compute the context features' projection (fc, hidden_norm) and every drafter layer's context K/V over chunks of this many positions under activation checkpointing, keeping only the K/V for backward (0 = in one piece). The same loss; saves ~66 of the ~146 KB per context token that backward keeps at Qwen3-8B shapes (4.1 GB at 64k tokens) for one more forward of the context path; docs/training.md#long-samples"})
-    checkpoint_drafter_layers: bool = field(default=False, metadata={"group": "speed", "help": "Long samples: activation checkpointing of the drafter's decoder layers (each keeps only its input and runs its forward again in backward). The same loss; saves the block stream's activations (1-2 GB per layer at 512 anchors, Qwen3-8B shapes, whatever the length) for about a fifth more drafter time (17 per cent more, measured at 32k and 64k tokens on an H100)"})
+    context_chunk_size: int = field(default=0, metadata={"group": "speed", "help": "Long samples: the context's projection and K/V in chunks of this many positions under activation checkpointing (0 = one piece); the same loss, less memory (docs/training.md#long-samples)"})
+    checkpoint_drafter_layers: bool = field(default=False, metadata={"group": "speed", "help": "Long samples: activation checkpointing of the drafter's layers; the same loss, ~1-2 GB less per layer at Qwen3-8B shapes for ~17 per cent more drafter time (docs/training.md#long-samples)"})
     pad_to_multiple_of: int | None = field(default=None, metadata={"group": "speed", "help": "Pad sequence lengths to a multiple of this (default 128 with flex, so few shapes compile; 8 with sdpa)"})
-    anchor_slots_multiple: int = field(default=0, metadata={"group": "speed", "help": "Trim each micro-batch's anchor slots to the most eligible positions of any of its rows, rounded up to a multiple of this (0 = always --num_anchors slots), and group micro-batches by assistant length instead of whole length, so that rows fill their slots alike. The same loss: padded slots train nothing, but each costs a drafter forward and backward (short replies leave many). Each slot count compiles once"})
+    anchor_slots_multiple: int = field(default=0, metadata={"group": "speed", "help": "Trim each micro-batch's anchor slots to its rows' most eligible positions, rounded up to a multiple of this (0 = always --num_anchors slots), grouping batches by assistant length; the same loss, less padding"})
     compile_cache: str = field(default="shared", metadata={"group": "speed", "help": "shared: all ranks of the node share one inductor cache (one compiles, the others load); per_rank: a cache dir per rank under one root"})
     compile_cache_dir: str | None = field(default=None, metadata={"group": "speed", "help": "Compile cache root on a node-local disk (default $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER); the compile lock lives here"})
     compile_threads: int | None = field(default=None, metadata={"group": "speed", "help": "Inductor compile workers per rank (default: cores / ranks on the node)"})
-    profile_steps: int = field(default=0, metadata={"group": "speed", "help": "Profile this many optimizer steps (torch.profiler, on the lead) after the first 20, when compiles are done; writes {output_dir}/profile.txt (ops by GPU and by host time; on a GPU also the operations that made the host wait, by call stack) and profile_trace.json (chrome://tracing)"})
+    profile_steps: int = field(default=0, metadata={"group": "speed", "help": "Profile this many optimizer steps after the first 20 (torch.profiler, on the lead): {output_dir}/profile.txt and profile_trace.json"})
     # topology (docs/topology.md)
     target_ranks: str = field(default="0", metadata={"group": "topology", "help": "On every node, local ranks [0, N) only run the target and send context features to the node's other ranks, which train the drafter: 0 = colocated (every rank does both), N (per node), or auto (time both sides on a few batches, pick N)"})
-    sequence_parallel_size: int | None = field(default=None, metadata={"group": "topology", "help": "Drafter ranks that train one sample together (DeepSpeed Ulysses sequence parallelism): each holds 1/P of its context positions and of its anchors' blocks, and attention sees every position for 1/P of the heads. Default: the accelerate config's parallelism_config_sp_size (accelerate_configs/cpu_sp2.yaml), else 1. The drafter ranks must be a multiple of it, and so must the drafter's attention and KV heads and --num_anchors"})
-    target_tp_size: int = field(default=1, metadata={"group": "topology", "help": "Target ranks form groups of this many ranks of one node that share one copy of the target, split by DeepSpeed AutoTP (tensor parallelism), for a target too large for one device; --target_ranks must be a multiple of it. 1 = every target rank holds a whole copy"})
+    sequence_parallel_size: int | None = field(default=None, metadata={"group": "topology", "help": "Drafter ranks that train one sample together (DeepSpeed Ulysses); default: the accelerate config's parallelism_config_sp_size, else 1; it must divide each node's drafter ranks, the heads and --num_anchors (docs/training.md#sequence-parallelism)"})
+    target_tp_size: int = field(default=1, metadata={"group": "topology", "help": "Target ranks of one node sharing one copy of the target, split by DeepSpeed AutoTP, for a target too large for one device; --target_ranks must be a multiple of it (1 = a whole copy each)"})
     prefetch_batches: int = field(default=2, metadata={"group": "topology", "help": "Micro-batches kept ready ahead of training: collated in a worker thread (colocated); made and not yet sent, or received and not yet trained (split mode)"})
     liveness_timeout_s: float = field(default=40.0, metadata={"group": "topology", "help": "Seconds without a heartbeat from a rank before the others stop the run as failed (more than one process)"})
     # held-out acceptance length (real speculative decoding with the full target)
@@ -516,7 +522,7 @@ def resolve_compute(settings: TrainSettings, device: torch.device) -> Compute:
     )
 
 
-def drafter_config_for(settings: TrainSettings, target_config, tokenizer, compute: Compute) -> DFlashConfig:
+def build_draft_config(settings: TrainSettings, target_config, tokenizer, compute: Compute) -> DFlashConfig:
     """The drafter's config, sized after the target's (seconds: no weights loaded yet), logged."""
     vocab_rows = target_config.get_text_config().vocab_size  # rows of the target's embedding
     mask_token_id = resolve_mask_token_id(tokenizer, vocab_rows, settings.mask_token_id, settings.mask_token)
@@ -559,7 +565,7 @@ def drafter_config_for(settings: TrainSettings, target_config, tokenizer, comput
     return draft_config
 
 
-def loss_weights_for(settings: TrainSettings, block_size: int, device: torch.device) -> torch.Tensor | None:
+def fixed_loss_weights(settings: TrainSettings, block_size: int, device: torch.device) -> torch.Tensor | None:
     """The fixed per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by the
     drafter's block size B), or None with D-PACE (its weights come from each block's confidence); logged."""
     objective = f"--loss {settings.loss}, normalised by the {'sum of weights' if settings.loss_normalize == 'weights' else 'valid positions'}"
@@ -588,11 +594,11 @@ def sequence_parallel_share(loss: torch.Tensor, accepted: torch.Tensor, row_weig
     loss, a mean over drafter ranks, the mean over samples.
 
     Args:
-        loss: scalar float32, `dflash_loss`'s over this rank's rows (normalised by them).
+        loss: scalar float32, `weighted_block_loss`'s over this rank's rows (normalised by them).
         accepted: [B-1] float32, its share of blocks accepted through each position (NaN: none).
-        row_weights: [T] float32, its rows' weights (`dflash_loss(..., return_row_weights=True)`).
+        row_weights: [T] float32, its rows' weights (`weighted_block_loss(..., return_row_weights=True)`).
         label_valid: [batch, N/P, B-1] bool, this rank's valid labels.
-        normalize: "weights" (the sum of weights) or "count" (valid rows), as `dflash_loss`'s.
+        normalize: "weights" (the sum of weights) or "count" (valid rows), as `weighted_block_loss`'s.
     Returns:
         (loss: scalar, accepted: [B-1]), the same accepted on every rank of the group.
     """
@@ -609,19 +615,19 @@ def sequence_parallel_share(loss: torch.Tensor, accepted: torch.Tensor, row_weig
 
 @dataclass(frozen=True)
 class MicroBatchLoss:
-    """The loss of one micro-batch: anchors, the drafter forward, labels, the weighted CE (`dflash_loss`).
+    """The loss of one micro-batch: anchors, the drafter forward, labels, the weighted CE (`weighted_block_loss`).
     Used by the training loop and by the --target_ranks auto calibration."""
 
     settings: TrainSettings
     draft_config: DFlashConfig
     compute: Compute
-    weights: torch.Tensor | None  # [B-1] float32, `loss_weights_for`; None with D-PACE
+    weights: torch.Tensor | None  # [B-1] float32, `fixed_loss_weights`; None with D-PACE
     lm_head: torch.nn.Module | None  # the target's (frozen); None on a rank that trains nothing
     slots_used: list[int] = field(default_factory=list)  # anchor slots per micro-batch since the last log (--anchor_slots_multiple)
     sequence_parallel: SequenceParallel | None = None  # this rank's group with --sequence_parallel_size > 1
 
     def __call__(self, model, context_features, input_ids, loss_mask, label_ids, anchor_key: tuple):
-        """(loss, accepted [B-1]: `dflash_loss`'s share of blocks right through each position) of one
+        """(loss, accepted [B-1]: `weighted_block_loss`'s share of blocks right through each position) of one
         micro-batch. model: the DeepSpeed engine or the bare drafter; context_features [batch, S,
         n*hidden], followed by the target's last hidden state [batch, S, hidden] for a distribution
         loss; input_ids and label_ids [batch, S] (`target_features`); loss_mask [batch, S] on the
@@ -656,7 +662,7 @@ class MicroBatchLoss:
         predecessor_ids = selector_predecessor_ids(input_ids, anchors, config.block_size) if dflash2 else None
         # The target's distribution over label k of a block comes from its logits one position earlier.
         target_rows = block_target_hidden(target_hidden, anchors, config.block_size) if settings.loss != "ce" else None
-        loss, accepted, *row_weights = dflash_loss(
+        loss, accepted, *row_weights = weighted_block_loss(
             hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
             chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
             output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
@@ -843,7 +849,7 @@ def warm_up_flex(settings: TrainSettings, schedule_settings: ScheduleSettings, d
     logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
 
 
-def evaluate_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
+def held_out_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
                  device: torch.device) -> dict:
     """tau on the held-out prompts (and prompt lookup's, with --eval_prompt_lookup), for the lead
     (the other drafter ranks wait at the next barrier): colocated on the lead itself, with a bar over
@@ -1010,9 +1016,9 @@ def main(argv: list[str]) -> None:
     device = cluster.device
     # The target's tokenizer and config (seconds): everything below is checked before its weights load.
     target_config, tokenizer = load_target_config(settings.target_model, gguf_file=settings.target_gguf_file)
-    draft_config = drafter_config_for(settings, target_config, tokenizer, compute)
+    draft_config = build_draft_config(settings, target_config, tokenizer, compute)
     check_sequence_parallel_heads(settings.sequence_parallel_size, draft_config)
-    weights = loss_weights_for(settings, draft_config.block_size, device)
+    weights = fixed_loss_weights(settings, draft_config.block_size, device)
     data = load_data(settings, tokenizer, cluster.accelerator)
     finished = finished_at_named_checkpoint(checkpoint_settings, schedule_settings, data)
     if finished:  # the same, for the checkpoint of a finished run's last step, named
@@ -1048,7 +1054,7 @@ def main(argv: list[str]) -> None:
                                   draft_config.block_size)
         evaluate = None
         if data.eval_prompts:
-            evaluate = functools.partial(evaluate_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
+            evaluate = functools.partial(held_out_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
         with logging_redirect_tqdm():  # log lines above the bar while it runs, not glued onto it
             train_loop(engine, scheduler, loss_fn, supply, progress, evaluate, settings, layout, schedule, schedule_settings, compute,
                        device)

@@ -347,13 +347,14 @@ def test_setup_compile_cache_modes(monkeypatch, tmp_path):
 
 
 def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock(fresh_flex_state, caplog):
-    """DFlashDraftModel.compile_layers + dflash_loss(compiled=True), on CPU through SDPA (flex has no
+    """DFlashDraftModel.compile_layers + weighted_block_loss(compiled=True), on CPU through SDPA (flex has no
     CPU backward): the same loss and gradients as eager; every compile, forward and backward, happens
     in the locked warm-up (one per layer and shape), and a second step at the same shape compiles nothing."""
     import logging
 
-    from dflash_loss import dflash_loss, loss_weights
     from test_model import _batch, tiny_drafter
+
+    from dflash_loss import loss_weights, weighted_block_loss
 
     def step(drafter, compiled):
         torch.manual_seed(0)
@@ -362,7 +363,7 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
         anchors, valid = dflash_masks.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
         hidden = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
         labels, label_valid = dflash_masks.block_labels(input_ids, loss_mask, anchors, valid, 4)
-        loss, _ = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid,
+        loss, _ = weighted_block_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid,
                               loss_weights(4, gamma=3.0), compiled=compiled)
         drafter.zero_grad(set_to_none=True)
         loss.backward()
@@ -387,9 +388,9 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
 
 
 def test_compiled_distribution_loss_with_dpace_matches_eager_and_compiles_once(fresh_flex_state):
-    """dflash_loss(compiled=True) with the LK hybrid and D-PACE weights: the compiled per-row chunk gives the
+    """weighted_block_loss(compiled=True) with the LK hybrid and D-PACE weights: the compiled per-row chunk gives the
     eager loss and gradient, compiles under the lock once, and a second call compiles nothing."""
-    from dflash_loss import dflash_loss
+    from dflash_loss import weighted_block_loss
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 3, 5, 8, generator=g).requires_grad_(True)  # [batch, N, B-1, hidden]
@@ -399,7 +400,7 @@ def test_compiled_distribution_loss_with_dpace_matches_eager_and_compiles_once(f
     valid = torch.rand(2, 3, 5, generator=g) > 0.3
     results = []
     for compiled in (False, True, True):
-        loss, accepted = dflash_loss(hidden, head, labels, valid, None, chunk_size=4, compiled=compiled, final_logit_softcapping=5.0,
+        loss, accepted = weighted_block_loss(hidden, head, labels, valid, None, chunk_size=4, compiled=compiled, final_logit_softcapping=5.0,
                                      loss="lk", target_hidden=target_hidden, loss_weighting="dpace")
         (grad,) = torch.autograd.grad(loss, hidden)
         results.append((loss, accepted, grad))

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dflash2 import speculators_rule
 from transformers import Qwen3Config
 
 import convert_dflash
 from convert_dflash import ConversionError, window_bound
-from dflash_masks import position_rule
 from dflash2_model import DFlash2DraftModel
+from dflash_masks import position_rule
 from dflash_model import DFlashDraftModel
 from dflash_target import drafter_config_for_target
-from test_dflash2 import speculators_rule
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"

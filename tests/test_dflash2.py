@@ -28,18 +28,26 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash_decoding
-from dflash_loss import dflash_loss, dpace_weights, loss_weights, selector_loss, selector_objective, selector_training_candidates
-from dflash_masks import (
-    block_labels,
-    dense_anchor_block_mask,
-    position_rule,
-    sample_anchors,
-)
 from dflash2_model import (
     DFlash2Config,
     DFlash2DraftModel,
     GroupedDynamicCausalConv,
     selector_predecessor_ids,
+)
+from dflash_decoding import Decoder, greedy_generate, speculative_generate
+from dflash_loss import (
+    dpace_weights,
+    loss_weights,
+    selector_loss,
+    selector_objective,
+    selector_training_candidates,
+    weighted_block_loss,
+)
+from dflash_masks import (
+    block_labels,
+    dense_anchor_block_mask,
+    position_rule,
+    sample_anchors,
 )
 from dflash_model import (
     DFlashDraftModel,
@@ -47,7 +55,6 @@ from dflash_model import (
     sampling_probs,
 )
 from dflash_target import drafter_config_for_target
-from dflash_decoding import Decoder, greedy_generate, speculative_generate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VOCAB = 64
@@ -428,7 +435,7 @@ def test_selector_is_weighted_and_normalised_as_the_drafter_loss(normalize):
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
     predecessors = selector_predecessor_ids(input_ids, anchors, 4)
     hidden = torch.randn(2, 4, 3, HIDDEN)
-    _, _, row_weights = dflash_loss(hidden, head, labels, label_valid, None, loss_weighting="dpace", normalize=normalize,
+    _, _, row_weights = weighted_block_loss(hidden, head, labels, label_valid, None, loss_weighting="dpace", normalize=normalize,
                                     return_row_weights=True)
     confidence = torch.exp(-F.cross_entropy(drafter.compute_logits(hidden).flatten(0, 2), labels.flatten(), reduction="none"))
     expected_weights = dpace_weights(confidence.view_as(labels), label_valid)[label_valid]
@@ -761,7 +768,7 @@ def test_trainer_loss_of_dflash2_with_dpace_and_count_equals_a_plain_reference()
 
     block = 4
     drafter = tiny_dflash2(block_size=block, scale=0.5).train()
-    config, selector, head = drafter.config, drafter.candidate_selector, drafter.target_lm_head.weight
+    config, selector = drafter.config, drafter.candidate_selector
     settings = TrainSettings(target_model="x", train_data=["x"], drafter="dflash2", num_anchors=6, block_size=block,
                              loss_weighting="dpace", loss_normalize="count")
     compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)

@@ -10,8 +10,6 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
-from dflash_model import DFlashDraftModel
-from dflash_target import drafter_config_for_target
 from dflash_decoding import (
     DFlashStaticContextCache,
     check_drafter_matches_target,
@@ -21,6 +19,8 @@ from dflash_decoding import (
     speculative_generate,
     summarize_speculative,
 )
+from dflash_model import DFlashDraftModel
+from dflash_target import drafter_config_for_target
 
 VOCAB = 256
 MASK_ID = 255

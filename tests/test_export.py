@@ -4,12 +4,12 @@ new, and the model card's word on what each engine runs where they differ."""
 import json
 
 import pytest
+from test_convert import vllm_layer_causal
 from transformers import Qwen3Config
 
 from dflash_checkpoint import attention_note
 from dflash_model import DFlashConfig
 from dflash_target import drafter_config_for_target
-from test_convert import vllm_layer_causal
 
 TARGET = Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)

@@ -14,11 +14,11 @@ import transformers
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from dflash_decoding import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem
+from dflash_loss import loss_weights, weighted_block_loss
 from dflash_masks import block_labels, sample_anchors
 from dflash_model import DFlashDraftModel
-from dflash_loss import dflash_loss, loss_weights
 from dflash_target import TargetFeatureExtractor, check_target_scaling, drafter_config_for_target
-from dflash_decoding import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem
 
 VOCAB = 96
 MASK_ID = VOCAB - 1
@@ -193,7 +193,7 @@ def test_train_export_reload_and_decode(family, tmp_path):
         anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(step % 2))
         hidden = drafter(features, input_ids, anchors, valid)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
-        loss, _ = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(4, 2.0),
+        loss, _ = weighted_block_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(4, 2.0),
                               output_multiplier=drafter.config.output_multiplier,
                               final_logit_softcapping=drafter.config.final_logit_softcapping)
         optimizer.zero_grad()

@@ -1,4 +1,4 @@
-"""dflash_flops.py's analytic FLOP count against torch's FlopCounterMode, and bench_dflash.py's fused loss against dflash_loss.
+"""dflash_flops.py's analytic FLOP count against torch's FlopCounterMode, and bench_dflash.py's fused loss against weighted_block_loss.
 
 FlopCounterMode counts the matmuls that actually run. SDPA is forced onto the math backend, whose
 matmuls it counts densely over the whole [Q, KV] score matrix (it has no formula for the CPU flash
@@ -21,10 +21,9 @@ from dflash_flops import (
     target_forward_flops,
     visible_pairs,
 )
-from dflash_loss import weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
+from dflash_loss import loss_weights, weighted_block_loss, weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
 from dflash_masks import block_labels, dense_anchor_block_mask, sample_anchors
 from dflash_model import DFlashDraftModel
-from dflash_loss import dflash_loss, loss_weights
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
 VOCAB = 128
@@ -81,10 +80,10 @@ def test_forward_parts_match_flop_counter():
     head_weight = drafter.target_lm_head.weight
     weights = loss_weights(BLOCK, 4.0)
 
-    @torch.no_grad()  # the forward alone: with grad enabled dflash_loss also computes its input gradient
+    @torch.no_grad()  # the forward alone: with grad enabled weighted_block_loss also computes its input gradient
     def forward():
         hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend="sdpa")
-        dflash_loss(hidden[:, :, 1:], head_weight, labels, label_valid, weights)
+        weighted_block_loss(hidden[:, :, 1:], head_weight, labels, label_valid, weights)
 
     counts = count(forward)
     seq_len = input_ids.shape[1]
@@ -132,14 +131,14 @@ def test_visible_pairs_of_every_layer_rule_equal_the_masks_true_entries(causal, 
 @pytest.mark.parametrize("fused", [False, True])
 def test_step_total_matches_flop_counter(fused):
     """fwd + bwd: every part 3x its forward except fc and the frozen head (2x); neither
-    dflash_loss (which computes its input gradient in the forward) nor the benchmark's fused
+    weighted_block_loss (which computes its input gradient in the forward) nor the benchmark's fused
     variant recomputes the head."""
     drafter = tiny_drafter()
     config = drafter.config
     input_ids, features, anchors, anchor_valid, labels, label_valid = tiny_batch(config)
     head_weight = drafter.target_lm_head.weight
     weights = loss_weights(BLOCK, 4.0)
-    loss_fn = fused_dflash_loss if fused else dflash_loss
+    loss_fn = fused_dflash_loss if fused else weighted_block_loss
 
     def step():
         hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend="sdpa")
@@ -196,7 +195,7 @@ def test_target_forward_flops_match_flop_counter():
 
 @pytest.mark.parametrize("chunk_size", [7, 4096])
 def test_fused_loss_matches_dflash_loss(chunk_size):
-    """Same loss, accuracy and gradients as dflash_loss (the benchmark's variants compute the same thing)."""
+    """Same loss, accuracy and gradients as weighted_block_loss (the benchmark's variants compute the same thing)."""
     torch.manual_seed(0)
     config = tiny_drafter().config
     _, _, anchors, anchor_valid, labels, label_valid = tiny_batch(config)
@@ -204,7 +203,7 @@ def test_fused_loss_matches_dflash_loss(chunk_size):
     head_weight = torch.randn(VOCAB, HIDDEN)
     weights = loss_weights(BLOCK, 4.0)
     results = []
-    for loss_fn in (dflash_loss, fused_dflash_loss):
+    for loss_fn in (weighted_block_loss, fused_dflash_loss):
         loss, accuracy = loss_fn(hidden, head_weight, labels, label_valid, weights, chunk_size=chunk_size)
         (grad,) = torch.autograd.grad(3.0 * loss, hidden)
         results.append((loss, accuracy, grad))

@@ -6,11 +6,11 @@ path and checkpointed decoder layers give the plain forward's loss and gradients
 
 import pytest
 import torch
+from test_model import VOCAB, _batch, tiny_drafter
 
 import dflash_masks
-from dflash_loss import dflash_loss, loss_weights
+from dflash_loss import loss_weights, weighted_block_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
-from test_model import VOCAB, _batch, tiny_drafter
 
 BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -46,7 +46,7 @@ def loss_and_grads(drafter, chunk_size=0, checkpointed=False, seq_len=70):
     anchors, valid = sample_anchors(loss_mask, 12, torch.Generator().manual_seed(2))
     hidden = drafter(features, input_ids, anchors, valid)
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
-    loss, _ = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(4, gamma=2.0))
+    loss, _ = weighted_block_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(4, gamma=2.0))
     drafter.zero_grad()
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in drafter.named_parameters() if p.requires_grad}
@@ -119,7 +119,7 @@ def test_checkpoint_drafter_layers_reruns_every_layer_in_backward(compiled, monk
         anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
         hidden = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
-        loss, _ = dflash_loss(hidden[:, :, 1:], head.weight, labels, label_valid, loss_weights(4, gamma=2.0))
+        loss, _ = weighted_block_loss(hidden[:, :, 1:], head.weight, labels, label_valid, loss_weights(4, gamma=2.0))
         in_backward[0] = True
         loss.backward()
         assert drafter.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0

@@ -13,13 +13,13 @@ from dflash_loss import (
     LOSSES,
     NLA_EPS,
     block_target_hidden,
-    dflash_loss,
     dpace_weights,
     fused_linear_row_loss,
     fused_linear_weighted_ce,
     loss_weights,
     row_loss_and_grad_chunk,
     row_loss_and_grad_chunk_functional,
+    weighted_block_loss,
 )
 from dflash_model import scale_and_cap_logits
 
@@ -82,7 +82,7 @@ def reference_loss(hidden, target_hidden, head, labels, valid, weights, loss, we
 @pytest.mark.parametrize("chunk_size", [4, 1000])
 def test_each_loss_and_its_gradient_equal_autograd_through_full_logits(loss, multiplier, cap, chunk_size):
     hidden, target_hidden, head, labels, valid, weights = random_inputs()
-    value, _ = dflash_loss(hidden, head, labels, valid, weights, chunk_size=chunk_size, output_multiplier=multiplier,
+    value, _ = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=chunk_size, output_multiplier=multiplier,
                            final_logit_softcapping=cap, loss=loss, target_hidden=target_hidden)
     (grad,) = torch.autograd.grad(value, hidden)
     expected = reference_loss(hidden, target_hidden, head, labels, valid, weights, loss, multiplier=multiplier, cap=cap)
@@ -97,7 +97,7 @@ def test_each_loss_and_its_gradient_equal_autograd_through_full_logits(loss, mul
 def test_dpace_weighting_and_both_normalisers_equal_the_reference(loss, normalize):
     """D-PACE weights from every row's confidence, with 3-row chunks that split blocks across chunks."""
     hidden, target_hidden, head, labels, valid, weights = random_inputs(seed=1)
-    value, _ = dflash_loss(hidden, head, labels, valid, None, chunk_size=3, loss=loss, target_hidden=target_hidden,
+    value, _ = weighted_block_loss(hidden, head, labels, valid, None, chunk_size=3, loss=loss, target_hidden=target_hidden,
                            loss_weighting="dpace", dpace_alpha=0.3, normalize=normalize, final_logit_softcapping=5.0)
     (grad,) = torch.autograd.grad(value, hidden)
     expected = reference_loss(hidden, target_hidden, head, labels, valid, weights, loss, "dpace", 0.3, normalize, cap=5.0)
@@ -131,11 +131,11 @@ def test_dpace_ce_loss_and_gradient_hand_computed():
     hidden = torch.tensor([[[[math.log(3.0), 0.0], [0.0, 0.0]]]], requires_grad=True)  # [1, 1, 2, 2]
     labels = torch.tensor([[[0, 1]]])
     valid = torch.ones(1, 1, 2, dtype=torch.bool)
-    value, accepted = dflash_loss(hidden, torch.eye(2), labels, valid, None, loss_weighting="dpace")
+    value, accepted = weighted_block_loss(hidden, torch.eye(2), labels, valid, None, loss_weighting="dpace")
     assert abs(value.item() - 0.409321) < 1e-6
     (grad,) = torch.autograd.grad(value, hidden)
     torch.testing.assert_close(grad, torch.tensor([[[[-0.175, 0.175], [0.15, -0.15]]]]), rtol=0, atol=1e-6)
-    count, _ = dflash_loss(hidden, torch.eye(2), labels, valid, None, loss_weighting="dpace", normalize="count")
+    count, _ = weighted_block_loss(hidden, torch.eye(2), labels, valid, None, loss_weighting="dpace", normalize="count")
     assert abs(count.item() - 0.447696) < 1e-6
     # argmax [log 3, 0] -> 0 = label; [0, 0] -> 0 (first max) != label 1.
     assert accepted.tolist() == [1.0, 0.0]
@@ -145,18 +145,18 @@ def test_normalisers_of_fixed_weights():
     """count divides the same weighted sum by the number of valid positions instead of the sum of weights."""
     hidden, target_hidden, head, labels, valid, weights = random_inputs()
     for loss in ("ce", "kl"):
-        by_weights, _ = dflash_loss(hidden, head, labels, valid, weights, loss=loss, target_hidden=target_hidden)
-        by_count, _ = dflash_loss(hidden, head, labels, valid, weights, loss=loss, target_hidden=target_hidden, normalize="count")
+        by_weights, _ = weighted_block_loss(hidden, head, labels, valid, weights, loss=loss, target_hidden=target_hidden)
+        by_count, _ = weighted_block_loss(hidden, head, labels, valid, weights, loss=loss, target_hidden=target_hidden, normalize="count")
         total_weight = weights.expand_as(labels)[valid].sum()
         torch.testing.assert_close(by_count * valid.sum(), by_weights * total_weight, rtol=1e-6, atol=1e-6)
 
 
 def test_accuracy_output_is_the_same_for_every_loss_and_weighting():
     hidden, target_hidden, head, labels, valid, weights = random_inputs()
-    _, accepted = dflash_loss(hidden, head, labels, valid, weights)
+    _, accepted = weighted_block_loss(hidden, head, labels, valid, weights)
     for loss in LOSSES:
         for weighting in ("exp", "dpace"):
-            _, other = dflash_loss(hidden, head, labels, valid, weights, chunk_size=4, loss=loss, target_hidden=target_hidden,
+            _, other = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=4, loss=loss, target_hidden=target_hidden,
                                    loss_weighting=weighting)
             assert torch.equal(torch.nan_to_num(other, nan=-1.0), torch.nan_to_num(accepted, nan=-1.0)), (loss, weighting)
 
@@ -185,7 +185,7 @@ def test_with_a_one_hot_target_kl_and_nla_are_ce_and_the_confidences_agree():
     valid[0, 1, 1] = False
     hidden = torch.randn(1, 4, 3, 8, generator=g)
     target_hidden = 200.0 * F.one_hot(labels, 8).float()  # logits through the identity head: p[label] = 1 in fp32
-    values = {loss: dflash_loss(hidden, torch.eye(8), labels, valid, None, loss=loss, target_hidden=target_hidden,
+    values = {loss: weighted_block_loss(hidden, torch.eye(8), labels, valid, None, loss=loss, target_hidden=target_hidden,
                                 loss_weighting="dpace")[0] for loss in ("ce", "kl", "nla")}
     torch.testing.assert_close(values["kl"], values["ce"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(values["nla"], values["ce"], rtol=1e-5, atol=1e-5)
@@ -193,7 +193,7 @@ def test_with_a_one_hot_target_kl_and_nla_are_ce_and_the_confidences_agree():
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_functional_chunk_equals_eager_chunk(loss):
-    """The function that dflash_loss(compiled=True) compiles computes what the eager chunk does (checked eagerly here)."""
+    """The function that weighted_block_loss(compiled=True) compiles computes what the eager chunk does (checked eagerly here)."""
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(9, VOCAB, generator=g)).bfloat16()
     target_logits = None if loss == "ce" else (3 * torch.randn(9, VOCAB, generator=g)).bfloat16()
@@ -210,7 +210,7 @@ def test_distribution_losses_run_one_more_head_matmul_than_ce():
     head_flops = 2 * int(valid.sum()) * HIDDEN * VOCAB
     for loss, matmuls in (("ce", 2), ("kl", 3)):
         with FlopCounterMode(display=False) as counter:
-            value, _ = dflash_loss(hidden, head, labels, valid, weights, chunk_size=4, loss=loss, target_hidden=target_hidden)
+            value, _ = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=4, loss=loss, target_hidden=target_hidden)
             value.backward()
         assert counter.get_total_flops() == matmuls * head_flops, loss
 
@@ -226,18 +226,18 @@ def test_block_target_hidden_takes_the_position_before_each_label():
 def test_bad_settings_raise_value_errors_that_name_them():
     hidden, target_hidden, head, labels, valid, weights = random_inputs()
     with pytest.raises(ValueError, match="--loss must be one of ce, kl, tv, nla, lk"):
-        dflash_loss(hidden, head, labels, valid, weights, loss="js")
+        weighted_block_loss(hidden, head, labels, valid, weights, loss="js")
     with pytest.raises(ValueError, match="--loss kl .* needs the target's last hidden state"):
-        dflash_loss(hidden, head, labels, valid, weights, loss="kl")
+        weighted_block_loss(hidden, head, labels, valid, weights, loss="kl")
     with pytest.raises(ValueError, match="target_hidden must be laid out like hidden"):
-        dflash_loss(hidden, head, labels, valid, weights, loss="tv", target_hidden=target_hidden[:, :2])
+        weighted_block_loss(hidden, head, labels, valid, weights, loss="tv", target_hidden=target_hidden[:, :2])
     with pytest.raises(ValueError, match="--loss_weighting exp needs the per-position weights"):
-        dflash_loss(hidden, head, labels, valid, None)
+        weighted_block_loss(hidden, head, labels, valid, None)
     with pytest.raises(ValueError, match="--loss_weighting must be one of"):
-        dflash_loss(hidden, head, labels, valid, weights, loss_weighting="linear")
+        weighted_block_loss(hidden, head, labels, valid, weights, loss_weighting="linear")
     with pytest.raises(ValueError, match="--loss_normalize must be one of"):
-        dflash_loss(hidden, head, labels, valid, weights, normalize="mean")
+        weighted_block_loss(hidden, head, labels, valid, weights, normalize="mean")
     with pytest.raises(ValueError, match="--dpace_alpha"):
-        dflash_loss(hidden, head, labels, valid, None, loss_weighting="dpace", dpace_alpha=-0.1)
+        weighted_block_loss(hidden, head, labels, valid, None, loss_weighting="dpace", dpace_alpha=-0.1)
     with pytest.raises(ValueError, match="--lk_eta"):
-        dflash_loss(hidden, head, labels, valid, weights, loss="lk", target_hidden=target_hidden, lk_eta=-1.0)
+        weighted_block_loss(hidden, head, labels, valid, weights, loss="lk", target_hidden=target_hidden, lk_eta=-1.0)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig, Qwen3Config
 
-from dflash_target import drafter_config_for_target
 from dflash_decoding import DFlashStaticContextCache  # the static cache lives where it is used
+from dflash_loss import default_loss_gamma, estimate_acceptance_length, loss_weights, weighted_block_loss
 from dflash_masks import (
     anchor_slots,
     block_input_ids,
@@ -29,7 +29,7 @@ from dflash_model import (
     resolve_layer_types,
     scale_and_cap_logits,
 )
-from dflash_loss import dflash_loss, estimate_acceptance_length, default_loss_gamma, loss_weights
+from dflash_target import drafter_config_for_target
 
 VOCAB = 64
 MASK_ID = 63
@@ -182,7 +182,7 @@ def test_weighted_loss_equals_hand_computed_value():
     labels = torch.tensor([[[0, 1], [2, 0]]])
     valid = torch.tensor([[[True, True], [True, False]]])
     weights = torch.tensor([1.0, 0.5])
-    loss, acc = dflash_loss(hidden, head, labels, valid, weights, chunk_size=2)
+    loss, acc = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=2)
 
     def ce(h, y):
         logits = [h[0] * head[v, 0] + h[1] * head[v, 1] for v in range(3)]
@@ -194,7 +194,7 @@ def test_weighted_loss_equals_hand_computed_value():
     # [1,1] -> [1,1,2] picks 2 = label 2. The invalid position never counts.
     assert acc.tolist() == [1.0, 1.0]
     # The valid rows found ahead (the trainer finds them on the host) give the same loss.
-    ahead, acc_ahead = dflash_loss(hidden, head, labels, valid, weights, chunk_size=2, valid_index=valid.nonzero())
+    ahead, acc_ahead = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=2, valid_index=valid.nonzero())
     assert torch.equal(ahead, loss) and torch.equal(acc_ahead, acc)
 
 
@@ -227,7 +227,7 @@ def random_loss_inputs():
 
 def test_padding_never_counts_and_chunking_is_exact():
     hidden, head, labels, valid, weights = random_loss_inputs()
-    loss_a, acc_a = dflash_loss(hidden, head, labels, valid, weights, chunk_size=4)
+    loss_a, acc_a = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=4)
     (grad_a,) = torch.autograd.grad(loss_a, hidden)
     # Reference: full logits, plain loops.
     num, den = 0.0, 0.0
@@ -243,14 +243,14 @@ def test_padding_never_counts_and_chunking_is_exact():
     hidden2 = hidden.detach().clone()
     hidden2[~valid] = 1e3
     labels2 = labels.masked_fill(~valid, 0)
-    loss_b, acc_b = dflash_loss(hidden2, head, labels2, valid, weights, chunk_size=1000)
+    loss_b, acc_b = weighted_block_loss(hidden2, head, labels2, valid, weights, chunk_size=1000)
     torch.testing.assert_close(loss_b, loss_a.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(acc_b, acc_a, equal_nan=True)
 
 
 def test_loss_with_no_valid_label_is_zero_with_a_graph():
     hidden = torch.randn(1, 2, 3, 4, requires_grad=True)
-    loss, acc = dflash_loss(hidden, torch.randn(10, 4), torch.zeros(1, 2, 3, dtype=torch.long),
+    loss, acc = weighted_block_loss(hidden, torch.randn(10, 4), torch.zeros(1, 2, 3, dtype=torch.long),
                             torch.zeros(1, 2, 3, dtype=torch.bool), loss_weights(4, 2.0))
     loss.backward()
     assert loss.item() == 0.0 and torch.isnan(acc).all() and (hidden.grad == 0).all()
@@ -265,7 +265,7 @@ def test_accepted_counts_runs_of_right_draft_tokens_per_block():
     hidden = F.one_hot(drafted, 3).float()
     labels = torch.tensor([[[0, 1, 0], [0, 2, 2], [0, 1, 0]]])
     valid = torch.tensor([[[True, True, True], [True, True, True], [True, True, False]]])
-    _, accepted = dflash_loss(hidden, head, labels, valid, loss_weights(4, 2.0))
+    _, accepted = weighted_block_loss(hidden, head, labels, valid, loss_weights(4, 2.0))
     # k=1: 3 of 3 blocks right; k=2: blocks 0 and 2 of 3 right through 2; k=3: none of the 2 labelled.
     torch.testing.assert_close(accepted, torch.tensor([1.0, 2 / 3, 0.0]))
     assert abs(estimate_acceptance_length(accepted) - (1 + 1 + 2 / 3)) < 1e-6  # per-position accuracies would give 3.0
@@ -336,7 +336,7 @@ def test_trimmed_anchor_slots_give_the_same_loss_and_gradients():
         anchors, valid = sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(3))
         hidden = drafter(features, input_ids, anchors, valid)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
-        loss, accuracy = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, weights)
+        loss, accuracy = weighted_block_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, weights)
         drafter.zero_grad()
         loss.backward()
         return anchors, loss, accuracy, [p.grad.clone() for p in drafter.parameters() if p.requires_grad]
@@ -362,7 +362,7 @@ def test_loss_falls_on_a_fixed_batch():
         anchors, valid = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(step))
         hidden = drafter(features, input_ids, anchors, valid)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
-        loss, _ = dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, weights)
+        loss, _ = weighted_block_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, weights)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -585,7 +585,7 @@ def test_compiled_flex_forward_equals_sdpa_mixed_layers_on_cpu():
 def test_loss_applies_the_logit_multiplier_and_cap(multiplier, cap):
     """Loss and gradient through the scaled, capped logits equal autograd on scale_and_cap_logits."""
     hidden, head, labels, valid, weights = random_loss_inputs()
-    loss, _ = dflash_loss(hidden, head, labels, valid, weights, chunk_size=4, output_multiplier=multiplier,
+    loss, _ = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=4, output_multiplier=multiplier,
                           final_logit_softcapping=cap)
     (grad,) = torch.autograd.grad(loss, hidden)
     z = scale_and_cap_logits(hidden @ head.t(), multiplier, cap)  # [2, 3, 5, vocab]
@@ -594,5 +594,5 @@ def test_loss_applies_the_logit_multiplier_and_cap(multiplier, cap):
     (expected_grad,) = torch.autograd.grad(expected, hidden)
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
-    plain, _ = dflash_loss(hidden, head, labels, valid, weights)
+    plain, _ = weighted_block_loss(hidden, head, labels, valid, weights)
     assert abs(plain.item() - loss.item()) > 1e-3  # the transform changes the loss

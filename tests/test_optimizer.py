@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import free_port
+
 from dflash_checkpoint import check_same_optimizer
 from dflash_model import DFlashConfig, DFlashDraftModel
 from train_dflash import TrainSettings, muon_param_groups, parse_settings

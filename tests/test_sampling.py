@@ -8,9 +8,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash_decoding
+from dflash_decoding import Decoder, plain_generate, rejection_sample, speculative_generate
 from dflash_model import DFlashDraftModel, sampling_probs
 from dflash_target import drafter_config_for_target
-from dflash_decoding import Decoder, plain_generate, rejection_sample, speculative_generate
 
 VOCAB = 16
 MASK_ID = VOCAB - 1

@@ -17,9 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
-
-from test_split import accelerate_launch, final_weights, read_jsonl
 from conftest import free_port, run_args
+from test_split import accelerate_launch, final_weights, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, MASK_ID, HIDDEN, BLOCK, ANCHORS, SEQ = 64, 63, 32, 4, 8, 24
@@ -35,9 +34,9 @@ def one_case(case, sp):
     """The drafter, its loss function (SP=1) and one micro-batch of 2 rows, the same on every rank."""
     from transformers import Qwen3Config
 
+    from dflash2_model import DFlash2DraftModel
     from dflash_loss import loss_weights
     from dflash_masks import sample_anchors
-    from dflash2_model import DFlash2DraftModel
     from dflash_model import DFlashDraftModel
     from dflash_target import drafter_config_for_target
     from train_dflash import Compute, MicroBatchLoss, TrainSettings
@@ -283,8 +282,9 @@ def test_sequence_parallel_groups_lie_within_a_node(monkeypatch, nodes, num_targ
     drafter ranks, never across a node, the ones the schedule gives one micro-batch (consecutive
     drafter ranks); where a node's drafter ranks do not divide into groups, one error line before any
     group is made. torch.distributed.new_group records the groups instead of making them."""
-    from dflash_topology import make_sequence_parallel_groups
     from test_model import tiny_drafter
+
+    from dflash_topology import make_sequence_parallel_groups
 
     per_node = 7 if nodes == 1 else 8
     node_list = [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]

@@ -4,7 +4,6 @@ never installs it). The last test needs speculators and Triton (skipped without 
 
 import argparse
 import json
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,8 +11,16 @@ import torch
 from safetensors.torch import load_file
 
 import tools.speculators_compare as compare
-from tools.speculators_compare import (CallTimeSpent, capture_layer_ids, features_main, keep_records_before, resumed_step,
-                                       stop_before_deadline, warm_median, write_hidden_states)
+from tools.speculators_compare import (
+    CallTimeSpent,
+    capture_layer_ids,
+    features_main,
+    keep_records_before,
+    resumed_step,
+    stop_before_deadline,
+    warm_median,
+    write_hidden_states,
+)
 
 
 def test_capture_layer_ids_puts_the_last_layer_last():

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import launch_ranks, run_args
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@
   never leave their node, and every sample is trained once per epoch.
 """
 
-import json
 import functools
+import json
 import math
 import os
 import re
@@ -25,10 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO_ROOT, TINY_QWEN3, free_port, launch_ranks
 from conftest import run_args as tiny_run_args
+from safetensors.torch import load_file
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 EMBEDDING_BYTES = TINY_QWEN3["vocab_size"] * TINY_QWEN3["hidden_size"] * 4  # [vocab, hidden] fp32
@@ -266,9 +265,9 @@ def test_sigterm_stops_a_rank_through_its_failure_report_and_kills_its_forked_wo
     """The launcher's SIGTERM raises StoppedByLauncher in the rank (which then reports the failure
     that came first, instead of dying silently); a process forked from the rank, such as a
     data-loading worker, still ends by SIGTERM as by default."""
-    from dflash_liveness import StoppedByLauncher, _stop_on_sigterm
+    from dflash_liveness import StoppedByLauncher, stop_on_sigterm
 
-    previous = signal.signal(signal.SIGTERM, functools.partial(_stop_on_sigterm, os.getpid()))
+    previous = signal.signal(signal.SIGTERM, functools.partial(stop_on_sigterm, os.getpid()))
     try:
         child = os.fork()
         if child == 0:  # the worker: inherits the handler

