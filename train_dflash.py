@@ -182,6 +182,8 @@ LR_SCHEDULERS = ("cosine", "linear")
 
 @dataclass
 class TrainSettings:
+    # One line per setting: its name, type, default, help group and meaning.
+    # fmt: off
     # target and data
     target_model: str | None = field(default=None, metadata={"group": "data", "help": f"Target: local dir or hub id; '{SMOLLM2_PACKAGE}' = the SmolLM2-135M-Instruct GGUF from that pip package (default: none; required, from here or --config)"})
     target_gguf_file: str | None = field(default=None, metadata={"group": "data", "help": "GGUF file name inside --target_model (model and tokenizer are read from it; default: none, the folder's own weights)"})
@@ -275,6 +277,7 @@ class TrainSettings:
     hub_model_id: str | None = field(default=None, metadata={"group": "output", "help": "Hub repo for --push_to_hub, e.g. me/qwen3-8b-dflash (default: none)"})
     hub_private: bool = field(default=False, metadata={"group": "output", "help": "Create the Hub repo private"})
     hub_revision: str | None = field(default=None, metadata={"group": "output", "help": "Branch of the Hub repo to push to (created if missing; default: main)"})
+    # fmt: on
 
     def __post_init__(self):
         if self.target_model is None:
