@@ -122,10 +122,7 @@ from dflash_compile import get_compiled_flex_attention, setup_compile_cache, war
 from dflash_flops import drafter_step_flops, target_forward_flops
 from dflash_loss import LOSSES, block_target_hidden, loss_weights, selector_objective, weighted_block_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
-from dflash_model import (
-    DFlashConfig,
-    DFlashDraftModel,
-)
+from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -142,28 +139,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random config (hidden 64) for smoke tests; implies small grids")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu")
     p.add_argument("--variant", action="append", default=None, help="variant name(s), levers joined by '+' (see the docstring); repeatable")
-    p.add_argument("--objectives", action="store_true",
-                   help="run the first --variant (default compile_layers+fused_ce_compiled, tiny: baseline) as is and with each "
-                        "loss objective: +dpace, +loss_kl, +loss_tv, +loss_nla, +loss_lk")
+    p.add_argument(
+        "--objectives",
+        action="store_true",
+        help="run the first --variant (default compile_layers+fused_ce_compiled, tiny: baseline) as is and with each "
+        "loss objective: +dpace, +loss_kl, +loss_tv, +loss_nla, +loss_lk",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per config (default 6, tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per config after the flex warm-up (default 3, tiny 1)")
-    p.add_argument("--budget_s", type=float, default=None, help="stop starting new configs after this many seconds (default quick 300, full 500, tiny 50); (a) stops 75 s earlier to leave time for (b) and (c)")
-    p.add_argument("--compile_target", action="store_true", help="(b) also with the target's layers compiled (TargetFeatureExtractor.compile_layers); (c) then uses the compiled target")
+    p.add_argument(
+        "--budget_s",
+        type=float,
+        default=None,
+        help="stop starting new configs after this many seconds (default quick 300, full 500, tiny 50); (a) stops 75 s earlier to leave time for (b) and (c)",
+    )
+    p.add_argument(
+        "--compile_target",
+        action="store_true",
+        help="(b) also with the target's layers compiled (TargetFeatureExtractor.compile_layers); (c) then uses the compiled target",
+    )
     p.add_argument("--drafter_only", action="store_true", help="(a) only: skip the target supply (b) and the colocated estimate (c)")
-    p.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"),
-                   help="the drafter: dflash, or dflash2 (its convolutions and candidate selector, and the selector's loss in each "
-                        "step as train_dflash.py adds it; the useful-FLOP count stays DFlash's, without them)")
+    p.add_argument(
+        "--drafter",
+        default="dflash",
+        choices=("dflash", "dflash2"),
+        help="the drafter: dflash, or dflash2 (its convolutions and candidate selector, and the selector's loss in each "
+        "step as train_dflash.py adds it; the useful-FLOP count stays DFlash's, without them)",
+    )
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
     p.add_argument("--layer_types", default=None, help="drafter layer layout as train_dflash.py's --layer_types (all_full, last_full, ...)")
     p.add_argument("--sliding_window", type=int, default=None, help="window of the sliding layers (train_dflash.py's --sliding_window)")
     p.add_argument("--long", action="store_true", help="the long-sample grid instead of (a)-(c): see the docstring")
-    p.add_argument("--long_lengths", default=None, help="--long: tokens per sample, comma-separated (default 3072,4096,8192,16384,32768,65536; tiny 96,128,256,512)")
+    p.add_argument(
+        "--long_lengths",
+        default=None,
+        help="--long: tokens per sample, comma-separated (default 3072,4096,8192,16384,32768,65536; tiny 96,128,256,512)",
+    )
     p.add_argument("--long_layouts", default="all_full,last_full", help="--long: drafter layouts (train_dflash.py's --layer_types), comma-separated")
     p.add_argument("--long_anchors", type=int, default=None, help="--long: anchors per sample (default 512; tiny 16)")
-    p.add_argument("--rows", default=None, help="--long: JSON-lines file of finished rows: appended as each row ends, rows already there are skipped (resume)")
-    p.add_argument("--record-to", default=str(REPO_DIR / "BENCHMARKS.md"),
-                   help="markdown file the tables are appended to (on a machine whose tree does not come back: "
-                        "cp BENCHMARKS.md $OUT/ first, then --record-to $OUT/BENCHMARKS.md)")
+    p.add_argument(
+        "--rows", default=None, help="--long: JSON-lines file of finished rows: appended as each row ends, rows already there are skipped (resume)"
+    )
+    p.add_argument(
+        "--record-to",
+        default=str(REPO_DIR / "BENCHMARKS.md"),
+        help="markdown file the tables are appended to (on a machine whose tree does not come back: "
+        "cp BENCHMARKS.md $OUT/ first, then --record-to $OUT/BENCHMARKS.md)",
+    )
     p.add_argument("--no_append", action="store_true", help="print the tables only")
     args = p.parse_args(argv)
     if args.device not in ("cuda", "cpu"):
@@ -210,23 +232,36 @@ def shapes(args) -> dict:
     """Target config, drafter sizes and the benchmark grids for the chosen mode."""
     if args.tiny:
         target = Qwen3Config(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=4096,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
         )
         headline = [(8, 64, 2), (16, 128, 1)]  # (num_anchors, seq, batch)
         grid = [(n, s, b) for n in (8, 16) for s in (64, 128) for b in (1, 2)]
-        return dict(target=target, draft_layers=2, mask_token_id=255, headline=headline, grid=grid,
-                    target_shapes=[(4, 128), (2, 64), (1, 128)])
+        return dict(target=target, draft_layers=2, mask_token_id=255, headline=headline, grid=grid, target_shapes=[(4, 128), (2, 64), (1, 128)])
     target = Qwen3Config(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
     headline = [(256, 768, 2), (512, 3072, 1)]  # the public anchor's shape; the paper recipe's
     grid = headline + [(n, s, b) for n in (256, 512) for s in (768, 3072) for b in (1, 2, 4) if (n, s, b) not in headline]
     target_shapes = [(16, 1024)] + sorted({(b, s) for _, s, b in (headline if args.quick else grid)})
-    return dict(target=target, draft_layers=5, mask_token_id=QWEN3_MASK_TOKEN_ID, headline=headline, grid=grid,
-                target_shapes=target_shapes)
+    return dict(target=target, draft_layers=5, mask_token_id=QWEN3_MASK_TOKEN_ID, headline=headline, grid=grid, target_shapes=target_shapes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,21 +297,28 @@ class Variant:
 def parse_variant(name: str) -> Variant:
     """'compile_layers+fused_ce_compiled' -> Variant(...). Levers: baseline, compile_layers, loss_chunk_N, fused_ce,
     fused_ce_compiled, loss_<one of dflash_loss.LOSSES>, dpace."""
-    fields = {"compile_layers": False, "loss": "chunked", "chunk_size": 4096, "objective": "ce", "weighting": "exp",
-              "context_chunk": 0, "checkpoint_layers": False}
+    fields = {
+        "compile_layers": False,
+        "loss": "chunked",
+        "chunk_size": 4096,
+        "objective": "ce",
+        "weighting": "exp",
+        "context_chunk": 0,
+        "checkpoint_layers": False,
+    }
     for lever in name.split("+"):
         if lever == "baseline":
             continue
-        elif lever.startswith("loss_") and lever[len("loss_"):] in LOSSES:
-            fields["objective"] = lever[len("loss_"):]
+        elif lever.startswith("loss_") and lever[len("loss_") :] in LOSSES:
+            fields["objective"] = lever[len("loss_") :]
         elif lever == "dpace":
             fields["weighting"] = "dpace"
         elif lever == "compile_layers":
             fields["compile_layers"] = True
-        elif lever.startswith("loss_chunk_") and lever[len("loss_chunk_"):].isdigit():
-            fields["chunk_size"] = int(lever[len("loss_chunk_"):])
-        elif lever.startswith("context_chunk_") and lever[len("context_chunk_"):].isdigit():
-            fields["context_chunk"] = int(lever[len("context_chunk_"):])
+        elif lever.startswith("loss_chunk_") and lever[len("loss_chunk_") :].isdigit():
+            fields["chunk_size"] = int(lever[len("loss_chunk_") :])
+        elif lever.startswith("context_chunk_") and lever[len("context_chunk_") :].isdigit():
+            fields["context_chunk"] = int(lever[len("context_chunk_") :])
         elif lever == "checkpoint_layers":
             fields["checkpoint_layers"] = True
         elif lever == "fused_ce":
@@ -295,8 +337,7 @@ def loss_fn(variant: Variant):
     """The variant's loss: (hidden, head_weight, labels, label_valid, weights, chunk_size=, **objective) -> (loss, accepted)."""
     if variant.loss == "chunked":
         return weighted_block_loss
-    return lambda *a, chunk_size, **objective: fused_dflash_loss(*a, chunk_size=chunk_size, compiled=variant.loss == "fused_compiled",
-                                                                 **objective)
+    return lambda *a, chunk_size, **objective: fused_dflash_loss(*a, chunk_size=chunk_size, compiled=variant.loss == "fused_compiled", **objective)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,8 +417,7 @@ class Progress:
 # (a) drafter train step
 
 
-def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensors, num_anchors, backend, generator, clock,
-                 extractor=None):
+def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensors, num_anchors, backend, generator, clock, extractor=None):
     """One training step as train_dflash.py runs it; returns (anchors, anchor_valid, label_valid) for the FLOP count.
 
     With `extractor`, the target forward runs first (colocated mode) and produces the features.
@@ -396,12 +436,24 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     if variant.objective != "ce":
         objective["target_hidden"] = block_target_hidden(target_hidden, anchors, block_size)  # [batch, N, B-1, hidden]
     dflash2 = isinstance(drafter.config, DFlash2Config)
-    loss, _, *row_weights = loss_fn(variant)(hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size,
-                                             return_row_weights=dflash2, **objective)
+    loss, _, *row_weights = loss_fn(variant)(
+        hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size, return_row_weights=dflash2, **objective
+    )
     if dflash2:  # the selector's loss beside the drafter's, with its weights, as train_dflash.py adds it
-        loss = loss + selector_objective(drafter.candidate_selector, drafter.config.selector_top_k, hidden[:, :, 1:], head_weight,
-                                         labels, label_valid, selector_predecessor_ids(input_ids, anchors, block_size),
-                                         row_weights[0], chunk_size=variant.chunk_size)[0]
+        loss = (
+            loss
+            + selector_objective(
+                drafter.candidate_selector,
+                drafter.config.selector_top_k,
+                hidden[:, :, 1:],
+                head_weight,
+                labels,
+                label_valid,
+                selector_predecessor_ids(input_ids, anchors, block_size),
+                row_weights[0],
+                chunk_size=variant.chunk_size,
+            )[0]
+        )
     clock.mark()
     loss.backward()
     clock.mark()
@@ -467,19 +519,37 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        batch_tensors = make_batch(batch, seq_len, config, device, dtype, with_features=extractor is None,
-                                   with_target_hidden=variant.objective != "ce")
+        batch_tensors = make_batch(
+            batch, seq_len, config, device, dtype, with_features=extractor is None, with_target_hidden=variant.objective != "ce"
+        )
         generator = torch.Generator().manual_seed(0)
         start = time.perf_counter()
         if ctx["backend"] == "flex":
             warm_up_flex_attention(
-                device, create_anchor_block_mask, batch=batch, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim, context_len=seq_len, num_anchors=num_anchors, block_size=config.block_size,
-                dtype=dtype, rules=tuple(config.attention_rule(i) for i in range(config.num_hidden_layers)),
+                device,
+                create_anchor_block_mask,
+                batch=batch,
+                heads=config.num_attention_heads,
+                kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                context_len=seq_len,
+                num_anchors=num_anchors,
+                block_size=config.block_size,
+                dtype=dtype,
+                rules=tuple(config.attention_rule(i) for i in range(config.num_hidden_layers)),
             )
         step = lambda clock: drafter_step(  # noqa: E731 - one call site per phase below
-            ctx["drafter"], ctx["optimizer"], ctx["head_weight"], ctx["weights"], variant, batch_tensors, num_anchors,
-            ctx["backend"], generator, clock, extractor,
+            ctx["drafter"],
+            ctx["optimizer"],
+            ctx["head_weight"],
+            ctx["weights"],
+            variant,
+            batch_tensors,
+            num_anchors,
+            ctx["backend"],
+            generator,
+            clock,
+            extractor,
         )
         for _ in range(ctx["warmup"]):
             step(PhaseClock(device))
@@ -572,7 +642,8 @@ def drafter_table(rows, matmul_tflops, on_cuda, trainable_params) -> str:
         tflops = r["flops_sample"] / (ms_sample / 1e3) / 1e12
         peak = r["peak_gb"]
         lines.append(
-            shape + f"| {r['ms_step']:.1f} | {ms_sample:.1f} | {(r['ms_step'] - r['phases_ms'][-1] * 6 / 7) / r['batch']:.1f} | {1e3 / ms_sample:.2f} | {r['flops_sample'] / 1e12:.3g} "
+            shape
+            + f"| {r['ms_step']:.1f} | {ms_sample:.1f} | {(r['ms_step'] - r['phases_ms'][-1] * 6 / 7) / r['batch']:.1f} | {1e3 / ms_sample:.2f} | {r['flops_sample'] / 1e12:.3g} "
             f"| {tflops:.3g} | {100 * tflops / matmul_tflops:.1f}% "
             f"| {fmt(100 * tflops / H200_BF16_PEAK_TFLOPS if on_cuda else None)}{'%' if on_cuda else ''} "
             f"| {fmt(peak)} | {fmt(peak - sharded_saving_gb if peak is not None else None)} "
@@ -687,11 +758,19 @@ def run_long(args, s: dict, device, dtype, progress) -> tuple[list, str]:
 
     for layout in args.long_layouts:
         window = None if layout == "all_full" else args.sliding_window
-        todo = [(v, n) for v in args.variants for n in args.long_lengths if row_key(dict(kind="drafter", layout=layout, variant=v, seq=n)) not in done]
+        todo = [
+            (v, n) for v in args.variants for n in args.long_lengths if row_key(dict(kind="drafter", layout=layout, variant=v, seq=n)) not in done
+        ]
         if not todo:
             continue
-        config = drafter_config_for_target(target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
-                                           layer_types=layout, sliding_window=window, drafter=args.drafter)
+        config = drafter_config_for_target(
+            target_config,
+            mask_token_id=s["mask_token_id"],
+            num_draft_layers=s["draft_layers"],
+            layer_types=layout,
+            sliding_window=window,
+            drafter=args.drafter,
+        )
         ctx = drafter_context(args, config, device, dtype, progress)
         for name, seq_len in todo:
             if progress.over_budget():
@@ -699,12 +778,18 @@ def run_long(args, s: dict, device, dtype, progress) -> tuple[list, str]:
                 continue
             progress(f"(long) {layout}, {name}: {args.long_anchors} anchors, {seq_len} tokens")
             row = bench_drafter_config(ctx, parse_variant(name), args.long_anchors, seq_len, 1)
-            row.update(kind="drafter", layout=layout, window=window,
-                       context_bytes_per_token=context_bytes_per_token(config, parse_variant(name).context_chunk > 0))
+            row.update(
+                kind="drafter",
+                layout=layout,
+                window=window,
+                context_bytes_per_token=context_bytes_per_token(config, parse_variant(name).context_chunk > 0),
+            )
             record(row)
             if row["status"] == "ok":
-                progress(f"    {row['ms_step']:.1f} ms/sample, {row['flops_sample'] / (row['ms_step'] / 1e3) / 1e12:.3g} useful TFLOP/s, "
-                         f"peak {fmt(row['peak_gb'])} GB")
+                progress(
+                    f"    {row['ms_step']:.1f} ms/sample, {row['flops_sample'] / (row['ms_step'] / 1e3) / 1e12:.3g} useful TFLOP/s, "
+                    f"peak {fmt(row['peak_gb'])} GB"
+                )
             else:
                 progress(f"    {row['status']}")
         ctx["optimizer"].zero_grad()
@@ -733,8 +818,14 @@ def long_table(rows: list[dict]) -> str:
             continue
         # The reference: this layout's 3,072-token row of the same variant, else of the variant this one adds
         # levers to (a memory lever measured at 32k and 64k only), else this variant's shortest row.
-        same = [b for b in rows if b["kind"] == "drafter" and b["status"] == "ok" and b["layout"] == r["layout"]
-                and (b["variant"] == r["variant"] or r["variant"].startswith(b["variant"] + "+"))]
+        same = [
+            b
+            for b in rows
+            if b["kind"] == "drafter"
+            and b["status"] == "ok"
+            and b["layout"] == r["layout"]
+            and (b["variant"] == r["variant"] or r["variant"].startswith(b["variant"] + "+"))
+        ]
         ref = min(same, key=lambda b: (b["seq"] != 3072, b["variant"] != r["variant"], b["seq"]))
         target, ref_target = targets.get(r["seq"]), targets.get(ref["seq"])
         predicted = (ref["peak_gb"] + (r["seq"] - ref["seq"]) * r["context_bytes_per_token"] / 1e9) if ref.get("peak_gb") is not None else None
@@ -795,9 +886,19 @@ def drafter_context(args: argparse.Namespace, config: DFlashConfig, device: torc
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=1e-5, max_grad_norm=1.0, fused=device.type == "cuda")
     trainable = sum(p.numel() for p in optimizer.params)
     progress(f"drafter: {trainable / 1e6:.1f} M trainable params ({config.num_hidden_layers} layers, block {config.block_size})")
-    return dict(device=device, config=config, dtype=dtype, drafter=drafter, optimizer=optimizer, trainable=trainable,
-                head_weight=head.weight, weights=loss_weights(config.block_size, device=device), backend=args.backend,
-                steps=args.steps, warmup=args.warmup)
+    return dict(
+        device=device,
+        config=config,
+        dtype=dtype,
+        drafter=drafter,
+        optimizer=optimizer,
+        trainable=trainable,
+        head_weight=head.weight,
+        weights=loss_weights(config.block_size, device=device),
+        backend=args.backend,
+        steps=args.steps,
+        warmup=args.warmup,
+    )
 
 
 def run_drafter_grid(ctx: dict, progress, variant_names, configs, rows: list, budget_s: float) -> None:
@@ -813,8 +914,10 @@ def run_drafter_grid(ctx: dict, progress, variant_names, configs, rows: list, bu
             row = bench_drafter_config(ctx, variant, num_anchors, seq_len, batch)
             rows.append(row)
             if row["status"] == "ok":
-                progress(f"    {row['ms_step'] / batch:.1f} ms/sample, {row['flops_sample'] / (row['ms_step'] / batch / 1e3) / 1e12:.3g} "
-                         f"useful TFLOP/s, peak {fmt(row['peak_gb'])} GB, warm-up {row['warmup_s']:.1f} s")
+                progress(
+                    f"    {row['ms_step'] / batch:.1f} ms/sample, {row['flops_sample'] / (row['ms_step'] / batch / 1e3) / 1e12:.3g} "
+                    f"useful TFLOP/s, peak {fmt(row['peak_gb'])} GB, warm-up {row['warmup_s']:.1f} s"
+                )
             else:
                 progress(f"    {row['status']}")
 
@@ -838,13 +941,14 @@ def run_target_supply(args, s: dict, config: DFlashConfig, device, dtype, progre
             row = bench_target(extractor, target_config, num_layers, device, batch, seq_len, args.steps, args.warmup)
             row["compiled"] = compiled
             rows.append(row)
-            progress(f"(b) target batch {batch} x {seq_len}{' compiled' if compiled else ''}: "
-                     + (f"{row['tokens_s']:,.0f} tokens/s" if row["status"] == "ok" else row["status"]))
+            progress(
+                f"(b) target batch {batch} x {seq_len}{' compiled' if compiled else ''}: "
+                + (f"{row['tokens_s']:,.0f} tokens/s" if row["status"] == "ok" else row["status"])
+            )
     return rows, extractor
 
 
-def run_colocated(args, s: dict, ctx: dict, extractor: TargetFeatureExtractor, drafter_rows: list, target_rows: list,
-                  progress) -> list:
+def run_colocated(args, s: dict, ctx: dict, extractor: TargetFeatureExtractor, drafter_rows: list, target_rows: list, progress) -> list:
     """(c) target forward + drafter step on one GPU at the headline shapes (baseline and the fastest
     CE variant: the truncated target has no last hidden state for the distribution losses), each
     against the two alone."""
@@ -864,8 +968,10 @@ def run_colocated(args, s: dict, ctx: dict, extractor: TargetFeatureExtractor, d
             progress(f"(c) colocated {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
             row = bench_drafter_config(ctx, parse_variant(name), num_anchors, seq_len, batch, extractor=extractor)
             alone = next((r for r in at_shape if r["variant"] == name), None)
-            target_alone = next((r for r in target_rows if (r["batch"], r["seq"], r["compiled"]) == (batch, seq_len, args.compile_target)
-                                 and r["status"] == "ok"), None)
+            target_alone = next(
+                (r for r in target_rows if (r["batch"], r["seq"], r["compiled"]) == (batch, seq_len, args.compile_target) and r["status"] == "ok"),
+                None,
+            )
             if alone and target_alone:
                 row["alone_ms"] = (alone["ms_step"] / batch, target_alone["ms_call"] / batch)
             rows.append(row)
@@ -874,8 +980,18 @@ def run_colocated(args, s: dict, ctx: dict, extractor: TargetFeatureExtractor, d
     return rows
 
 
-def report(args, argv: list[str], s: dict, config: DFlashConfig, gpu: str, matmul: tuple[float, str], trainable: int,
-           rows: tuple[list, list, list], on_cuda: bool, elapsed_s: float) -> str:
+def report(
+    args,
+    argv: list[str],
+    s: dict,
+    config: DFlashConfig,
+    gpu: str,
+    matmul: tuple[float, str],
+    trainable: int,
+    rows: tuple[list, list, list],
+    on_cuda: bool,
+    elapsed_s: float,
+) -> str:
     """The markdown entry of this run: the setting, then tables (a), (b) and (c)."""
     matmul_tflops, matmul_note = matmul
     drafter_rows, target_rows, colocated_rows = rows
@@ -909,10 +1025,18 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and a shared CPU loses a lot to them
     torch.manual_seed(0)
     s = shapes(args)
-    config = drafter_config_for_target(s["target"], mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"],
-                                       layer_types=args.layer_types, sliding_window=args.sliding_window, drafter=args.drafter)
+    config = drafter_config_for_target(
+        s["target"],
+        mask_token_id=s["mask_token_id"],
+        num_draft_layers=s["draft_layers"],
+        layer_types=args.layer_types,
+        sliding_window=args.sliding_window,
+        drafter=args.drafter,
+    )
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    progress(f"{gpu}, torch {torch.__version__}, {args.drafter} drafter, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s")
+    progress(
+        f"{gpu}, torch {torch.__version__}, {args.drafter} drafter, variants {args.variants}, backend {args.backend}, budget {args.budget_s:.0f} s"
+    )
     if args.long:
         s["target"].max_position_embeddings = max(s["target"].max_position_embeddings, max(args.long_lengths))
         rows, note = run_long(args, s, device, dtype, progress)
@@ -948,8 +1072,9 @@ def main(argv: list[str]) -> None:
         target_rows, extractor = run_target_supply(args, s, config, device, dtype, progress)
         colocated_rows = run_colocated(args, s, ctx, extractor, drafter_rows, target_rows, progress)
 
-    text = report(args, argv, s, config, gpu, matmul, ctx["trainable"], (drafter_rows, target_rows, colocated_rows),
-                  device.type == "cuda", progress.elapsed())
+    text = report(
+        args, argv, s, config, gpu, matmul, ctx["trainable"], (drafter_rows, target_rows, colocated_rows), device.type == "cuda", progress.elapsed()
+    )
     print(text, flush=True)
     if not args.no_append:
         results = Path(args.record_to)

@@ -120,7 +120,12 @@ def speculators_non_causal(config: DFlashConfig, where: str) -> bool:
         logger.warning(
             "%s: layers %s slide causally and layers %s are bidirectional full layers: speculators runs them as trained; vLLM "
             "reads sliding_window_non_causal false as dflash_config.causal true and runs layers %s causal too (vllm#56692): "
-            "in vLLM, serve our export, which it runs as trained", where, sliding, full, full)
+            "in vLLM, serve our export, which it runs as trained",
+            where,
+            sliding,
+            full,
+            full,
+        )
     return False
 
 
@@ -230,8 +235,9 @@ def to_speculators(source: Path, target: str | None, max_seq_len: int | None) ->
         "speculators_config": {
             "algorithm": "dflash2" if is_dflash2 else "dflash",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
-                                  "speculative_tokens": config.block_size - 1, "verifier_accept_k": 1}],
+            "proposal_methods": [
+                {"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": config.block_size - 1, "verifier_accept_k": 1}
+            ],
             "verifier": {"architectures": list(getattr(verifier, "architectures", None) or []), "name_or_path": target},
         },
         "speculators_model_type": "dflash2" if is_dflash2 else "dflash",
@@ -281,10 +287,14 @@ def to_zlab(source: Path, target: str | None, max_seq_len: int | None) -> tuple[
     non_causal = raw.get("sliding_window_non_causal", kind == "dflash2")
     dflash_config = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": [i - 1 for i in aux]}
     fields = {k: v for k, v in layers.items() if k not in ("architectures", "transformers_version")}
-    fields.update(block_size=raw["block_size"], num_target_layers=text.num_hidden_layers, dflash_config=dflash_config,
-                  # speculators' full layers are bidirectional (our default); its sliding layers are
-                  # causal unless sliding_window_non_causal, which our is_causal says for them.
-                  is_causal=(False if non_causal else None) if sliding else (False if kind == "dflash2" else None))
+    fields.update(
+        block_size=raw["block_size"],
+        num_target_layers=text.num_hidden_layers,
+        dflash_config=dflash_config,
+        # speculators' full layers are bidirectional (our default); its sliding layers are
+        # causal unless sliding_window_non_causal, which our is_causal says for them.
+        is_causal=(False if non_causal else None) if sliding else (False if kind == "dflash2" else None),
+    )
     if kind == "dflash2":
         fields.update({name: raw[name] for name in DFLASH2_FIELDS if name in raw})
     try:
@@ -299,16 +309,30 @@ def to_zlab(source: Path, target: str | None, max_seq_len: int | None) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="The rules each conversion checks: the docstring of convert_dflash.py; docs/drafters.md.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="The rules each conversion checks: the docstring of convert_dflash.py; docs/drafters.md.",
+    )
     parser.add_argument("source", type=Path, help="folder of the drafter to convert (config.json + model.safetensors)")
     parser.add_argument("output", type=Path, help="folder to write (created; replaced only with --overwrite)")
-    parser.add_argument("--to", required=True, choices=("speculators", "zlab"),
-                        help="speculators: speculators' layout; zlab: our export, the layout z-lab's code, SGLang and vLLM load")
-    parser.add_argument("--target", help="the target (HF folder or hub id); default: training_settings.json's target_model "
-                                         "(--to speculators) or the checkpoint's verifier (--to zlab)")
-    parser.add_argument("--max_seq_len", type=int, help="the longest sequence (prompt + reply tokens) the drafter will be "
-                                                        "served at; default its max_position_embeddings. Only sliding layers read it")
+    parser.add_argument(
+        "--to",
+        required=True,
+        choices=("speculators", "zlab"),
+        help="speculators: speculators' layout; zlab: our export, the layout z-lab's code, SGLang and vLLM load",
+    )
+    parser.add_argument(
+        "--target",
+        help="the target (HF folder or hub id); default: training_settings.json's target_model "
+        "(--to speculators) or the checkpoint's verifier (--to zlab)",
+    )
+    parser.add_argument(
+        "--max_seq_len",
+        type=int,
+        help="the longest sequence (prompt + reply tokens) the drafter will be "
+        "served at; default its max_position_embeddings. Only sliding layers read it",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     args = parser.parse_args(argv)
     if args.output.exists() and not args.overwrite:

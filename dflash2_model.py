@@ -75,19 +75,14 @@ class DFlash2Config(DFlashConfig):
             )
         if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
             raise ValueError(
-                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}; pass a "
-                f"--conv_group_size that does, e.g. 16"
+                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}; pass a --conv_group_size that does, e.g. 16"
             )
         if self.selector_rank < 1:
             raise ValueError(f"selector_rank must be >= 1, got {self.selector_rank}; pass --selector_rank 256")
         if not 1 <= self.selector_top_k <= self.vocab_size:
-            raise ValueError(
-                f"selector_top_k {self.selector_top_k} must be in 1..vocab_size ({self.vocab_size}); pass "
-                f"--selector_top_k 16"
-            )
+            raise ValueError(f"selector_top_k {self.selector_top_k} must be in 1..vocab_size ({self.vocab_size}); pass --selector_top_k 16")
         if self.dflash_config is not None:
-            self.dflash_config = {**self.dflash_config, "block_size": self.block_size,
-                                  **{name: getattr(self, name) for name in DFLASH2_FIELDS}}
+            self.dflash_config = {**self.dflash_config, "block_size": self.block_size, **{name: getattr(self, name) for name in DFLASH2_FIELDS}}
 
     def to_dict(self) -> dict:
         """The config as saved: the DFlash2 sizes inside `dflash_config` only (one place to read them)."""
@@ -118,9 +113,7 @@ def selector_predecessor_ids(input_ids: torch.Tensor, anchors: torch.Tensor, blo
     return input_ids.gather(1, positions.clamp(max=seq_len - 1).flatten(1)).view_as(positions)
 
 
-def grouped_dynamic_causal_conv(
-    x: torch.Tensor, base_kernel: torch.Tensor, dynamic_kernel: torch.Tensor, block_size: int
-) -> torch.Tensor:
+def grouped_dynamic_causal_conv(x: torch.Tensor, base_kernel: torch.Tensor, dynamic_kernel: torch.Tensor, block_size: int) -> torch.Tensor:
     """DFlash2's convolution: causal along each block, one kernel per token and channel group.
 
     out[t, c] = sum_{i < K} (base_kernel[i, c] + dynamic_kernel[t, i, c // group_size]) * x[t - i, c],
@@ -234,8 +227,7 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, config.selector_rank))
         self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
 
-    def forward(self, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor,
-                unary: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor, unary: torch.Tensor) -> torch.Tensor:
         """Scores of given candidates given their predecessors, for all positions at once (the
         teacher-forced form of the walk; training calls it through the module, so its parameter
         hooks run).
@@ -251,8 +243,15 @@ class CandidateSelector(nn.Module):
         pair = (self.successor_codebook[candidate_ids] @ context[..., None])[..., 0]  # [..., K]
         return unary.float() + pair.float()
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: torch.Tensor, temperature: float = 0.0,
-             top_p: float = 1.0, uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def walk(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_token: torch.Tensor,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        uniform: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The draft path through one block: at each position take the top-k of the logits, score
         them given the token chosen before, and choose one (the argmax at temperature 0, else a
         sample from `sampling_probs(scores, temperature, top_p)`). No host syncs.
@@ -334,8 +333,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         return self.candidate_selector.walk(hidden, self.compute_logits(hidden), anchor_token)[0]
 
     @torch.no_grad()
-    def draft_sample(self, cache, anchor_token: torch.Tensor, temperature: float, top_p: float,
-                     uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draft_sample(
+        self, cache, anchor_token: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One sampled draft pass (`CandidateSelector.walk`); no host sync, no random state (CUDA-graph safe).
 
         Args:
@@ -355,5 +355,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     def draft_probs(self, cache, anchor_token: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
         """Not defined for DFlash2: each draft's distribution depends on the draft before it, so q
         comes with the sampled path (`draft_sample`)."""
-        raise ValueError("a DFlash2 drafter samples its block along the selector's path: call draft_sample, which "
-                         "returns the tokens with their q rows over the candidates")
+        raise ValueError(
+            "a DFlash2 drafter samples its block along the selector's path: call draft_sample, which "
+            "returns the tokens with their q rows over the candidates"
+        )

@@ -117,8 +117,16 @@ class SeededSampling(LogitsProcessor):
 PACKED_GQA_SDPA = "regenerate_packed_gqa_sdpa"  # the name `StaticBatchDecoder` registers `packed_gqa_sdpa` under
 
 
-def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                    dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def packed_gqa_sdpa(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention, except for a single query token with grouped KV heads and a mask
     shared by the heads (a decode step): the query heads of each KV head become that KV head's query
     rows, so SDPA reads every cached key and value once. transformers repeats the keys and values for
@@ -135,12 +143,20 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if (query.shape[2] != 1 or groups == 1 or attention_mask is None or attention_mask.shape[1] != 1
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
+    if (
+        query.shape[2] != 1
+        or groups == 1
+        or attention_mask is None
+        or attention_mask.shape[1] != 1
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, _, head_dim = query.shape
     rows = query.reshape(batch, heads // groups, groups, head_dim)  # query head h is row h % groups of KV head h // groups
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)  # [batch, kv_heads, groups, head_dim]
+    out = F.scaled_dot_product_attention(
+        rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )  # [batch, kv_heads, groups, head_dim]
     return out.reshape(batch, 1, heads, value.shape[-1]), None
 
 
@@ -181,8 +197,7 @@ class StaticBatchDecoder:
     CHECK_EVERY = 8  # steps between host checks for ended replies (each waits for the copies made at the check before)
     PREFILL_ROW_BUCKETS, PREFILL_WIDTH_MULTIPLE = (16, 32, 64), 64  # the prefill's shapes (more rows go in chunks of the largest)
 
-    def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool,
-                 compile_step: bool = False):
+    def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool, compile_step: bool = False):
         from transformers import AttentionInterface, StaticCache
 
         from dflash_decoding import cache_argument_name, static_cache_problem
@@ -231,8 +246,9 @@ class StaticBatchDecoder:
             layer.cumulative_length.copy_(column[0])
         self.valid.index_fill_(1, column, True)
         mask = self._mask(self.valid[:, None, None, :])  # [batch, 1, 1, columns]
-        logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1,
-                            **{self.cache_argument: self.cache}).logits
+        logits = self.model(
+            input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache}
+        ).logits
         return logits[:, -1]  # [batch, vocab]
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
@@ -244,8 +260,9 @@ class StaticBatchDecoder:
         try:  # the first call compiles (and captures the graph); a step that repeats writes the same cache column
             return run(tokens, positions, column)
         except Exception as error:
-            logger.warning("the compiled decode step failed in its warm-up (%s: %s); decoding with the eager step instead",
-                           type(error).__name__, error)
+            logger.warning(
+                "the compiled decode step failed in its warm-up (%s: %s); decoding with the eager step instead", type(error).__name__, error
+            )
             self.step = self._forward
             if self.cuda_graphs:
                 torch.cuda.synchronize()  # what the failed call queued ends before the eager step rewrites the column
@@ -277,8 +294,8 @@ class StaticBatchDecoder:
             real = torch.zeros(size, width, dtype=torch.bool)
             for i in range(size):  # left padding: every prompt ends at the last column
                 ids = chunk[i] if i < len(chunk) else chunk[0]
-                input_ids[i, width - len(ids):] = torch.tensor(ids)
-                real[i, width - len(ids):] = True
+                input_ids[i, width - len(ids) :] = torch.tensor(ids)
+                real[i, width - len(ids) :] = True
             chunk_rows = rows[start : start + len(chunk)]
             chunk_rows = torch.cat([chunk_rows, chunk_rows[:1].expand(size - len(chunk))])
             out = self._prefill_call(self._to_device(input_ids), self._to_device(real), chunk_rows, column_tensor)
@@ -319,8 +336,14 @@ class StaticBatchDecoder:
             layer.cumulative_length.zero_()
         attention = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if device.type == "cuda" else contextlib.nullcontext()
         with attention:
-            logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(allowed), use_cache=True,
-                                logits_to_keep=1, **{self.cache_argument: cache}).logits[:, -1]
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=self._mask(allowed),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_argument: cache},
+            ).logits[:, -1]
         columns = (column - width + torch.arange(width, device=device)) % self.length  # [W]
         for ring, new in zip(self.cache.layers, cache.layers):  # [batch, kv_heads, columns, head_dim] <- [P, kv_heads, W, head_dim]
             ring.keys.transpose(1, 2)[rows[:, None], columns[None, :]] = new.keys.transpose(1, 2)
@@ -369,9 +392,11 @@ class StaticBatchDecoder:
         tokens = torch.zeros(batch, dtype=torch.long, device=device)
         # The rows' state as of the last check, on the host (pinned: copied without a sync).
         pinned = device.type == "cuda"
-        seen_live, seen_lengths, seen_out = (torch.zeros(batch, dtype=torch.bool, pin_memory=pinned),
-                                             torch.zeros(batch, dtype=torch.long, pin_memory=pinned),
-                                             torch.zeros(batch, max_new, dtype=torch.long, pin_memory=pinned))
+        seen_live, seen_lengths, seen_out = (
+            torch.zeros(batch, dtype=torch.bool, pin_memory=pinned),
+            torch.zeros(batch, dtype=torch.long, pin_memory=pinned),
+            torch.zeros(batch, max_new, dtype=torch.long, pin_memory=pinned),
+        )
         seen = None  # after the first check: the event that the copies are done (True on the CPU)
         logits, column, step, busy = None, self.width, 0, torch.zeros((), dtype=torch.long, device=device)
         began, new_tokens, replies = time.time(), 0, 0
@@ -438,10 +463,30 @@ class StaticBatchDecoder:
         finally:
             config._attn_implementation = restore
         seconds = time.time() - began
-        self.stats = {"replies": replies, "new_tokens": new_tokens, "seconds": seconds, "steps": step, "busy_row_steps": busy.item(),
-                      "check_seconds": checking, "wait_seconds": waiting, "prefill_seconds": prefilling, "handout_seconds": handing_out}
-        logger.info("%d replies, %d tokens decoded (end-of-turn tokens included) in %.1f s (%.0f tokens/s); %d decode steps of "
-                    "%d rows, %.0f%% of the rows busy; the host spent %.1f s at checks: %.1f s waiting for the GPU, %.1f s "
-                    "prefilling new prompts, %.1f s handing out replies",
-                    replies, new_tokens, seconds, new_tokens / max(seconds, 1e-9), step, batch,
-                    100 * busy.item() / max(step * batch, 1), checking, waiting, prefilling, handing_out)
+        self.stats = {
+            "replies": replies,
+            "new_tokens": new_tokens,
+            "seconds": seconds,
+            "steps": step,
+            "busy_row_steps": busy.item(),
+            "check_seconds": checking,
+            "wait_seconds": waiting,
+            "prefill_seconds": prefilling,
+            "handout_seconds": handing_out,
+        }
+        logger.info(
+            "%d replies, %d tokens decoded (end-of-turn tokens included) in %.1f s (%.0f tokens/s); %d decode steps of "
+            "%d rows, %.0f%% of the rows busy; the host spent %.1f s at checks: %.1f s waiting for the GPU, %.1f s "
+            "prefilling new prompts, %.1f s handing out replies",
+            replies,
+            new_tokens,
+            seconds,
+            new_tokens / max(seconds, 1e-9),
+            step,
+            batch,
+            100 * busy.item() / max(step * batch, 1),
+            checking,
+            waiting,
+            prefilling,
+            handing_out,
+        )

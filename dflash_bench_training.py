@@ -9,13 +9,12 @@ import torch
 from dflash_model import DFlashConfig
 
 
-def make_batch(batch: int, seq_len: int, config: DFlashConfig, device, dtype, with_features: bool = True,
-               with_target_hidden: bool = False):
+def make_batch(batch: int, seq_len: int, config: DFlashConfig, device, dtype, with_features: bool = True, with_target_hidden: bool = False):
     """Random full-length rows: input_ids [batch, S], loss_mask [batch, S] (prompt = first S/8), features
     [batch, S, 5*hidden], and the target's last hidden state [batch, S, hidden] for the distribution losses (else None)."""
     input_ids = torch.randint(0, config.mask_token_id, (batch, seq_len), device=device)
     loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
-    loss_mask[:, seq_len // 8:] = True
+    loss_mask[:, seq_len // 8 :] = True
     features = target_hidden = None
     if with_features:
         features = torch.randn(batch, seq_len, len(config.target_layer_ids) * config.hidden_size, device=device, dtype=dtype)

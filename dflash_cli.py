@@ -27,8 +27,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _format_action_invocation(self, action):
         action = copy.copy(action)  # the parser's own action keeps every form: --x-y is still accepted
-        action.option_strings = [option for option in action.option_strings
-                                 if not ("-" in option[2:] and "--" + option[2:].replace("-", "_") in action.option_strings)]
+        action.option_strings = [
+            option for option in action.option_strings if not ("-" in option[2:] and "--" + option[2:].replace("-", "_") in action.option_strings)
+        ]
         return super()._format_action_invocation(action)
 
 
@@ -142,7 +143,8 @@ def _checked(kind, value, path: str, key: str, listed: bool = False):
     else:  # str: a number is taken as written (a revision "2", a device "0")
         ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
     if not ok:
-        one, many = {bool: ("true or false", "trues or falses"), int: ("an integer", "integers"),
-                     float: ("a number", "numbers")}.get(kind, ("a string", "strings"))
+        one, many = {bool: ("true or false", "trues or falses"), int: ("an integer", "integers"), float: ("a number", "numbers")}.get(
+            kind, ("a string", "strings")
+        )
         raise ValueError(f"{path}: {key} expects {'a list of ' + many if listed else one}, got {value!r}")
     return float(value) if kind is float else str(value) if kind is str else value

@@ -89,12 +89,7 @@ def _set_config_in_every_thread(config_module, name: str, value) -> None:
 
 
 def setup_compile_cache(
-    mode: str,
-    root: str | os.PathLike | None = None,
-    rank: int = 0,
-    *,
-    compile_threads: int | None = None,
-    lock_timeout_s: float | None = None,
+    mode: str, root: str | os.PathLike | None = None, rank: int = 0, *, compile_threads: int | None = None, lock_timeout_s: float | None = None
 ) -> Path:
     """Point inductor's and Triton's caches at a node-local root; return the node-wide lock directory.
 
@@ -147,7 +142,11 @@ def setup_compile_cache(
         _set_config_in_every_thread(torch._inductor.config, "compile_threads", compile_threads)
     log.info(
         "compile cache (%s): inductor %s, triton %s, lock dir %s, compile threads %s",
-        mode, cache_dir, cache_dir / "triton", root, compile_threads or "inductor default",
+        mode,
+        cache_dir,
+        cache_dir / "triton",
+        root,
+        compile_threads or "inductor default",
     )
     return root
 
@@ -228,8 +227,7 @@ def compile_lock(what: str, timeout_s: float | None = None):
         outermost = file_lock.lock_counter == 1
         acquired = time.monotonic()
         if outermost:
-            holder = {"pid": os.getpid(), "host": socket.gethostname(), "thread": threading.current_thread().name,
-                      "what": what, "since": time.time()}
+            holder = {"pid": os.getpid(), "host": socket.gethostname(), "thread": threading.current_thread().name, "what": what, "since": time.time()}
             tmp_path = holder_path.with_name(f"{holder_path.name}.{os.getpid()}.tmp")
             tmp_path.write_text(json.dumps(holder))
             os.replace(tmp_path, holder_path)  # readers never see half a file
@@ -245,9 +243,7 @@ def compile_lock(what: str, timeout_s: float | None = None):
         _compile_thread_lock.release()
 
 
-def check_flex_is_compiled(
-    device_type: str, compiled: bool, *, batch: int, heads: int, q_len: int, kv_len: int, reason: str = ""
-) -> None:
+def check_flex_is_compiled(device_type: str, compiled: bool, *, batch: int, heads: int, q_len: int, kv_len: int, reason: str = "") -> None:
     """Refuse to run flex_attention uncompiled on a GPU (pure logic, testable on CPU).
 
     Uncompiled flex_attention materialises the [batch, heads, Q, KV] fp32 score matrix:
@@ -455,9 +451,7 @@ def _check_runs_compiled(compiled: Callable, q: torch.Tensor, k: torch.Tensor) -
     """`check_flex_is_compiled` for a call of `compiled` on q [batch, heads, Q, head_dim], k [batch, kv_heads, KV, head_dim]."""
     batch, heads, q_len, _ = q.shape
     reasons = flex_eager_reasons(compiled)
-    check_flex_is_compiled(
-        q.device.type, not reasons, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[2], reason="; ".join(reasons)
-    )
+    check_flex_is_compiled(q.device.type, not reasons, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[2], reason="; ".join(reasons))
 
 
 def _compile_and_warm_up(compiled: Callable, key: tuple, q, k, v, block_mask: BlockMask) -> None:
@@ -494,7 +488,9 @@ def _compile_and_warm_up(compiled: Callable, key: tuple, q, k, v, block_mask: Bl
         log.info("Compilation time: %.2f seconds (%s)", seconds, what)
         log.info(
             "flex_attention compile #%d of this process; dynamo holds %d flex_attention graphs (limit %d)",
-            len(_flex_compile_seconds), _flex_dynamo_graphs(), FLEX_RECOMPILE_LIMIT,
+            len(_flex_compile_seconds),
+            _flex_dynamo_graphs(),
+            FLEX_RECOMPILE_LIMIT,
         )
 
 
@@ -542,7 +538,9 @@ def warm_up_flex_attention(
     q = torch.randn(batch, q_len, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)  # [batch, heads, Q, head_dim]
     k = torch.randn(batch, kv_heads, context_len + q_len, head_dim, device=device, dtype=dtype)  # [batch, kv_heads, KV, head_dim]
     v = torch.randn_like(k)
-    anchors = (torch.arange(num_anchors, device=device) % max(context_len - 1, 1)).repeat(batch, 1)  # [batch, N], contiguous like sample_anchors' output
+    anchors = (torch.arange(num_anchors, device=device) % max(context_len - 1, 1)).repeat(
+        batch, 1
+    )  # [batch, N], contiguous like sample_anchors' output
     anchor_valid = torch.ones(batch, num_anchors, dtype=torch.bool, device=device)
     compiles = len(_flex_compile_seconds)
     with torch.set_grad_enabled(training):
@@ -621,11 +619,7 @@ def flex_compile_stats() -> dict:
         layers, more than the flex compiles means something compiled outside the lock:
         investigate with TORCH_LOGS=recompiles; compiled layers trace flex into their own graphs)}.
     """
-    return {
-        "compiles": len(_flex_compile_seconds),
-        "compile_seconds": round(sum(_flex_compile_seconds), 2),
-        "dynamo_graphs": _flex_dynamo_graphs(),
-    }
+    return {"compiles": len(_flex_compile_seconds), "compile_seconds": round(sum(_flex_compile_seconds), 2), "dynamo_graphs": _flex_dynamo_graphs()}
 
 
 class CUDAGraphCall:

@@ -49,14 +49,7 @@ BAD_SAMPLE_REASONS = (
 )
 
 # ShareGPT `from` values -> OpenAI roles.
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "system": "system",
-}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "system": "system"}
 MESSAGE_ROLES = ("system", "user", "assistant")
 
 # A marker that cannot occur in template text (Unicode private-use characters); used to
@@ -131,9 +124,7 @@ def _parse_messages(record, where: str) -> list[dict]:
         role = role_map.get(str(message[role_key]).lower()) if role_map else message[role_key]
         if role not in MESSAGE_ROLES:
             supported = sorted(role_map) if role_map else list(MESSAGE_ROLES)
-            raise DataFormatError(
-                f"{where}: message {i} has unsupported role {message[role_key]!r} (supported: {supported})", "bad_message"
-            )
+            raise DataFormatError(f"{where}: message {i} has unsupported role {message[role_key]!r} (supported: {supported})", "bad_message")
         normalized = {"role": role, "content": _text_content(message[content_key], f"{where}: message {i}")}
         # Qwen3-style templates render a separate reasoning field of the last assistant turn.
         if role == "assistant" and isinstance(message.get("reasoning_content"), str) and message["reasoning_content"]:
@@ -187,9 +178,7 @@ def _apply_template(tokenizer, messages, **kwargs):
 def _render(tokenizer, messages, add_generation_prompt, chat_template_kwargs) -> str:
     if not messages:
         return ""
-    return _apply_template(
-        tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-    )
+    return _apply_template(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
 
 
 def find_end_of_turn(tokenizer, chat_template_kwargs: dict | None = None) -> tuple[str, str]:
@@ -267,12 +256,7 @@ def _assistant_char_spans(tokenizer, messages, text, chat_template_kwargs, foote
 
 
 def tokenize_conversation(
-    messages: list[dict],
-    tokenizer,
-    *,
-    max_seq_length: int | None,
-    chat_template_kwargs: dict | None = None,
-    footer: tuple[str, str] | None = None,
+    messages: list[dict], tokenizer, *, max_seq_length: int | None, chat_template_kwargs: dict | None = None, footer: tuple[str, str] | None = None
 ) -> tuple[list[int], list[int]]:
     """Messages -> (input_ids, loss_mask), both lists of length <= max_seq_length (None: no cut).
 
@@ -345,8 +329,17 @@ def _tokenize_rows(rows, tokenizer, max_seq_length, chat_template_kwargs, footer
     max_seq_length), plus what truncation did (`full_tokens`, `full_loss_tokens`: before the cut;
     `dropped`: no anchor left, nothing to train on) and `reason`/`error` ("" for well-formed rows)
     so malformed rows can be reported or counted."""
-    out = {"input_ids": [], "loss_mask": [], "num_tokens": [], "num_loss_tokens": [], "full_tokens": [],
-           "full_loss_tokens": [], "dropped": [], "reason": [], "error": []}
+    out = {
+        "input_ids": [],
+        "loss_mask": [],
+        "num_tokens": [],
+        "num_loss_tokens": [],
+        "full_tokens": [],
+        "full_loss_tokens": [],
+        "dropped": [],
+        "reason": [],
+        "error": [],
+    }
     for record_text, read_error, where in zip(rows["record"], rows["error"], rows["where"]):
         input_ids, loss_mask, full_tokens, full_loss_tokens, reason, error = [], [], 0, 0, "", ""
         try:
@@ -412,13 +405,11 @@ def report_truncation(columns: dict[str, list], max_seq_length: int, max_dropped
     if dropped:
         parts.append(
             f"dropped {len(dropped)} of {total} samples ({len(dropped) / total:.1%}) with fewer than 2 assistant tokens "
-            "left after truncation"
-            + (f" ({len(dropped) - too_long} of them have fewer than 2 at any length)" if too_long < len(dropped) else "")
+            "left after truncation" + (f" ({len(dropped) - too_long} of them have fewer than 2 at any length)" if too_long < len(dropped) else "")
         )
     if cut:
         parts.append(f"cut the assistant reply of {len(cut)} {'more' if dropped else f'of {total} samples'}")
-    summary = (f"max_seq_length={max_seq_length}: {', and '.join(parts)}; {lost / max(all_loss, 1):.1%} of all assistant "
-               "tokens are not trained.")
+    summary = f"max_seq_length={max_seq_length}: {', and '.join(parts)}; {lost / max(all_loss, 1):.1%} of all assistant tokens are not trained."
     if keeps_95 > max_seq_length:
         hint = f"--max_seq_length {keeps_95} would keep 95% of the samples whole"
     else:  # 95% already whole: name the length that keeps all of them
@@ -492,9 +483,7 @@ def _hf_rows_to_raw(rows, indices, name, source_index, code_version=None):
 def _load_hf_dataset(path: str) -> datasets.Dataset:
     """A `save_to_disk` folder, a parquet file or folder, or a Hub id -> the train split."""
     try:
-        if os.path.isdir(path) and any(
-            os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")
-        ):
+        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
             loaded = datasets.load_from_disk(path)
         elif os.path.isdir(path) or path.endswith(".parquet"):
             files = sorted(str(p) for p in Path(path).rglob("*.parquet")) if os.path.isdir(path) else [path]
@@ -677,14 +666,11 @@ def build_train_dataset(
         if not skip_bad_samples:
             more = f" ({len(bad) - 1} more bad samples)" if len(bad) > 1 else ""
             raise DataFormatError(
-                f"{bad_rows[0]['error']}{more}. Fix or remove the record, or pass --skip_bad_samples to skip bad records.",
-                bad_rows[0]["reason"],
+                f"{bad_rows[0]['error']}{more}. Fix or remove the record, or pass --skip_bad_samples to skip bad records.", bad_rows[0]["reason"]
             )
         counts = collections.Counter(row["reason"] for row in bad_rows)
         summary = ", ".join(f"{reason}: {counts[reason]}" for reason in BAD_SAMPLE_REASONS if counts[reason])
-        logger.warning(
-            "Skipped %d of %d samples (%s). First: %s", len(bad), len(reasons), summary, bad_rows[0]["error"]
-        )
+        logger.warning("Skipped %d of %d samples (%s). First: %s", len(bad), len(reasons), summary, bad_rows[0]["error"])
         tokenized = tokenized.filter(lambda reason: not reason, input_columns="reason", desc="Dropping bad samples")
     if len(tokenized):
         columns = tokenized.select_columns(["dropped", "full_tokens", "full_loss_tokens", "num_loss_tokens"]).to_dict()

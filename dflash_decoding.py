@@ -94,8 +94,9 @@ def check_drafter_matches_target(target, drafter) -> None:
     must agree (cast with `drafter.to(target.dtype)`).
     """
     target_layers = len(target.get_decoder().layers)
-    check_shapes(drafter.config, target.config.get_text_config().hidden_size, target.get_input_embeddings().weight.shape[0],
-                 target_layers, truncated_hint=True)
+    check_shapes(
+        drafter.config, target.config.get_text_config().hidden_size, target.get_input_embeddings().weight.shape[0], target_layers, truncated_hint=True
+    )
     from dflash_target import check_target_scaling
 
     check_target_scaling(target, drafter.config)
@@ -140,8 +141,11 @@ def check_shapes(config, target_hidden: int, target_rows: int, target_layers: in
         raise ValueError(
             f"layer count mismatch: the drafter was trained on a target with {config.num_target_layers} decoder layers, "
             f"this target has {target_layers}. Pass the matching --target_model"
-            + ("; a target truncated by TargetFeatureExtractor(truncate=True) cannot verify drafts (no logits): pass the "
-               "full target." if truncated_hint else " or a drafter trained for this target (--draft_model).")
+            + (
+                "; a target truncated by TargetFeatureExtractor(truncate=True) cannot verify drafts (no logits): pass the full target."
+                if truncated_hint
+                else " or a drafter trained for this target (--draft_model)."
+            )
         )
     if any(not 0 <= i < target_layers for i in config.target_layer_ids):
         raise ValueError(f"drafter target_layer_ids {config.target_layer_ids} are outside the target's {target_layers} layers")
@@ -160,9 +164,11 @@ def target_fingerprint_warning(target, config) -> str | None:
     if found == recorded:
         return None
     differ = ", ".join(f"{key} {found.get(key)} here, {value} at export" for key, value in recorded.items() if found.get(key) != value)
-    return (f"the target differs from the one this drafter was trained for ({differ}): other weights give the drafter "
-            f"other context features, so expect tau near 1; pass the target it was trained for (the drafter folder's "
-            f"training_settings.json names it)")
+    return (
+        f"the target differs from the one this drafter was trained for ({differ}): other weights give the drafter "
+        f"other context features, so expect tau near 1; pass the target it was trained for (the drafter folder's "
+        f"training_settings.json names it)"
+    )
 
 
 def resolve_block_size(drafter, block_size: int | None) -> int:
@@ -253,14 +259,19 @@ def check_weights_fit_config(path: str, model_class) -> None:
             raise ValueError(f"--draft_model {path!r}: {weights_file} does not open ({type(error).__name__}: {error})") from None
     with torch.device("meta"):
         expected = {name: list(t.shape) for name, t in model_class(model_class.config_class.from_pretrained(path)).state_dict().items()}
-    problems = [f"{name} is {in_file[name]} in the file, {shape} by config.json" for name, shape in expected.items()
-                if name in in_file and in_file[name] != shape]
+    problems = [
+        f"{name} is {in_file[name]} in the file, {shape} by config.json"
+        for name, shape in expected.items()
+        if name in in_file and in_file[name] != shape
+    ]
     problems += [f"{name} is missing from the file" for name in expected if name not in in_file]
     problems += [f"{name} is in the file but not in a drafter of this config" for name in in_file if name not in expected]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ValueError(f"--draft_model {path!r}: its weights do not fit its config.json: {'; '.join(problems[:3])}{more}; "
-                         f"the two files come from different drafters: copy the pair from one export")
+        raise ValueError(
+            f"--draft_model {path!r}: its weights do not fit its config.json: {'; '.join(problems[:3])}{more}; "
+            f"the two files come from different drafters: copy the pair from one export"
+        )
 
 
 @contextmanager
@@ -364,6 +375,7 @@ def _cache_snapshot(cache) -> list[dict]:
     and `values` on update (torch.cat), so references suffice; every other tensor may be written in
     place (linear-attention conv and recurrent states, token counters), so those (small, fixed-size)
     tensors are cloned, whether they sit on the layer or in one of its dicts."""
+
     def copy(value):
         return value.clone() if torch.is_tensor(value) else value
 
@@ -420,8 +432,7 @@ class TargetRunner:
     def forward(self, tokens: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, T] at positions length..length+T-1, appended to the cache -> (logits
         [1, T or logits_to_keep, vocab], context features [1, T, F])."""
-        logits = self.target(input_ids=tokens, use_cache=True, logits_to_keep=logits_to_keep,
-                             **{self.cache_argument: self.cache}).logits
+        logits = self.target(input_ids=tokens, use_cache=True, logits_to_keep=logits_to_keep, **{self.cache_argument: self.cache}).logits
         self.length += tokens.shape[1]
         return logits, self.capture.features()
 
@@ -555,8 +566,14 @@ class StaticTargetRunner(TargetRunner):
         mask = (slots[None, :] <= positions[0][:, None])[None, None]  # [1, 1, T, max_length], True = attend
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=tokens.device).masked_fill(~mask, torch.finfo(self.dtype).min)
-        logits = self.target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                             logits_to_keep=logits_to_keep, **{self.cache_argument: self.cache}).logits
+        logits = self.target(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self.cache_argument: self.cache},
+        ).logits
         return logits, self.capture.features()
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -755,8 +772,14 @@ def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 @torch.no_grad()
 def plain_generate(
-    target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids=(), decoder: Decoder | None = None,
-    temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+    target,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_ids=(),
+    decoder: Decoder | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> list[int]:
     """Plain decoding with the KV cache, one target forward per token: the reference speculative
     decoding must reproduce (exactly when greedy, in distribution when sampling).
@@ -795,8 +818,16 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_to
 
 @torch.no_grad()
 def speculative_generate(
-    target, drafter, input_ids: torch.Tensor, max_new_tokens: int, block_size: int | None = None, eos_token_ids=(),
-    decoder: Decoder | None = None, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+    target,
+    drafter,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    block_size: int | None = None,
+    eos_token_ids=(),
+    decoder: Decoder | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
     proposal: str = "sample",
 ) -> tuple[list[int], dict]:
     """DFlash speculative decoding, batch size 1. Lossless: greedy returns plain greedy decoding's
@@ -942,8 +973,15 @@ class _CommitCounter(BaseStreamer):
 
 @torch.no_grad()
 def prompt_lookup_generate(
-    target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids, pad_token_id: int,
-    num_tokens: int = 10, max_ngram_size: int = 2, temperature: float = 0.0, top_p: float = 1.0,
+    target,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_ids,
+    pad_token_id: int,
+    num_tokens: int = 10,
+    max_ngram_size: int = 2,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> tuple[list[int], dict]:
     """transformers' prompt-lookup decoding (greedy, or sampling at temperature > 0 from torch's
     global random stream), with its target forwards and commits counted here.
@@ -978,7 +1016,7 @@ def prompt_lookup_generate(
     )
     try:
         output = target.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=counter,
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=counter
         )  # [1, P + generated]
     finally:
         handle.remove()
@@ -998,7 +1036,10 @@ def prompt_lookup_generate(
 
 
 def rejection_sample(
-    drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
     draft_indices: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """Speculative sampling of one block (Leviathan et al. 2023; DFlash's reference verifies the same way).
@@ -1077,9 +1118,18 @@ def summarize_speculative(stats_list: list[dict], block_size: int) -> dict:
 
 @torch.no_grad()
 def evaluate_acceptance(
-    target, drafter, tokenizer, prompts: list[list[dict]], max_new_tokens: int, block_size: int | None = None,
-    eos_token_ids=None, chat_template_kwargs: dict | None = None, progress: bool = False,
-    kv_cache: str = "auto", cuda_graphs: str = "auto", prompt_lookup: bool = False,
+    target,
+    drafter,
+    tokenizer,
+    prompts: list[list[dict]],
+    max_new_tokens: int,
+    block_size: int | None = None,
+    eos_token_ids=None,
+    chat_template_kwargs: dict | None = None,
+    progress: bool = False,
+    kv_cache: str = "auto",
+    cuda_graphs: str = "auto",
+    prompt_lookup: bool = False,
 ) -> dict:
     """tau of `drafter` on `prompts` by real speculative decoding (for held-out evaluation in training).
 

@@ -143,8 +143,13 @@ class TargetOutputCache:
             )
         self.features = torch.empty(total, feature_dim, dtype=dtype, device=device)
         self.labels = torch.empty(total, dtype=torch.long, device=device) if with_labels else None
-        logger.info("Target outputs: %.1f MiB reserved on %s for %d samples, %d tokens; each sample is cached at its first "
-                    "forward", need / 2**20, device, len(num_tokens), total)
+        logger.info(
+            "Target outputs: %.1f MiB reserved on %s for %d samples, %d tokens; each sample is cached at its first forward",
+            need / 2**20,
+            device,
+            len(num_tokens),
+            total,
+        )
 
     def holds(self, indices: list[int]) -> bool:
         """Whether every sample of `indices` is cached."""
@@ -192,23 +197,43 @@ class FeatureSupply:
     the network (split; `FeatureReceiver`), or this rank's own target forward (colocated), with the
     time each side took, for the rates in the log."""
 
-    def __init__(self, settings: FeatureSettings, layout, draft_config: DFlashConfig, data, tokenizer,
-                 extractor, compute, device: torch.device, schedule: Schedule, schedule_settings: ScheduleSettings,
-                 resume: ResumePoint):
+    def __init__(
+        self,
+        settings: FeatureSettings,
+        layout,
+        draft_config: DFlashConfig,
+        data,
+        tokenizer,
+        extractor,
+        compute,
+        device: torch.device,
+        schedule: Schedule,
+        schedule_settings: ScheduleSettings,
+        resume: ResumePoint,
+    ):
         self.settings, self.layout, self.data, self.tokenizer = settings, layout, data, tokenizer
         self.extractor, self.compute, self.device = extractor, compute, device
         self.receiver = None
         if layout.split:
             self.receiver = FeatureReceiver(
-                layout.transport_group, layout.senders_of(layout.rank), device, settings.prefetch_batches,
+                layout.transport_group,
+                layout.senders_of(layout.rank),
+                device,
+                settings.prefetch_batches,
                 self._schedule(schedule.plan(data, schedule_settings, resume, layout.dp_world), resume.global_step),
-                feature_dim=target_output_dim(draft_config, settings.loss), dtype=compute.dtype,
+                feature_dim=target_output_dim(draft_config, settings.loss),
+                dtype=compute.dtype,
             )
         self.target_time = Stopwatch(device)  # colocated: this rank's target forwards
         self.cache = None
         if settings.cache_target_outputs:
-            self.cache = TargetOutputCache(list(data.dataset["num_tokens"]), target_output_dim(draft_config, settings.loss),
-                                           compute.dtype, device, with_labels=extractor.predict_next)
+            self.cache = TargetOutputCache(
+                list(data.dataset["num_tokens"]),
+                target_output_dim(draft_config, settings.loss),
+                compute.dtype,
+                device,
+                with_labels=extractor.predict_next,
+            )
         # Colocated: the next micro-batches are collated in a worker thread while this one trains.
         plan = schedule.plan(data, schedule_settings, resume, layout.dp_world)
         self.steps = plan if self.receiver is not None else prefetch(plan, self._collate_own, depth=settings.prefetch_batches)
@@ -228,8 +253,12 @@ class FeatureSupply:
         the GPU trains the previous one. With flex a short last batch is filled up with rows that
         train nothing, so that it compiles no new shape."""
         indices = step[2][self.layout.dp_rank][0]
-        batch = collate_batch(self.data.dataset.select(indices), self.tokenizer.pad_token_id, self.compute.pad_multiple,
-                              rows=self.settings.per_device_batch_size if self.compute.backend == "flex" else None)
+        batch = collate_batch(
+            self.data.dataset.select(indices),
+            self.tokenizer.pad_token_id,
+            self.compute.pad_multiple,
+            rows=self.settings.per_device_batch_size if self.compute.backend == "flex" else None,
+        )
         return {k: v.pin_memory() for k, v in batch.items()} if self.compute.on_cuda else batch
 
     def next(self, collated: list, indices: list[int], trains: bool):
@@ -262,8 +291,18 @@ class FeatureSupply:
         return self.receiver.wait_s if self.receiver else 0.0
 
 
-def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExtractor, layout, settings: FeatureSettings,
-                           device: torch.device, pad_multiple: int, global_step: int, evaluate=None) -> None:
+def serve_context_features(
+    plan,
+    dataset,
+    tokenizer,
+    extractor: TargetFeatureExtractor,
+    layout,
+    settings: FeatureSettings,
+    device: torch.device,
+    pad_multiple: int,
+    global_step: int,
+    evaluate=None,
+) -> None:
     """A target rank's whole run (split mode): its group's share of the plan's micro-batches
     (`layout.source_of`), tokens collated, the truncated target forward, the features sent by the
     group's first rank to the drafter rank that trains them (the other ranks of a tensor-parallel
@@ -295,9 +334,19 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
                 done = torch.cuda.Event()
                 done.record()
                 done.synchronize()
-            sender.put(layout.drafter_ranks[d], BATCH if trains else PADDING, epoch, index, input_ids, loss_mask,
-                       label_ids, features, int(batch["attention_mask"].sum()), time.perf_counter() - busy,
-                       counted=d % settings.sequence_parallel_size == 0)
+            sender.put(
+                layout.drafter_ranks[d],
+                BATCH if trains else PADDING,
+                epoch,
+                index,
+                input_ids,
+                loss_mask,
+                label_ids,
+                features,
+                int(batch["attention_mask"].sum()),
+                time.perf_counter() - busy,
+                counted=d % settings.sequence_parallel_size == 0,
+            )
         if micro_done % settings.gradient_accumulation_steps == 0:
             global_step += 1
             if is_save_step(global_step, settings.save_steps):
@@ -307,16 +356,20 @@ def serve_context_features(plan, dataset, tokenizer, extractor: TargetFeatureExt
             if evaluate is not None and is_eval_step(global_step, settings.eval_steps):
                 evaluate()
     if sender is None:
-        logger.info("Target rank %d done (tensor-parallel with ranks %s; rank %d sent the features)", layout.rank,
-                    layout.target_group, group_sender)
+        logger.info("Target rank %d done (tensor-parallel with ranks %s; rank %d sent the features)", layout.rank, layout.target_group, group_sender)
     else:
         sender.finish()  # before the final evaluation: the lead receives every END first, then evaluates
         elapsed = time.perf_counter() - started
         logger.info(
             "Target rank %d done: %d samples, %d tokens in %.0f s; %.2f samples/s and %.0f tokens/s while busy, "
             "idle %.0f%% of the time (waiting for the drafter ranks)",
-            layout.rank, sender.samples, sender.tokens, elapsed, sender.samples / max(sender.busy_s, 1e-9),
-            sender.tokens / max(sender.busy_s, 1e-9), 100 * sender.idle_s / max(elapsed, 1e-9),
+            layout.rank,
+            sender.samples,
+            sender.tokens,
+            elapsed,
+            sender.samples / max(sender.busy_s, 1e-9),
+            sender.tokens / max(sender.busy_s, 1e-9),
+            100 * sender.idle_s / max(elapsed, 1e-9),
         )
     if evaluate is not None and not is_eval_step(global_step, settings.eval_steps):
         evaluate()

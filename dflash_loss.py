@@ -141,8 +141,9 @@ def _scaled_and_capped(logits: torch.Tensor, multiplier: float, softcap: float |
     return capped * softcap, capped
 
 
-def weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                                multiplier: float = 1.0, softcap: float | None = None):
+def weighted_ce_and_grad_chunk(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None
+):
     """One chunk of the loss: logits [rows, vocab] -> (sum w*CE fp32, dlogits in the logits dtype,
     hit [rows] bool). Works in place on one fp32 copy of the chunk, so eager mode makes few
     vocab-sized passes.
@@ -164,8 +165,9 @@ def weighted_ce_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weig
     return (ce * weights).sum(), x.to(logits.dtype), hit
 
 
-def weighted_ce_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                                           multiplier: float = 1.0, softcap: float | None = None):
+def weighted_ce_and_grad_chunk_functional(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None
+):
     """`weighted_ce_and_grad_chunk` without in-place ops, for torch.compile to fuse into a few kernels."""
     x = logits.float() * multiplier  # [rows, vocab]
     if softcap:
@@ -216,9 +218,16 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
         return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None, None
 
 
-def fused_linear_weighted_ce(rows: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor,
-                             chunk_size: int, ce_grad_chunk: Callable = weighted_ce_and_grad_chunk, multiplier: float = 1.0,
-                             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_linear_weighted_ce(
+    rows: torch.Tensor,
+    head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor,
+    chunk_size: int,
+    ce_grad_chunk: Callable = weighted_ce_and_grad_chunk,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_i w_i * CE_i over the rows, and each row's argmax hit.
 
     Args:
@@ -287,8 +296,15 @@ def block_target_hidden(target_hidden: torch.Tensor, anchors: torch.Tensor, bloc
     return target_hidden[batch_index, positions.clamp(max=seq_len - 1)]  # [batch, N, B-1, hidden]
 
 
-def row_loss_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None, loss: str = "ce",
-                            multiplier: float = 1.0, softcap: float | None = None, lk_eta: float = DEFAULT_LK_ETA):
+def row_loss_and_grad_chunk(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    target_logits: torch.Tensor | None,
+    loss: str = "ce",
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+    lk_eta: float = DEFAULT_LK_ETA,
+):
     """One chunk of a per-row loss with its closed-form gradient with respect to the logits, unweighted
     (the caller weights the rows once every row's confidence is known). Works in place on fp32 copies.
 
@@ -368,9 +384,15 @@ def row_loss_and_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, target_
     return row_loss, confidence, x.to(logits.dtype), hit
 
 
-def row_loss_and_grad_chunk_functional(logits: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None,
-                                       loss: str = "ce", multiplier: float = 1.0, softcap: float | None = None,
-                                       lk_eta: float = DEFAULT_LK_ETA):
+def row_loss_and_grad_chunk_functional(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    target_logits: torch.Tensor | None,
+    loss: str = "ce",
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+    lk_eta: float = DEFAULT_LK_ETA,
+):
     """`row_loss_and_grad_chunk` without in-place ops, for torch.compile to fuse into a few kernels."""
     z = logits.float() * multiplier  # [rows, vocab]
     capped = None
@@ -449,10 +471,18 @@ class _FusedLinearRowLoss(torch.autograd.Function):
         return (grad_rows.float() * grad_row_loss[:, None]).to(grad_rows.dtype), None, None, None, None, None
 
 
-def fused_linear_row_loss(rows: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, target_rows: torch.Tensor | None,
-                          chunk_size: int, loss: str = "ce", row_grad_chunk: Callable = row_loss_and_grad_chunk,
-                          multiplier: float = 1.0, softcap: float | None = None,
-                          lk_eta: float = DEFAULT_LK_ETA) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_linear_row_loss(
+    rows: torch.Tensor,
+    head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    target_rows: torch.Tensor | None,
+    chunk_size: int,
+    loss: str = "ce",
+    row_grad_chunk: Callable = row_loss_and_grad_chunk,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+    lk_eta: float = DEFAULT_LK_ETA,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's loss through the frozen head, its confidence and its argmax hit, in chunks: at most
     `chunk_size x vocab` logits of the drafter (and as many of the target) exist at a time.
 
@@ -483,8 +513,7 @@ def fused_linear_row_loss(rows: torch.Tensor, head_weight: torch.Tensor, targets
 _compiled_ce = None
 
 
-def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                           multiplier: float = 1.0, softcap: float | None = None):
+def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None):
     """`weighted_ce_and_grad_chunk`, torch.compile'd (dynamic shapes: the rows vary per step);
     `weighted_block_loss(..., compiled=True)` uses it. Compiles under the compile lock
     at the first call (and again for a 1-row chunk, which dynamo specialises). Measured at
@@ -503,8 +532,15 @@ def compiled_ce_grad_chunk(logits: torch.Tensor, targets: torch.Tensor, weights:
 _compiled_row_loss = None
 
 
-def compiled_row_loss_chunk(logits: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None, loss: str = "ce",
-                            multiplier: float = 1.0, softcap: float | None = None, lk_eta: float = DEFAULT_LK_ETA):
+def compiled_row_loss_chunk(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    target_logits: torch.Tensor | None,
+    loss: str = "ce",
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+    lk_eta: float = DEFAULT_LK_ETA,
+):
     """`row_loss_and_grad_chunk`, torch.compile'd (dynamic shapes), under the compile lock as
     `compiled_ce_grad_chunk`; one graph per loss. `weighted_block_loss(..., compiled=True)` uses it for every
     loss or weighting that needs per-row values."""
@@ -513,8 +549,7 @@ def compiled_row_loss_chunk(logits: torch.Tensor, targets: torch.Tensor, target_
         _compiled_row_loss = torch.compile(row_loss_and_grad_chunk_functional, dynamic=True)
     key = ("row_loss_chunk", loss, str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1], multiplier, softcap, lk_eta)
     what = f"loss chunk ({loss} per row, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
-    compile_once_locked(key, what, lambda: _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta),
-                        logits.device)
+    compile_once_locked(key, what, lambda: _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta), logits.device)
     with running_compiled():
         return _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta)
 
@@ -618,11 +653,14 @@ def weighted_block_loss(
     if loss_weighting == "exp" and weights is None:
         raise ValueError("--loss_weighting exp needs the per-position weights (loss_weights); pass them, or use --loss_weighting dpace")
     if loss != "ce" and target_hidden is None:
-        raise ValueError(f"--loss {loss} compares the drafter with the target's distribution and needs the target's last "
-                         "hidden state at each label's previous position (target_hidden, from block_target_hidden); pass it, or use --loss ce")
+        raise ValueError(
+            f"--loss {loss} compares the drafter with the target's distribution and needs the target's last "
+            "hidden state at each label's previous position (target_hidden, from block_target_hidden); pass it, or use --loss ce"
+        )
     if loss != "ce" and target_hidden.shape != hidden.shape:
-        raise ValueError(f"target_hidden must be laid out like hidden, {list(hidden.shape)}, got {list(target_hidden.shape)} "
-                         "(gather it with block_target_hidden)")
+        raise ValueError(
+            f"target_hidden must be laid out like hidden, {list(hidden.shape)}, got {list(target_hidden.shape)} (gather it with block_target_hidden)"
+        )
     if lk_eta < 0:
         raise ValueError(f"--lk_eta must be >= 0 (0 gives plain KL), got {lk_eta}")
     positions = label_valid.shape[-1]
@@ -637,14 +675,16 @@ def weighted_block_loss(
     if loss == "ce" and loss_weighting == "exp":
         row_weights = weights.to(rows.device)[k_index]  # [T]
         ce_grad_chunk = compiled_ce_grad_chunk if compiled else weighted_ce_and_grad_chunk
-        weighted_ce, hit = fused_linear_weighted_ce(rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk,
-                                                    output_multiplier, final_logit_softcapping)
+        weighted_ce, hit = fused_linear_weighted_ce(
+            rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk, output_multiplier, final_logit_softcapping
+        )
         mean_loss = weighted_ce / (row_weights.sum() if normalize == "weights" else rows.shape[0])
     else:
         target_rows = None if loss == "ce" else target_hidden.detach()[b_index, n_index, k_index]  # [T, hidden]
         row_grad_chunk = compiled_row_loss_chunk if compiled else row_loss_and_grad_chunk
-        row_loss, confidence, hit = fused_linear_row_loss(rows, head_weight.detach(), targets, target_rows, chunk_size, loss,
-                                                          row_grad_chunk, output_multiplier, final_logit_softcapping, lk_eta)
+        row_loss, confidence, hit = fused_linear_row_loss(
+            rows, head_weight.detach(), targets, target_rows, chunk_size, loss, row_grad_chunk, output_multiplier, final_logit_softcapping, lk_eta
+        )
         if loss_weighting == "dpace":
             block_confidence = torch.zeros(label_valid.shape, dtype=torch.float32, device=rows.device)  # [batch, N, B-1]
             block_confidence[b_index, n_index, k_index] = confidence
@@ -828,8 +868,7 @@ def selector_objective(
         return zero, torch.full((positions,), float("nan"), device=hidden.device)
     targets = labels[b_index, n_index, k_index]  # [T]
     head_weight = head_weight.detach()
-    candidate_ids, target_index, contains = selector_training_candidates(
-        top_k_candidates(rows.detach(), head_weight, top_k, chunk_size), targets)
+    candidate_ids, target_index, contains = selector_training_candidates(top_k_candidates(rows.detach(), head_weight, top_k, chunk_size), targets)
     unary = _CandidateLogits.apply(rows, head_weight, candidate_ids, chunk_size).float() * output_multiplier  # [T, K]
     if final_logit_softcapping:
         unary = torch.tanh(unary / final_logit_softcapping) * final_logit_softcapping

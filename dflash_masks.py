@@ -28,9 +28,7 @@ def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask[:, :-1] & loss_mask[:, 1:]
 
 
-def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample anchor positions without replacement, per row.
 
     Eligible positions are those of `eligible_anchors`. Rows with fewer eligible positions than
@@ -114,11 +112,7 @@ def block_position_ids(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def block_labels(
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    anchors: torch.Tensor,
-    anchor_valid: torch.Tensor,
-    block_size: int,
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels of block positions k = 1..B-1: the block at anchor a predicts `token[a + k]`.
 
@@ -146,6 +140,7 @@ def block_label_valid(loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_val
     positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [batch, N, B-1]
     trainable = loss_mask.bool().gather(1, positions.clamp(max=seq_len - 1).flatten(1)).view_as(positions)
     return (positions < seq_len) & trainable & anchor_valid[:, :, None]
+
 
 # ----------------------------------------------------------------------------------------------
 # The training attention mask
@@ -202,8 +197,7 @@ def position_rule(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window
 
 
 def anchor_block_mask_mod(
-    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int,
-    causal: bool = False, window: int | None = None,
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int, causal: bool = False, window: int | None = None
 ):
     """The training attention rule as a flex_attention `mask_mod`.
 
@@ -243,8 +237,7 @@ def anchor_block_mask_mod(
 
 
 def dense_anchor_block_mask(
-    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int,
-    causal: bool = False, window: int | None = None,
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int, causal: bool = False, window: int | None = None
 ) -> torch.Tensor:
     """The same rule as `anchor_block_mask_mod`, materialised for SDPA.
 
@@ -266,8 +259,7 @@ MASK_BUILD_ELEMENTS = 1 << 26  # most [batch, Q, KV] mask elements one `create_b
 
 
 def create_anchor_block_mask(
-    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int,
-    causal: bool = False, window: int | None = None,
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int, causal: bool = False, window: int | None = None
 ) -> BlockMask:
     """The same rule as `anchor_block_mask_mod`, as a flex_attention `BlockMask` shared by all heads.
 
@@ -300,5 +292,6 @@ def create_anchor_block_mask(
         torch.cat([part.kv_indices[..., :kv_blocks] for part in parts], dim=2),  # [batch, 1, Q blocks, KV blocks]
         torch.cat([part.full_kv_num_blocks for part in parts], dim=2),
         torch.cat([part.full_kv_indices[..., :kv_blocks] for part in parts], dim=2),
-        mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
     )

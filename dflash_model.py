@@ -71,6 +71,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # drafters engines serve for long-context targets (e.g. 4 sliding + 1 full, window 2048).
 LAYER_TYPE_PRESETS = ("all_full", "all_sliding", "last_full")
 
+
 def resolve_layer_types(layer_types: str | list[str] | None, num_layers: int) -> list[str]:
     """The per-layer attention types of `--layer_types`.
 
@@ -171,8 +172,7 @@ class DFlashConfig(Qwen3Config):
                 raise ValueError("dflash_config needs both 'target_layer_ids' and 'mask_token_id'")
             if self.num_target_layers is not None and any(not 0 <= i < self.num_target_layers for i in ids):
                 raise ValueError(
-                    f"target_layer_ids {ids} out of range for a target with {self.num_target_layers} layers "
-                    f"(0-based decoder-layer indices)"
+                    f"target_layer_ids {ids} out of range for a target with {self.num_target_layers} layers (0-based decoder-layer indices)"
                 )
             if not 0 <= self.dflash_config["mask_token_id"] < self.vocab_size:
                 raise ValueError(
@@ -245,9 +245,7 @@ class DFlashConfig(Qwen3Config):
 # Pure helpers: each layer's training mask (dflash_masks.py builds it), the logits, sampling
 
 
-def training_masks(
-    config: "DFlashConfig", anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, backend: str
-) -> list:
+def training_masks(config: "DFlashConfig", anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, backend: str) -> list:
     """One training mask per drafter layer, built once per distinct `attention_rule` (a 4 sliding +
     1 full drafter builds two) and shared by the layers with that rule.
 
@@ -316,6 +314,7 @@ def sample_index(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     threshold = uniform[..., None] * cdf[..., -1:]
     return (cdf <= threshold).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
 
+
 # ----------------------------------------------------------------------------------------------
 # Attention dispatch
 
@@ -360,8 +359,10 @@ class SequenceParallel:
         Raises ValueError when the length is not a multiple of the group size."""
         length = x.shape[dim]
         if length % self.size:
-            raise ValueError(f"sequence parallelism over {self.size} ranks needs lengths divisible by {self.size}; "
-                             f"got {length} along dim {dim} of a {list(x.shape)} tensor")
+            raise ValueError(
+                f"sequence parallelism over {self.size} ranks needs lengths divisible by {self.size}; "
+                f"got {length} along dim {dim} of a {list(x.shape)} tensor"
+            )
         return x.narrow(dim, self.rank * (length // self.size), length // self.size)
 
 
@@ -525,15 +526,23 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _run_compiled_layer(compiled: nn.Module, index: int, x, cos, sin, context_k, context_v, mask,
-                        checkpointed: bool = False) -> torch.Tensor:
+def _run_compiled_layer(compiled: nn.Module, index: int, x, cos, sin, context_k, context_v, mask, checkpointed: bool = False) -> torch.Tensor:
     """One call of compiled decoder layer `index` (DFlashDraftModel.compile_layers); its first call at a new
     shape compiles forward and backward under the compile lock (`dflash_compile.call_compiled_module`).
     `checkpointed`: under activation checkpointing (`DFlashDraftModel.checkpoint_layers`)."""
     tensors = (x, cos, sin, context_k, context_v)
     grad = torch.is_grad_enabled()
-    key = ("drafter_layer", index, str(x.device), x.dtype, grad, tuple(x.shape), tuple(context_k.shape),
-           tuple(t.requires_grad for t in tensors), type(mask).__name__)
+    key = (
+        "drafter_layer",
+        index,
+        str(x.device),
+        x.dtype,
+        grad,
+        tuple(x.shape),
+        tuple(context_k.shape),
+        tuple(t.requires_grad for t in tensors),
+        type(mask).__name__,
+    )
     what = f"drafter layer {index} {'forward+backward' if grad else 'forward'} on {x.device}, {x.dtype}, x {list(x.shape)}, context kv {list(context_k.shape)}"
     return call_compiled_module(compiled, key, what, tensors, mask, checkpointed=checkpointed)
 
@@ -563,8 +572,10 @@ class DFlashContextCache:
         """A cache grown by the new positions' (k, v) of every layer, each [batch, kv_heads, s_new, head_dim]."""
         if not self.keys:
             return DFlashContextCache(keys=[k for k, _ in kv], values=[v for _, v in kv])
-        return DFlashContextCache(keys=[torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, kv)],
-                                  values=[torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, kv)])
+        return DFlashContextCache(
+            keys=[torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, kv)],
+            values=[torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, kv)],
+        )
 
     def key_layout(self, block_size: int, device) -> tuple[int, torch.Tensor, None]:
         """(the block's first position S, key positions [S + B] of cache then block, None: every key is valid)."""
@@ -752,10 +763,19 @@ class DFlashDraftModel(PreTrainedModel):
         context_len = context_features.shape[1]  # S, or this rank's S/P
         chunk = self._context_chunk_size
         if chunk and chunk < context_len and torch.is_grad_enabled():
-            parts = [checkpoint(self.context_kv, context_features[:, start:start + chunk], context_positions[:, start:start + chunk],
-                                use_reentrant=False) for start in range(0, context_len, chunk)]
-            context_kv = [(torch.cat([part[i][0] for part in parts], dim=2),  # [batch, kv_heads, S, head_dim]
-                           torch.cat([part[i][1] for part in parts], dim=2)) for i in range(len(self.layers))]
+            parts = [
+                checkpoint(
+                    self.context_kv, context_features[:, start : start + chunk], context_positions[:, start : start + chunk], use_reentrant=False
+                )
+                for start in range(0, context_len, chunk)
+            ]
+            context_kv = [
+                (
+                    torch.cat([part[i][0] for part in parts], dim=2),  # [batch, kv_heads, S, head_dim]
+                    torch.cat([part[i][1] for part in parts], dim=2),
+                )
+                for i in range(len(self.layers))
+            ]
             del parts
         else:
             context_kv = self.context_kv(context_features, context_positions)

@@ -55,10 +55,7 @@ DEBUG_LOG = os.environ.get("DFLASH_DEBUG_LOG")
 
 def setup_logging(rank: int) -> None:
     """Log lines with time and rank; INFO on rank 0, WARNING elsewhere (the lead raises its own level later)."""
-    logging.basicConfig(
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if rank == 0 else logging.WARNING,
-    )
+    logging.basicConfig(format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", level=logging.INFO if rank == 0 else logging.WARNING)
     # huggingface_hub gives its logger a handler of its own AND lets records reach the root's, so
     # each of its warnings (Hub retries) printed twice; the root handler alone formats them like ours.
     hub_logger = logging.getLogger("huggingface_hub")
@@ -230,8 +227,10 @@ def profile_window(profiler, step: int, settings: ProgressSettings, on_cuda: boo
         for sort_by in (["self_cuda_time_total"] if on_cuda else []) + ["self_cpu_time_total"]:
             tables.append(f"sorted by {sort_by}\n{averages.table(sort_by=sort_by, row_limit=50)}")
         if on_cuda:
-            tables.append(f"host waits for the device (torch.cuda.set_sync_debug_mode; explicit synchronize() calls are not "
-                          f"listed): {profiler.dflash_syncs.total()} in {settings.profile_steps} steps")
+            tables.append(
+                f"host waits for the device (torch.cuda.set_sync_debug_mode; explicit synchronize() calls are not "
+                f"listed): {profiler.dflash_syncs.total()} in {settings.profile_steps} steps"
+            )
             tables += [f"{count} x\n{stack}" for stack, count in profiler.dflash_syncs.most_common()]
         (out / "profile.txt").write_text("\n".join(tables) + "\n")
         profiler.export_chrome_trace(str(out / "profile_trace.json"))
@@ -280,9 +279,17 @@ class Progress:
 
     def new_window(self, supply: FeatureSupply, device: torch.device) -> None:
         """Start the sums of a log window; loss and accuracy count real micro-batches only."""
-        self.window = {"loss": torch.zeros((), device=device), "acc": torch.zeros(self.block_size - 1, device=device),
-                       "micro": 0, "real": 0, "tokens": 0, "samples": 0, "start": time.perf_counter(),
-                       "wait_s": supply.wait_s(), "target_s": supply.target_time.seconds()}
+        self.window = {
+            "loss": torch.zeros((), device=device),
+            "acc": torch.zeros(self.block_size - 1, device=device),
+            "micro": 0,
+            "real": 0,
+            "tokens": 0,
+            "samples": 0,
+            "start": time.perf_counter(),
+            "wait_s": supply.wait_s(),
+            "target_s": supply.target_time.seconds(),
+        }
 
     def add(self, loss: torch.Tensor, accepted: torch.Tensor, trains: bool, num_tokens: int, num_samples: int) -> None:
         """One micro-batch into the window; a filler counts as a micro-batch, nothing else."""
@@ -302,8 +309,7 @@ class Progress:
             f.write(json.dumps({"step": self.global_step, **scalars} if with_step else scalars) + "\n")
 
 
-def window_scalars(progress: Progress, supply: FeatureSupply, settings: ProgressSettings, layout, scheduler,
-                   compute, device: torch.device) -> dict:
+def window_scalars(progress: Progress, supply: FeatureSupply, settings: ProgressSettings, layout, scheduler, compute, device: torch.device) -> dict:
     """The log line of the window just ended, summed over the drafter ranks (a collective: every
     drafter rank calls it at the same step): loss, accuracy, tau estimate, rates of both sides."""
     window, drafters = progress.window, layout.dp_world
@@ -312,9 +318,18 @@ def window_scalars(progress: Progress, supply: FeatureSupply, settings: Progress
     target_s = supply.target_time.seconds() - window["target_s"]
     drafter_s = max(elapsed - waited - target_s, 1e-9)  # this rank's time in drafter steps
     stats = torch.tensor(
-        [window["loss"].item(), window["micro"], window["tokens"], window["samples"], waited,
-         window["samples"] / drafter_s, window["samples"] / max(target_s, 1e-9), window["real"]],
-        device=device, dtype=torch.float64,
+        [
+            window["loss"].item(),
+            window["micro"],
+            window["tokens"],
+            window["samples"],
+            waited,
+            window["samples"] / drafter_s,
+            window["samples"] / max(target_s, 1e-9),
+            window["real"],
+        ],
+        device=device,
+        dtype=torch.float64,
     )
     acc = window["acc"].double()
     torch.distributed.all_reduce(stats, group=layout.drafter_group)
@@ -354,8 +369,9 @@ def window_scalars(progress: Progress, supply: FeatureSupply, settings: Progress
     return scalars
 
 
-def start_progress(settings: ProgressSettings, resolved: dict, layout, schedule: Schedule, resume: ResumePoint,
-                   num_samples: int, world: int, block_size: int) -> Progress:
+def start_progress(
+    settings: ProgressSettings, resolved: dict, layout, schedule: Schedule, resume: ResumePoint, num_samples: int, world: int, block_size: int
+) -> Progress:
     """The lead's output directory and trackers, the run's summary line, the progress bar.
     resolved: the run's resolved settings as a dict (`train_dflash.TrainSettings`, asdict), which
     the trackers record as the run's hyperparameters; block_size: the drafter's (its config's)."""
@@ -366,8 +382,14 @@ def start_progress(settings: ProgressSettings, resolved: dict, layout, schedule:
     trackers = start_trackers(settings, hparams, resume.global_step) if layout.is_lead else []
     logger.info(
         "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
-        num_samples, world, layout.dp_world, schedule.total_steps, schedule.steps_per_epoch, schedule.num_epochs,
-        settings.num_anchors, block_size,
+        num_samples,
+        world,
+        layout.dp_world,
+        schedule.total_steps,
+        schedule.steps_per_epoch,
+        schedule.num_epochs,
+        settings.num_anchors,
+        block_size,
     )
     bar = tqdm(total=schedule.total_steps, initial=resume.global_step, disable=not layout.is_lead, desc="train", dynamic_ncols=True)
     return Progress(resume.global_step, trackers, bar, block_size, settings)

@@ -59,8 +59,7 @@ def epoch_batches(lengths: list[int], settings: ScheduleSettings, epoch: int, dr
     return [batch for batch in batches for _ in range(sp)]
 
 
-def train_plan(lengths: list[int], settings: ScheduleSettings, start_epoch: int, skip_micro: int, micro_steps: int,
-               drafter_ranks: int):
+def train_plan(lengths: list[int], settings: ScheduleSettings, start_epoch: int, skip_micro: int, micro_steps: int, drafter_ranks: int):
     """The micro-steps still to train, in the order every rank agrees on (target ranks make and
     send them in this order, drafter ranks receive and train them in it).
 

@@ -76,8 +76,11 @@ def node_ranks(rank: int, world: int, device: torch.device) -> list[list[int]]:
 def check_split(num_target_ranks: int, tp_size: int, ranks_per_node: int, num_nodes: int = 1) -> None:
     """Reject a split that cannot be laid out on `num_nodes` nodes of `ranks_per_node` ranks (called
     before anything loads). Raises ValueError naming --target_ranks / --target_tp_size and the fix."""
-    where = f"each of the {num_nodes} nodes ({ranks_per_node} processes per node; --target_ranks counts per node)" \
-        if num_nodes > 1 else f"a world of {ranks_per_node} process(es)"
+    where = (
+        f"each of the {num_nodes} nodes ({ranks_per_node} processes per node; --target_ranks counts per node)"
+        if num_nodes > 1
+        else f"a world of {ranks_per_node} process(es)"
+    )
     if not 0 <= num_target_ranks < ranks_per_node:
         raise ValueError(
             f"--target_ranks {num_target_ranks} leaves no drafter rank in {where}: use 0 (colocated) to "
@@ -214,8 +217,13 @@ class RankLayout:
         return "; ".join(parts) + f"; rank {self.drafter_ranks[0]} leads"
 
 
-def make_rank_layout(num_target_ranks: int, rank: int, world: int, nodes: list[list[int]] | None = None,
-                     tp_groups: tuple[list[list[int]], dist.ProcessGroup | None] | None = None) -> RankLayout:
+def make_rank_layout(
+    num_target_ranks: int,
+    rank: int,
+    world: int,
+    nodes: list[list[int]] | None = None,
+    tp_groups: tuple[list[list[int]], dist.ProcessGroup | None] | None = None,
+) -> RankLayout:
     """Local ranks [0, num_target_ranks) of every node run the target, in the tensor-parallel groups
     `tp_groups` (from `make_tensor_parallel_groups`; default one rank per group); the rest train.
     Collective: every rank calls it with the same arguments, because `new_group` must be entered by
@@ -239,8 +247,18 @@ def make_rank_layout(num_target_ranks: int, rank: int, world: int, nodes: list[l
             self_group = group
     transport_group = dist.new_group(list(range(world))) if target_groups else None
     eval_group = dist.new_group(sorted({drafter_ranks[0], *target_groups[0]})) if target_groups else None
-    return RankLayout(rank, world, nodes, target_groups, drafter_ranks, drafter_group, self_group, transport_group,
-                      tp_group if rank in target_ranks else None, eval_group)
+    return RankLayout(
+        rank,
+        world,
+        nodes,
+        target_groups,
+        drafter_ranks,
+        drafter_group,
+        self_group,
+        transport_group,
+        tp_group if rank in target_ranks else None,
+        eval_group,
+    )
 
 
 class DrafterGroupMPU:
@@ -338,8 +356,20 @@ class FeatureSender:
         self.thread = threading.Thread(target=self._run, name="dflash-feature-sender", daemon=True)
         self.thread.start()
 
-    def put(self, dest: int, kind: int, epoch: int, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            label_ids: torch.Tensor, features: torch.Tensor, num_tokens: int, busy_s: float, counted: bool = True) -> None:
+    def put(
+        self,
+        dest: int,
+        kind: int,
+        epoch: int,
+        index: int,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        label_ids: torch.Tensor,
+        features: torch.Tensor,
+        num_tokens: int,
+        busy_s: float,
+        counted: bool = True,
+    ) -> None:
         """Queue one micro-batch for drafter rank `dest`. input_ids, loss_mask, label_ids (the token
         each position is trained to predict) [batch, S] and features [batch, S, feature_dim] on the
         target's device; busy_s: time spent making it. counted: False for the copies of a micro-batch
@@ -350,8 +380,7 @@ class FeatureSender:
             self.samples += batch
             self.tokens += num_tokens
         tokens = torch.stack([input_ids, loss_mask.long(), label_ids])  # [3, batch, S]
-        header = [kind, epoch, index, batch, seq_len, feature_dim, DTYPES.index(features.dtype), num_tokens,
-                  *self._counters()]
+        header = [kind, epoch, index, batch, seq_len, feature_dim, DTYPES.index(features.dtype), num_tokens, *self._counters()]
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -424,8 +453,16 @@ class FeatureReceiver:
         save: the thread posts no receive past it until the main thread calls `resume()`.
     """
 
-    def __init__(self, transport_group, target_ranks: list[int], device: torch.device, depth: int,
-                 schedule: Iterable[tuple[int, int, int]], feature_dim: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        transport_group,
+        target_ranks: list[int],
+        device: torch.device,
+        depth: int,
+        schedule: Iterable[tuple[int, int, int]],
+        feature_dim: int,
+        dtype: torch.dtype,
+    ):
         self.group, self.target_ranks, self.device = transport_group, target_ranks, device
         self.schedule, self.feature_dim, self.dtype = schedule, feature_dim, dtype
         self.queue: queue.Queue = queue.Queue(maxsize=depth)

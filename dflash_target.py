@@ -42,14 +42,7 @@ import os
 
 import torch
 import torch.nn as nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash2_model import DFLASH2_FIELDS, DFlash2Config
@@ -137,8 +130,10 @@ def load_target_config(model_name_or_path: str, *, gguf_file: str | None = None)
                 json.load(f)
         except (ValueError, UnicodeDecodeError) as e:
             where_in_file = f"line {e.lineno}, column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
-            raise ValueError(f"--target_model {model_name_or_path!r}: {config_file} is not valid JSON ({where_in_file}); the file "
-                             f"is cut short or damaged: copy or download it again") from None
+            raise ValueError(
+                f"--target_model {model_name_or_path!r}: {config_file} is not valid JSON ({where_in_file}); the file "
+                f"is cut short or damaged: copy or download it again"
+            ) from None
     try:
         config = AutoConfig.from_pretrained(model_name_or_path, **load_kwargs)
     except (OSError, ValueError) as e:
@@ -396,8 +391,9 @@ def estimate_target_bytes(config: PretrainedConfig, dtype: torch.dtype, tp_size:
 TARGET_MEMORY_SHARE = 0.85  # the rest of a target rank's device: activations of the forward, NCCL buffers
 
 
-def check_target_fits(config: PretrainedConfig, dtype: torch.dtype, device: torch.device, *, tp_size: int,
-                      ranks_per_node: int, colocated: bool) -> str:
+def check_target_fits(
+    config: PretrainedConfig, dtype: torch.dtype, device: torch.device, *, tp_size: int, ranks_per_node: int, colocated: bool
+) -> str:
     """Refuse, before any weight loads, a target whose share does not fit the device's free memory.
 
     With `tp_size` ranks sharing one copy, each holds `estimate_target_bytes(...)[1]`; it must fit
@@ -417,11 +413,15 @@ def check_target_fits(config: PretrainedConfig, dtype: torch.dtype, device: torc
         return line + f" ({free / 2**30:.1f} GiB free on {device})"
     fitting = [k for k in range(tp_size + 1, ranks_per_node) if estimate_target_bytes(config, dtype, k)[1] <= TARGET_MEMORY_SHARE * free]
     if fitting:
-        hint = (f"pass --target_tp_size {fitting[0]} with --target_ranks {fitting[0]} (or auto; a multiple of "
-                f"--target_tp_size, counted per node) so that {fitting[0]} ranks share one copy")
+        hint = (
+            f"pass --target_tp_size {fitting[0]} with --target_ranks {fitting[0]} (or auto; a multiple of "
+            f"--target_tp_size, counted per node) so that {fitting[0]} ranks share one copy"
+        )
     else:
-        hint = (f"even {ranks_per_node - 1} ranks (a node's ranks but one drafter rank) cannot hold it: use devices "
-                f"with more memory, more ranks per node, or --dtype bfloat16")
+        hint = (
+            f"even {ranks_per_node - 1} ranks (a node's ranks but one drafter rank) cannot hold it: use devices "
+            f"with more memory, more ranks per node, or --dtype bfloat16"
+        )
     if colocated:
         mode = "every rank holds the whole target in colocated mode (--target_ranks 0)"
     elif tp_size == 1:
@@ -468,12 +468,17 @@ def _load_tensor_parallel(model_name_or_path: str, config: PretrainedConfig, dty
         loadable = all(Loading.is_load_module(m) for m in skeleton.modules() if next(m.parameters(recurse=False), None) is not None)
         if loadable and set(skeleton.state_dict()) <= set(weight_map):
             files = sorted(set(weight_map.values()))
-            checkpoint = {"type": "ds_model", "version": 1.0,
-                          "checkpoints": [os.path.abspath(_checkpoint_file(model_name_or_path, f)) for f in files]}
+            checkpoint = {
+                "type": "ds_model",
+                "version": 1.0,
+                "checkpoints": [os.path.abspath(_checkpoint_file(model_name_or_path, f)) for f in files],
+            }
             model = skeleton
         else:
-            log.info("AutoTP cannot fill this target's tensors shard by shard; each rank of the group loads it whole "
-                     "into host memory, then keeps its slices")
+            log.info(
+                "AutoTP cannot fill this target's tensors shard by shard; each rank of the group loads it whole "
+                "into host memory, then keeps its slices"
+            )
     if checkpoint is None:
         model = load_target_model(model_name_or_path, config, dtype=dtype, device="cpu", random_init=random_init)
     if torch.distributed.get_backend() == "gloo":
@@ -482,12 +487,18 @@ def _load_tensor_parallel(model_name_or_path: str, config: PretrainedConfig, dty
         # crashes (SIGSEGV, seen with deepspeed 0.19.8). Without it AutoTP all-reduces over the group.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         if hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
-            raise RuntimeError("DeepSpeed's shared-memory all-reduce is already loaded in this process; it ignores the "
-                               "tensor-parallel group. Load the target before anything builds deepspeed_shm_comm.")
+            raise RuntimeError(
+                "DeepSpeed's shared-memory all-reduce is already loaded in this process; it ignores the "
+                "tensor-parallel group. Load the target before anything builds deepspeed_shm_comm."
+            )
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # deepspeed.comm over the existing process group
     engine = deepspeed.init_inference(
-        model, tensor_parallel={"tp_size": size, "tp_group": tp_group, "mpu": _TensorParallelMPU(tp_group)},
-        dtype=dtype, replace_with_kernel_inject=False, checkpoint=checkpoint, base_dir="",
+        model,
+        tensor_parallel={"tp_size": size, "tp_group": tp_group, "mpu": _TensorParallelMPU(tp_group)},
+        dtype=dtype,
+        replace_with_kernel_inject=False,
+        checkpoint=checkpoint,
+        base_dir="",
     )
     target = engine.module
     target.requires_grad_(False)
@@ -690,8 +701,9 @@ def drafter_config_for_target(
         ValueError: as `DFlashConfig` / `DFlash2Config`, when the heads do not divide
             into the KV heads, on an unknown drafter, or on DFlash2 sizes for a DFlash drafter.
     """
-    extra = {name: value for name, value in zip(DFLASH2_FIELDS, (conv_kernel_size, conv_group_size, selector_rank, selector_top_k))
-             if value is not None}
+    extra = {
+        name: value for name, value in zip(DFLASH2_FIELDS, (conv_kernel_size, conv_group_size, selector_rank, selector_top_k)) if value is not None
+    }
     if drafter not in ("dflash", "dflash2"):
         raise ValueError(f"--drafter must be dflash or dflash2, got {drafter!r}")
     if drafter == "dflash" and extra:
@@ -726,7 +738,9 @@ def drafter_config_for_target(
             f"the drafter's {heads} attention heads do not divide into {kv_heads} KV heads: pass "
             f"--draft_num_attention_heads and --draft_num_key_value_heads that do"
         )
-    derived_intermediate = 3 * hidden if _is_moe(text_config) or not getattr(text_config, "intermediate_size", None) else text_config.intermediate_size
+    derived_intermediate = (
+        3 * hidden if _is_moe(text_config) or not getattr(text_config, "intermediate_size", None) else text_config.intermediate_size
+    )
     config_class = DFlash2Config if drafter == "dflash2" else DFlashConfig
     if drafter == "dflash2" and is_causal is None:
         is_causal = False  # written out: a DFlash2 config.json without the key reads as causal sliding layers
@@ -750,11 +764,7 @@ def drafter_config_for_target(
         sliding_window=sliding_window,
         block_size=block_size,
         num_target_layers=num_target_layers,
-        dflash_config={
-            "mask_token_id": int(mask_token_id),
-            "target_layer_ids": list(target_layer_ids),
-            **target_output_scaling(text_config),
-        },
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids), **target_output_scaling(text_config)},
         **extra,
     )
 
@@ -782,9 +792,7 @@ def check_target_scaling(target: PreTrainedModel, draft_config) -> None:
         expected["input_embedding_scale"] = float(module_scale)
     for name, value in expected.items():
         have = getattr(draft_config, name)
-        same = (have is None and value is None) or (
-            have is not None and value is not None and math.isclose(float(have), float(value), rel_tol=1e-2)
-        )
+        same = (have is None and value is None) or (have is not None and value is not None and math.isclose(float(have), float(value), rel_tol=1e-2))
         if not same:
             raise ValueError(
                 f"the drafter's {name} is {have} but the target ({type(target).__name__}) needs {value}: set "
@@ -860,8 +868,9 @@ class TargetFeatureExtractor:
     written into the drafter's config), `vocab_size` (rows of the embedding).
     """
 
-    def __init__(self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True, predict_next: bool = False,
-                 last_hidden: bool = False):
+    def __init__(
+        self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True, predict_next: bool = False, last_hidden: bool = False
+    ):
         if truncate and (predict_next or last_hidden):
             raise ValueError("TargetFeatureExtractor(predict_next=True or last_hidden=True) needs the whole target: pass truncate=False")
         decoder, layers_name, layers = decoder_and_layers(target)
@@ -1047,10 +1056,7 @@ def _locked_compiled_forward(compiled, index: int):
 
 
 def resolve_mask_token_id(
-    tokenizer: PreTrainedTokenizerBase,
-    num_embedding_rows: int,
-    mask_token_id: int | None = None,
-    mask_token: str | None = None,
+    tokenizer: PreTrainedTokenizerBase, num_embedding_rows: int, mask_token_id: int | None = None, mask_token: str | None = None
 ) -> int:
     """The token id that fills the B-1 masked slots of every block.
 
@@ -1076,8 +1082,7 @@ def resolve_mask_token_id(
     if mask_token is not None:
         if mask_token not in vocab:
             raise ValueError(
-                f"--mask_token {mask_token!r} is not a token of the target tokenizer. Pass an existing token "
-                f"string, or an id with --mask_token_id."
+                f"--mask_token {mask_token!r} is not a token of the target tokenizer. Pass an existing token string, or an id with --mask_token_id."
             )
         token_id = vocab[mask_token]
         if token_id >= num_embedding_rows:

@@ -129,7 +129,9 @@ def setup_distributed(settings: TopologySettings) -> Cluster:
     # Compile caches and the node-wide compile lock are fixed before anything compiles (docs/compile-safety.md).
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     setup_compile_cache(
-        settings.compile_cache, settings.compile_cache_dir, int(os.environ.get("LOCAL_RANK", "0")),
+        settings.compile_cache,
+        settings.compile_cache_dir,
+        int(os.environ.get("LOCAL_RANK", "0")),
         compile_threads=settings.compile_threads or max(1, (os.cpu_count() or 1) // ranks_per_node),
     )
     accelerator = init_distributed(torch.cuda.is_available())
@@ -201,14 +203,16 @@ def plan_rank_roles(settings: TopologySettings, cluster: Cluster, resume: Resume
         holds_target = tp_size == 1 or tp_groups[1] is not None
         tp_group = tp_groups[1]
     evaluator = settings.eval_data is not None and (layout is None or not layout.split or layout.is_evaluator)
-    own_embeddings = (tp_size > 1 and (layout is None or not layout.is_target or evaluator)) or \
-        (layout is not None and layout.split and not layout.is_target)
+    own_embeddings = (tp_size > 1 and (layout is None or not layout.is_target or evaluator)) or (
+        layout is not None and layout.split and not layout.is_target
+    )
     needs_drafter = layout is None or not layout.is_target or evaluator
     return RankRoles(layout, tp_groups, holds_target, tp_group, evaluator, own_embeddings, needs_drafter)
 
 
-def load_target_parts(settings: TopologySettings, target_config, draft_config: DFlashConfig, cluster: Cluster,
-                      roles: RankRoles, compute) -> TargetParts:
+def load_target_parts(
+    settings: TopologySettings, target_config, draft_config: DFlashConfig, cluster: Cluster, roles: RankRoles, compute
+) -> TargetParts:
     """The target's weights this rank needs: the whole target (or its tensor-parallel slice) with a
     feature extractor, and/or its embedding and LM head alone (a drafter rank of a split)."""
     settings_tp = settings.target_tp_size
@@ -218,17 +222,36 @@ def load_target_parts(settings: TopologySettings, target_config, draft_config: D
     parts = TargetParts(None, None, None, None)
     if roles.holds_target:
         layout = roles.layout
-        logger.info("%s", check_target_fits(target_config, compute.dtype, cluster.device,
-                                            tp_size=settings_tp if roles.tp_group is not None else 1,
-                                            ranks_per_node=len(cluster.nodes[0]), colocated=layout is not None and not layout.split))
-        target = load_target_model(settings.target_model, target_config, gguf_file=settings.target_gguf_file, dtype=compute.dtype,
-                                   device=cluster.device, random_init=settings.target_random_init, tp_group=roles.tp_group)
+        logger.info(
+            "%s",
+            check_target_fits(
+                target_config,
+                compute.dtype,
+                cluster.device,
+                tp_size=settings_tp if roles.tp_group is not None else 1,
+                ranks_per_node=len(cluster.nodes[0]),
+                colocated=layout is not None and not layout.split,
+            ),
+        )
+        target = load_target_model(
+            settings.target_model,
+            target_config,
+            gguf_file=settings.target_gguf_file,
+            dtype=compute.dtype,
+            device=cluster.device,
+            random_init=settings.target_random_init,
+            tp_group=roles.tp_group,
+        )
         if settings.target_random_init:
             logger.warning("--target_random_init: the target has RANDOM weights; the drafter learns nothing useful")
         if roles.tp_group is not None:
-            logger.info("Rank %d holds %d bytes of the target's parameters (%d in all; tensor parallelism over ranks %s)",
-                        cluster.rank, parameter_bytes(target), estimate_target_bytes(target_config, compute.dtype)[0],
-                        torch.distributed.get_process_group_ranks(roles.tp_group))
+            logger.info(
+                "Rank %d holds %d bytes of the target's parameters (%d in all; tensor parallelism over ranks %s)",
+                cluster.rank,
+                parameter_bytes(target),
+                estimate_target_bytes(target_config, compute.dtype)[0],
+                torch.distributed.get_process_group_ranks(roles.tp_group),
+            )
         if target.get_input_embeddings().weight.shape[0] != vocab_rows:
             raise ValueError(
                 f"--target_model {settings.target_model}: its embedding has {target.get_input_embeddings().weight.shape[0]} rows "
@@ -240,15 +263,25 @@ def load_target_parts(settings: TopologySettings, target_config, draft_config: D
         # argmax, so where either runs the target stays whole.
         # A loss against the target's distribution needs its last hidden state: every layer runs too.
         predict, last_hidden = settings.label_source == "target_argmax", settings.loss != "ce"
-        extractor = TargetFeatureExtractor(target, draft_config.target_layer_ids, truncate=not (roles.evaluator or predict or last_hidden),
-                                           predict_next=predict, last_hidden=last_hidden)
+        extractor = TargetFeatureExtractor(
+            target,
+            draft_config.target_layer_ids,
+            truncate=not (roles.evaluator or predict or last_hidden),
+            predict_next=predict,
+            last_hidden=last_hidden,
+        )
         parts = TargetParts(target, extractor, extractor.embed_tokens, extractor.lm_head)
     elif settings_tp > 1:
         join_tensor_parallel_init()  # DeepSpeed AutoTP's world broadcast (dflash_split.py)
     if roles.own_embeddings:  # the drafter needs the whole head; a tensor-parallel target's is split
         parts.embed_tokens, parts.lm_head = load_target_embeddings(
-            settings.target_model, target_config, gguf_file=settings.target_gguf_file, dtype=compute.dtype,
-            device=cluster.device, random_init=settings.target_random_init)
+            settings.target_model,
+            target_config,
+            gguf_file=settings.target_gguf_file,
+            dtype=compute.dtype,
+            device=cluster.device,
+            random_init=settings.target_random_init,
+        )
     return parts
 
 
@@ -282,13 +315,13 @@ def measure_rates(batches: list, run_target: Callable, run_drafter: Callable, de
         middle = time.perf_counter()
         run_drafter(batch, output)
         sync()
-        totals += torch.tensor([middle - start, time.perf_counter() - middle, len(batch["input_ids"]),
-                                float(batch["attention_mask"].sum())], dtype=torch.float64)
+        totals += torch.tensor(
+            [middle - start, time.perf_counter() - middle, len(batch["input_ids"]), float(batch["attention_mask"].sum())], dtype=torch.float64
+        )
     return totals
 
 
-def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: float, ranks_per_node: int,
-                        tp_size: int = 1) -> tuple[int, list[str]]:
+def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: float, ranks_per_node: int, tp_size: int = 1) -> tuple[int, list[str]]:
     """N target ranks per node of `ranks_per_node` ranks, from the rates at the same micro-batches.
 
     target_samples_per_s: what one copy of the target supplies (one rank, or one tensor-parallel
@@ -302,8 +335,10 @@ def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: floa
     """
     supply, demand, ranks = target_samples_per_s, drafter_samples_per_s, ranks_per_node
     copy = "one rank" if tp_size == 1 else f"one target group of {tp_size} ranks"
-    lines = [f"{copy}: target forward {supply:.2f} samples/s; one rank: drafter step {demand:.2f} samples/s "
-             f"(one target copy feeds {supply / demand:.1f} drafter ranks)"]
+    lines = [
+        f"{copy}: target forward {supply:.2f} samples/s; one rank: drafter step {demand:.2f} samples/s "
+        f"(one target copy feeds {supply / demand:.1f} drafter ranks)"
+    ]
     if ranks == 1:
         return 0, lines + ["a single process: colocated"]
     if tp_size >= ranks:
@@ -331,8 +366,18 @@ def choose_target_ranks(target_samples_per_s: float, drafter_samples_per_s: floa
     return best_n, lines
 
 
-def time_rank_split(settings: TopologySettings, schedule_settings: ScheduleSettings, cluster: Cluster, roles: RankRoles,
-                    data, tokenizer, parts: TargetParts, drafter: DFlashDraftModel, loss_fn, compute):
+def time_rank_split(
+    settings: TopologySettings,
+    schedule_settings: ScheduleSettings,
+    cluster: Cluster,
+    roles: RankRoles,
+    data,
+    tokenizer,
+    parts: TargetParts,
+    drafter: DFlashDraftModel,
+    loss_fn,
+    compute,
+):
     """--target_ranks auto: every rank that holds the target times its forward (a tensor-parallel group
     as one) and a drafter step (forward + backward, no update) on its own first micro-batches (of
     the run's order, `schedule_settings`); the sums over all ranks give every rank the same N.
@@ -343,7 +388,7 @@ def time_rank_split(settings: TopologySettings, schedule_settings: ScheduleSetti
     copy = next((i for i, g in enumerate(copies) if rank in g), None) if roles.holds_target else None
     batches = []
     if copy is not None:
-        own = [ids for ids in epoch_batches(data.lengths, schedule_settings, 0, len(copies))[copy::len(copies)] if ids is not None]
+        own = [ids for ids in epoch_batches(data.lengths, schedule_settings, 0, len(copies))[copy :: len(copies)] if ids is not None]
         batches = [collate_batch(data.dataset.select(ids), tokenizer.pad_token_id, compute.pad_multiple) for ids in own[:CALIBRATION_BATCHES]]
 
     def run_target(batch):
@@ -351,8 +396,7 @@ def time_rank_split(settings: TopologySettings, schedule_settings: ScheduleSetti
 
     def run_drafter(batch, output):
         features, label_ids = output
-        loss, _ = loss_fn(drafter, features, batch["input_ids"].to(device), batch["loss_mask"], label_ids,
-                          (settings.seed, -1, rank))
+        loss, _ = loss_fn(drafter, features, batch["input_ids"].to(device), batch["loss_mask"], label_ids, (settings.seed, -1, rank))
         loss.backward()
         drafter.zero_grad(set_to_none=True)
 
@@ -360,15 +404,20 @@ def time_rank_split(settings: TopologySettings, schedule_settings: ScheduleSetti
     torch.distributed.all_reduce(totals)
     target_s, drafter_s, samples, tokens = totals.tolist()
     num_target_ranks, reasons = choose_target_ranks(samples / target_s, samples / drafter_s, len(nodes[0]), tp_size)
-    logger.info("--target_ranks auto over %d ranks%s%s (%d batches timed per target copy, %.0f tokens/sample):\n  %s\n=> --target_ranks %d",
-                len(nodes[0]), f" per node ({len(nodes)} nodes)" if len(nodes) > 1 else "",
-                f", tensor-parallel groups of {tp_size}" if tp_size > 1 else "", CALIBRATION_BATCHES, tokens / samples,
-                "\n  ".join(reasons), num_target_ranks)
+    logger.info(
+        "--target_ranks auto over %d ranks%s%s (%d batches timed per target copy, %.0f tokens/sample):\n  %s\n=> --target_ranks %d",
+        len(nodes[0]),
+        f" per node ({len(nodes)} nodes)" if len(nodes) > 1 else "",
+        f", tensor-parallel groups of {tp_size}" if tp_size > 1 else "",
+        CALIBRATION_BATCHES,
+        tokens / samples,
+        "\n  ".join(reasons),
+        num_target_ranks,
+    )
     return make_rank_layout(num_target_ranks, rank, cluster.world, nodes, roles.tp_groups)
 
 
-def settle_split(layout, settings: TopologySettings, draft_config: DFlashConfig, parts: TargetParts, drafter,
-                 compute, rank: int) -> None:
+def settle_split(layout, settings: TopologySettings, draft_config: DFlashConfig, parts: TargetParts, drafter, compute, rank: int) -> None:
     """Once the layout is known: the lead logs training; in split mode a target rank that auto kept
     whole is truncated, and a drafter rank drops every target layer it timed; a drafter rank logs
     what it holds."""
@@ -399,10 +448,14 @@ def settle_split(layout, settings: TopologySettings, draft_config: DFlashConfig,
         held = parameter_bytes(*[m for m in (parts.target, embed_tokens, lm_head, drafter) if m is not None])
         tied = lm_head.weight is embed_tokens.weight
         logger.info(
-            "Rank %d holds %.1f MiB (%d bytes) of parameters: the target's embedding %d bytes, its LM head %d bytes%s, "
-            "the drafter %d bytes; %s",
-            rank, held / 2**20, held, parameter_bytes(embed_tokens), 0 if tied else parameter_bytes(lm_head),
-            " (tied to the embedding)" if tied else "", parameter_bytes(drafter),
+            "Rank %d holds %.1f MiB (%d bytes) of parameters: the target's embedding %d bytes, its LM head %d bytes%s, the drafter %d bytes; %s",
+            rank,
+            held / 2**20,
+            held,
+            parameter_bytes(embed_tokens),
+            0 if tied else parameter_bytes(lm_head),
+            " (tied to the embedding)" if tied else "",
+            parameter_bytes(drafter),
             "no target decoder layer" if parts.target is None else "the target without its decoder layers (timed by --target_ranks auto)",
         )
 
@@ -415,11 +468,15 @@ def check_sequence_parallel_ranks(size: int, drafters_per_node: int, num_nodes: 
     if drafters_per_node % size == 0:
         return
     if num_nodes == 1:
-        raise ValueError(f"--sequence_parallel_size {size}: the {drafters_per_node} drafter ranks do not divide into groups of "
-                         f"{size}; launch a multiple of {size} drafter ranks, or change --target_ranks")
-    raise ValueError(f"--sequence_parallel_size {size}: each of the {num_nodes} nodes has {drafters_per_node} drafter ranks, not a "
-                     f"multiple of {size}, and a group must lie within one node (its all-to-alls run in every attention layer); "
-                     f"launch a multiple of {size} drafter ranks per node, or change --target_ranks")
+        raise ValueError(
+            f"--sequence_parallel_size {size}: the {drafters_per_node} drafter ranks do not divide into groups of "
+            f"{size}; launch a multiple of {size} drafter ranks, or change --target_ranks"
+        )
+    raise ValueError(
+        f"--sequence_parallel_size {size}: each of the {num_nodes} nodes has {drafters_per_node} drafter ranks, not a "
+        f"multiple of {size}, and a group must lie within one node (its all-to-alls run in every attention layer); "
+        f"launch a multiple of {size} drafter ranks per node, or change --target_ranks"
+    )
 
 
 def check_sequence_parallel_heads(size: int, draft_config: DFlashConfig) -> None:
@@ -428,9 +485,11 @@ def check_sequence_parallel_heads(size: int, draft_config: DFlashConfig) -> None
     Raises ValueError naming the flag, both head counts and the fix."""
     heads, kv_heads = draft_config.num_attention_heads, draft_config.num_key_value_heads
     if heads % size or kv_heads % size:
-        raise ValueError(f"--sequence_parallel_size {size}: Ulysses gives each rank 1/{size} of the drafter's heads, but it has "
-                         f"{heads} attention heads and {kv_heads} KV heads; pick a size that divides both, or set "
-                         f"--draft_num_attention_heads / --draft_num_key_value_heads")
+        raise ValueError(
+            f"--sequence_parallel_size {size}: Ulysses gives each rank 1/{size} of the drafter's heads, but it has "
+            f"{heads} attention heads and {kv_heads} KV heads; pick a size that divides both, or set "
+            f"--draft_num_attention_heads / --draft_num_key_value_heads"
+        )
 
 
 def sequence_parallel_groups(nodes: list[list[int]], drafter_ranks: list[int], size: int) -> list[list[int]]:
@@ -454,8 +513,9 @@ def sequence_parallel_groups(nodes: list[list[int]], drafter_ranks: list[int], s
     for ranks in per_node:
         check_sequence_parallel_ranks(size, len(ranks), len(nodes))
     groups = [ranks[i : i + size] for ranks in per_node for i in range(0, len(ranks), size)]
-    assert [r for group in groups for r in group] == list(drafter_ranks), \
+    assert [r for group in groups for r in group] == list(drafter_ranks), (
         f"the nodes' drafter ranks {per_node} are not consecutive global ranks: the schedule's groups would span nodes"
+    )
     return groups
 
 
@@ -487,8 +547,12 @@ def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig)
         if layout.rank in ranks:
             mine = SequenceParallel(group, ranks.index(layout.rank), size)
     if layout.is_lead:
-        logger.info("Sequence parallelism: drafter ranks in groups of %d (%s), each group one sample at a time; "
-                    "data parallelism over %d groups", size, ", ".join(map(str, groups)), len(groups))
+        logger.info(
+            "Sequence parallelism: drafter ranks in groups of %d (%s), each group one sample at a time; data parallelism over %d groups",
+            size,
+            ", ".join(map(str, groups)),
+            len(groups),
+        )
     return mine
 
 
@@ -496,8 +560,7 @@ def make_sequence_parallel_groups(layout, size: int, draft_config: DFlashConfig)
 EVAL_RESULTS = ("acceptance_length", "speculative_tokens_per_s", "prompt_lookup_acceptance_length")
 
 
-def serve_held_out_evaluation(drafter: DFlashDraftModel, target, tokenizer, data, settings: TopologySettings, layout,
-                      device: torch.device) -> None:
+def serve_held_out_evaluation(drafter: DFlashDraftModel, target, tokenizer, data, settings: TopologySettings, layout, device: torch.device) -> None:
     """Split mode, on the first target group: receive the lead's drafter weights, measure held-out tau
     with the target that is already here, send (tau, tokens/s) back (dflash_split.py, "Held-out evaluation")."""
     broadcast_drafter_weights(drafter, layout.eval_group, src=layout.drafter_ranks[0])
@@ -505,15 +568,34 @@ def serve_held_out_evaluation(drafter: DFlashDraftModel, target, tokenizer, data
     # A tensor-parallel target: a growing KV cache and no CUDA graphs (a static cache sizes its
     # heads from the config, and each rank holds a slice of them).
     kv_cache, graphs = ("dynamic", "off") if layout.tp_size > 1 else ("auto", "auto")
-    result = evaluate_acceptance(target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens,
-                                 chat_template_kwargs=data.chat_kwargs, kv_cache=kv_cache, cuda_graphs=graphs,
-                                 prompt_lookup=settings.eval_prompt_lookup)
+    result = evaluate_acceptance(
+        target,
+        drafter,
+        tokenizer,
+        data.eval_prompts,
+        settings.eval_max_new_tokens,
+        chat_template_kwargs=data.chat_kwargs,
+        kv_cache=kv_cache,
+        cuda_graphs=graphs,
+        prompt_lookup=settings.eval_prompt_lookup,
+    )
     values = [result[key] if result.get(key) is not None else math.nan for key in EVAL_RESULTS] if layout.is_sender else None
     broadcast_scalars(values, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
 
 
-def run_target_rank(settings: TopologySettings, feature_settings: FeatureSettings, cluster: Cluster, compute, data, tokenizer,
-                    layout, parts: TargetParts, drafter: DFlashDraftModel | None, plan, resume: ResumePoint) -> None:
+def run_target_rank(
+    settings: TopologySettings,
+    feature_settings: FeatureSettings,
+    cluster: Cluster,
+    compute,
+    data,
+    tokenizer,
+    layout,
+    parts: TargetParts,
+    drafter: DFlashDraftModel | None,
+    plan,
+    resume: ResumePoint,
+) -> None:
     """A target rank's whole run (split mode): context features for the drafter ranks
     (`serve_context_features`, with `feature_settings`), and, with a drafter (the evaluating group,
     with --eval_data), the lead's held-out evaluations."""
@@ -521,5 +603,6 @@ def run_target_rank(settings: TopologySettings, feature_settings: FeatureSetting
     if drafter is not None:
         to_compute_dtype(drafter, cluster.device, compute.dtype)
         evaluate = functools.partial(serve_held_out_evaluation, drafter, parts.target, tokenizer, data, settings, layout, cluster.device)
-    serve_context_features(plan, data.dataset, tokenizer, parts.extractor, layout, feature_settings, cluster.device,
-                           compute.pad_multiple, resume.global_step, evaluate)
+    serve_context_features(
+        plan, data.dataset, tokenizer, parts.extractor, layout, feature_settings, cluster.device, compute.pad_multiple, resume.global_step, evaluate
+    )

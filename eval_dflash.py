@@ -168,17 +168,34 @@ class EvalRun:
         return torch.Generator(self.device).manual_seed(self.args.seed + index) if self.sampling else None
 
     def plain(self, input_ids: torch.Tensor, max_new_tokens: int, index: int) -> list[int]:
-        return plain_generate(self.target, input_ids, max_new_tokens, self.eos_token_ids, self.decoder, **self.sample,
-                              generator=self.generator(index))
+        return plain_generate(
+            self.target, input_ids, max_new_tokens, self.eos_token_ids, self.decoder, **self.sample, generator=self.generator(index)
+        )
 
     def speculative(self, input_ids: torch.Tensor, max_new_tokens: int, index: int) -> tuple[list[int], dict]:
-        return speculative_generate(self.target, self.drafter, input_ids, max_new_tokens, self.block_size, self.eos_token_ids,
-                                    self.decoder, **self.sample, generator=self.generator(index), proposal=self.args.proposal)
+        return speculative_generate(
+            self.target,
+            self.drafter,
+            input_ids,
+            max_new_tokens,
+            self.block_size,
+            self.eos_token_ids,
+            self.decoder,
+            **self.sample,
+            generator=self.generator(index),
+            proposal=self.args.proposal,
+        )
 
     def prompt_lookup(self, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
         return prompt_lookup_generate(
-            self.target, input_ids, max_new_tokens, self.eos_token_ids, self.tokenizer.pad_token_id,
-            self.args.prompt_lookup_num_tokens, self.args.prompt_lookup_max_ngram_size, **self.sample,
+            self.target,
+            input_ids,
+            max_new_tokens,
+            self.eos_token_ids,
+            self.tokenizer.pad_token_id,
+            self.args.prompt_lookup_num_tokens,
+            self.args.prompt_lookup_max_ngram_size,
+            **self.sample,
         )
 
     def timed(self, key: str, fn):
@@ -197,8 +214,10 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
     when the target is not the one the drafter was trained for; make the decoder."""
     from dflash_target import load_target_config, load_target_model  # the CLI needs them; dflash_decoding.py does not
 
-    device = torch.device(args.device) if args.device else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device(args.device)
+        if args.device
+        else (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     )
     dtype = parse_dtype(args.dtype, device)
     resolve_kv_cache(args.kv_cache, args.cuda_graphs, device)  # bad flags fail before anything loads
@@ -210,8 +229,13 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
     check_config_matches_target(draft_config, target_config)
     prompts, locations = load_prompts(args.data, tokenizer, num_prompts=args.num_prompts, return_locations=True)
     encoded = [encode_prompt(tokenizer, messages, chat_template_kwargs, device) for messages in prompts]
-    check_prompts_fit_context([ids.shape[1] for ids in encoded], locations, target_context_length(target_config),
-                              args.max_new_tokens + block_size, f"--max_new_tokens {args.max_new_tokens} + a block of {block_size}")
+    check_prompts_fit_context(
+        [ids.shape[1] for ids in encoded],
+        locations,
+        target_context_length(target_config),
+        args.max_new_tokens + block_size,
+        f"--max_new_tokens {args.max_new_tokens} + a block of {block_size}",
+    )
     drafter = model_class.from_pretrained(args.draft_model, dtype=dtype).to(device).eval()
     target = load_target_model(args.target_model, target_config, gguf_file=args.target_gguf_file, dtype=dtype, device=device)
     check_drafter_matches_target(target, drafter)
@@ -224,14 +248,18 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
     # One decoder for every prompt: the static caches and the CUDA graphs are made once.
     max_length = max(ids.shape[1] for ids in encoded) + args.max_new_tokens + drafter.config.block_size
     decoder = Decoder(target, drafter, kv_cache, max_length, cuda_graphs)
-    run = EvalRun(args, target, drafter, tokenizer, decoder, encoded, block_size, eos_token_ids, kv_cache, cuda_graphs,
-                  chat_template_kwargs, device, dtype)
+    run = EvalRun(
+        args, target, drafter, tokenizer, decoder, encoded, block_size, eos_token_ids, kv_cache, cuda_graphs, chat_template_kwargs, device, dtype
+    )
     print(
         f"{len(prompts)} prompts from {args.data}; block size {block_size} (drafter trained with "
         f"{drafter.config.block_size}); max_new_tokens {args.max_new_tokens}; eos {eos_token_ids}; {device} {dtype}; "
         f"{kv_cache} KV cache{', CUDA graphs' if cuda_graphs else ''}; "
-        + (f"sampling at temperature {args.temperature}, top_p {args.top_p}, seed {args.seed}, {args.proposal} proposals"
-           if run.sampling else "greedy")
+        + (
+            f"sampling at temperature {args.temperature}, top_p {args.top_p}, seed {args.seed}, {args.proposal} proposals"
+            if run.sampling
+            else "greedy"
+        )
     )
     return run
 
@@ -279,21 +307,29 @@ def evaluate_prompt(run: EvalRun, index: int, input_ids: torch.Tensor, tally: Ta
     if divergence is not None:
         margin, top_logit = logit_margin(run.target, input_ids, reference[:divergence])
         bound = near_tie_bound(top_logit, run.dtype)
-        tally.mismatches.append({
-            "prompt_index": index,
-            "first_divergence": divergence,
-            "greedy_token": reference[divergence] if divergence < len(reference) else None,
-            "speculative_token": tokens[divergence] if divergence < len(tokens) else None,
-            "logit_margin": margin,
-            "top_logit": top_logit,
-            "near_tie": margin <= bound,  # NEAR_TIE_RULE
-            "greedy_tokens": len(reference),
-            "speculative_tokens": len(tokens),
-        })
+        tally.mismatches.append(
+            {
+                "prompt_index": index,
+                "first_divergence": divergence,
+                "greedy_token": reference[divergence] if divergence < len(reference) else None,
+                "speculative_token": tokens[divergence] if divergence < len(tokens) else None,
+                "logit_margin": margin,
+                "top_logit": top_logit,
+                "near_tie": margin <= bound,  # NEAR_TIE_RULE
+                "greedy_tokens": len(reference),
+                "speculative_tokens": len(tokens),
+            }
+        )
         if margin > bound:  # near-ties are counted in the summary; anything else is worth a line now
-            logger.warning("prompt %d: speculative output diverges from greedy at token %d, where the target's top-1 logit "
-                           "leads by %.4g, more than a near-tie (%.3g in %s): a decoding bug", index, divergence, margin, bound,
-                           str(run.dtype).replace("torch.", ""))
+            logger.warning(
+                "prompt %d: speculative output diverges from greedy at token %d, where the target's top-1 logit "
+                "leads by %.4g, more than a near-tie (%.3g in %s): a decoding bug",
+                index,
+                divergence,
+                margin,
+                bound,
+                str(run.dtype).replace("torch.", ""),
+            )
     if args.baseline == "prompt_lookup":
         torch.manual_seed(args.seed + index)
         lookup, lstats = run.timed("prompt_lookup", lambda: run.prompt_lookup(input_ids, args.max_new_tokens))
@@ -420,15 +456,22 @@ def write_results(results: dict, args: EvalArgs, plot_path: str, block_size: int
         json.dump(results, f, indent=2)
     os.replace(tmp, args.output)
     baseline_tau = results["baseline"]["acceptance_length"] if "baseline" in results else None
-    plot_acceptance(plot_path, results["acceptance_rate_by_position"], results["acceptance_length"], baseline_tau,
-                    f"{os.path.basename(os.path.normpath(args.draft_model))} on {os.path.basename(args.data)} (B={block_size})")
+    plot_acceptance(
+        plot_path,
+        results["acceptance_rate_by_position"],
+        results["acceptance_length"],
+        baseline_tau,
+        f"{os.path.basename(os.path.normpath(args.draft_model))} on {os.path.basename(args.data)} (B={block_size})",
+    )
     line = (
         f"tau {_fmt(results['acceptance_length'])} | speculative {results['speculative_tokens_per_s']:.1f} tok/s vs target "
         f"{results['target_tokens_per_s']:.1f} tok/s (speedup {results['speedup']:.2f}x) | lossless {results['lossless']}"
     )
     if results["lossless"] is not None:
-        line += (f" ({results['identical_prompts']} of {results['num_prompts']} identical to greedy, "
-                 f"{results['near_tie_divergences']} diverge at near-ties, {results['other_divergences']} otherwise)")
+        line += (
+            f" ({results['identical_prompts']} of {results['num_prompts']} identical to greedy, "
+            f"{results['near_tie_divergences']} diverge at near-ties, {results['other_divergences']} otherwise)"
+        )
     if "baseline" in results:
         b = results["baseline"]
         line += f" | prompt lookup tau {_fmt(b['acceptance_length'])}, {b['tokens_per_s']:.1f} tok/s ({b['speedup']:.2f}x)"
@@ -438,11 +481,16 @@ def write_results(results: dict, args: EvalArgs, plot_path: str, block_size: int
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the evaluation; returns the results dict (also written to --output)."""
-    parser = HfArgumentParser(EvalArgs, formatter_class=HelpFormatter, description=(
-        "Evaluate a DFlash drafter by real speculative decoding on the target: acceptance length tau, acceptance by block "
-        "position, target-only and speculative tokens/s, the speedup, transformers' prompt lookup on the same prompts, and a "
-        "check that the output equals plain greedy decoding; written to --output as JSON, with a plot. "
-        "--target_model, --draft_model, --data, --max_new_tokens and --output are required. docs/evaluation.md"))
+    parser = HfArgumentParser(
+        EvalArgs,
+        formatter_class=HelpFormatter,
+        description=(
+            "Evaluate a DFlash drafter by real speculative decoding on the target: acceptance length tau, acceptance by block "
+            "position, target-only and speculative tokens/s, the speedup, transformers' prompt lookup on the same prompts, and a "
+            "check that the output equals plain greedy decoding; written to --output as JSON, with a plot. "
+            "--target_model, --draft_model, --data, --max_new_tokens and --output are required. docs/evaluation.md"
+        ),
+    )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     chat_template_kwargs = check_args(args)
     plot_path = args.plot or (args.output[: -len(".json")] if args.output.endswith(".json") else args.output) + "_acceptance.png"

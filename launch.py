@@ -53,8 +53,12 @@ def fill_launch_defaults(args) -> None:
     each was not passed; a multi-GPU warning, and any value given, stay as they are."""
     if args.config_file is not None or os.path.isfile(default_config_file):
         return
-    defaults = {"num_processes": max(0 if args.cpu else torch.cuda.device_count(), 1), "num_machines": 1,
-                "mixed_precision": "no", "dynamo_backend": "no"}
+    defaults = {
+        "num_processes": max(0 if args.cpu else torch.cuda.device_count(), 1),
+        "num_machines": 1,
+        "mixed_precision": "no",
+        "dynamo_backend": "no",
+    }
     for name, value in defaults.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)

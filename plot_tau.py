@@ -43,8 +43,13 @@ def main() -> None:
     parser.add_argument("--labels", nargs="*", default=None, help="one label per run (default: the dir name)")
     parser.add_argument("--baseline", action="append", default=[], help="NAME=TAU horizontal reference line")
     parser.add_argument("--x", choices=["steps", "minutes"], default="steps", help="x axis: optimizer steps or wall-clock minutes")
-    parser.add_argument("--start_minutes", nargs="*", type=float, default=None,
-                        help="with --x minutes: minutes spent before each run's training (e.g. regenerating its data)")
+    parser.add_argument(
+        "--start_minutes",
+        nargs="*",
+        type=float,
+        default=None,
+        help="with --x minutes: minutes spent before each run's training (e.g. regenerating its data)",
+    )
     parser.add_argument("--output", default="tau_vs_steps.png")
     args = parser.parse_args()
     if args.labels and len(args.labels) != len(args.runs):
@@ -68,8 +73,11 @@ def main() -> None:
             raise SystemExit(f"error: --baseline {item!r} is not NAME=TAU") from None
         ax.annotate(f"{name} {float(value):.2f}", (ax.get_xlim()[0], float(value)), textcoords="offset points", xytext=(4, 4))
     if args.x == "minutes":
-        ax.set(xlabel="GPU wall-clock minutes" + (" (regeneration, then training)" if args.start_minutes else ""),
-               ylabel="held-out acceptance length tau", title="tau vs GPU minutes")
+        ax.set(
+            xlabel="GPU wall-clock minutes" + (" (regeneration, then training)" if args.start_minutes else ""),
+            ylabel="held-out acceptance length tau",
+            title="tau vs GPU minutes",
+        )
     else:
         ax.set(xlabel="optimizer step", ylabel="held-out acceptance length tau", title="tau vs training steps")
     ax.legend()

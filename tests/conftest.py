@@ -154,10 +154,22 @@ def run_args(target_dir, data, output_dir, **overrides) -> list[str]:
     epoch, so with 2 drafter ranks the last micro-step of every epoch has one zero-loss filler), 2
     epochs, 2 drafter layers reading target layers 1 and 3; `overrides` replace any of them."""
     settings = dict(
-        target_model=str(target_dir), train_data=str(data), output_dir=str(output_dir), max_samples=18,
-        num_train_epochs=2, num_anchors=16, block_size=8, num_draft_layers=2, max_seq_length=192,
-        target_layer_ids="1 3", per_device_batch_size=2, learning_rate=1e-2, logging_steps=2, save_steps=0,
-        report_to="none", num_proc=1,
+        target_model=str(target_dir),
+        train_data=str(data),
+        output_dir=str(output_dir),
+        max_samples=18,
+        num_train_epochs=2,
+        num_anchors=16,
+        block_size=8,
+        num_draft_layers=2,
+        max_seq_length=192,
+        target_layer_ids="1 3",
+        per_device_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=2,
+        save_steps=0,
+        report_to="none",
+        num_proc=1,
     )
     settings.update(overrides)
     args = []
@@ -192,9 +204,19 @@ def launch_ranks(args, env, world, log_dir, rank_env=None):
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     procs = []
     for rank in range(world):
-        own_env = dict(env, **(rank_env or {}).get(rank, {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+        own_env = dict(
+            env,
+            **(rank_env or {}).get(rank, {}),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
         output = open(log_dir / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO_ROOT, env=own_env,
-                                      stdout=output, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO_ROOT, env=own_env, stdout=output, stderr=subprocess.STDOUT)
+        )
     return store, procs

@@ -124,7 +124,11 @@ def test_four_processes_on_a_cold_shared_cache_compile_one_at_a_time(tmp_path, r
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WORKER, str(root), str(rank), "4", json.dumps(SHAPES)],
-            cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=repo_root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in range(4)
     ]
@@ -363,8 +367,9 @@ def test_compiled_drafter_layers_and_loss_match_eager_and_compile_under_the_lock
         anchors, valid = dflash_masks.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
         hidden = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
         labels, label_valid = dflash_masks.block_labels(input_ids, loss_mask, anchors, valid, 4)
-        loss, _ = weighted_block_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid,
-                              loss_weights(4, gamma=3.0), compiled=compiled)
+        loss, _ = weighted_block_loss(
+            hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(4, gamma=3.0), compiled=compiled
+        )
         drafter.zero_grad(set_to_none=True)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in drafter.parameters()]
@@ -400,8 +405,19 @@ def test_compiled_distribution_loss_with_dpace_matches_eager_and_compiles_once(f
     valid = torch.rand(2, 3, 5, generator=g) > 0.3
     results = []
     for compiled in (False, True, True):
-        loss, accepted = weighted_block_loss(hidden, head, labels, valid, None, chunk_size=4, compiled=compiled, final_logit_softcapping=5.0,
-                                     loss="lk", target_hidden=target_hidden, loss_weighting="dpace")
+        loss, accepted = weighted_block_loss(
+            hidden,
+            head,
+            labels,
+            valid,
+            None,
+            chunk_size=4,
+            compiled=compiled,
+            final_logit_softcapping=5.0,
+            loss="lk",
+            target_hidden=target_hidden,
+            loss_weighting="dpace",
+        )
         (grad,) = torch.autograd.grad(loss, hidden)
         results.append((loss, accepted, grad))
         if compiled:

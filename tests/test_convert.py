@@ -37,8 +37,17 @@ from dflash_target import drafter_config_for_target
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 VOCAB, HIDDEN, BLOCK, WINDOW = 1000, 64, 8, 16
-TARGET = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, architectures=["Qwen3ForCausalLM"])
+TARGET = Qwen3Config(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    architectures=["Qwen3ForCausalLM"],
+)
 HAS_SPECULATORS = importlib.util.find_spec("speculators") is not None
 needs_speculators = pytest.mark.skipif(not HAS_SPECULATORS, reason="speculators is not installed (a benchmark tool, not a requirement)")
 
@@ -58,8 +67,16 @@ def tiny_export(path: Path, drafter: str, layer_types: str, seed: int = 0, **set
     drawn at random, so that no identity-initialised convolution hides a mismatch."""
     extra = {"selector_rank": 8, "selector_top_k": 4} if drafter == "dflash2" else {}
     config = drafter_config_for_target(
-        TARGET, mask_token_id=5, num_draft_layers=2, block_size=BLOCK, target_layer_ids=settings.pop("target_layer_ids", [0, 2]),
-        layer_types=layer_types, sliding_window=WINDOW if layer_types != "all_full" else None, drafter=drafter, **extra, **settings,
+        TARGET,
+        mask_token_id=5,
+        num_draft_layers=2,
+        block_size=BLOCK,
+        target_layer_ids=settings.pop("target_layer_ids", [0, 2]),
+        layer_types=layer_types,
+        sliding_window=WINDOW if layer_types != "all_full" else None,
+        drafter=drafter,
+        **extra,
+        **settings,
     )
     model = (DFlash2DraftModel if drafter == "dflash2" else DFlashDraftModel)(config)
     torch.manual_seed(seed)
@@ -74,11 +91,10 @@ def convert(source, output, to, target, *extra):
     return convert_dflash.main([str(source), str(output), "--to", to, "--target", str(target), *extra])
 
 
-@pytest.mark.parametrize("drafter,layer_types,extra", [
-    ("dflash", "all_full", []),
-    ("dflash", "last_full", ["--max_seq_len", "9"]),
-    ("dflash2", "all_sliding", ["--max_seq_len", "9"]),
-])
+@pytest.mark.parametrize(
+    "drafter,layer_types,extra",
+    [("dflash", "all_full", []), ("dflash", "last_full", ["--max_seq_len", "9"]), ("dflash2", "all_sliding", ["--max_seq_len", "9"])],
+)
 def test_a_round_trip_through_speculators_layout_gives_back_the_same_bytes(tmp_path, target_dir, drafter, layer_types, extra):
     ours = tiny_export(tmp_path / "ours", drafter, layer_types)
     convert(ours, tmp_path / "speculators", "speculators", target_dir, *extra)
@@ -147,8 +163,10 @@ def test_the_speculators_config_is_what_speculators_convert_writes(tmp_path, tar
 
 def vllm_update_dflash(speculators_config: dict) -> dict:
     """The config vLLM builds from a speculators checkpoint's config.json (the causality fields only)."""
-    return {**speculators_config["transformer_layer_config"],
-            "dflash_config": {"causal": not speculators_config.get("sliding_window_non_causal", True)}}
+    return {
+        **speculators_config["transformer_layer_config"],
+        "dflash_config": {"causal": not speculators_config.get("sliding_window_non_causal", True)},
+    }
 
 
 def vllm_layer_causal(config: dict, reads_is_causal: bool = True) -> list[bool]:
@@ -161,11 +179,19 @@ def vllm_layer_causal(config: dict, reads_is_causal: bool = True) -> list[bool]:
     return [kind == "sliding_attention" for kind in config["layer_types"]]
 
 
-@pytest.mark.parametrize("drafter,layer_types,is_causal", [
-    ("dflash", "all_full", None), ("dflash", "all_sliding", None), ("dflash", "all_sliding", False),
-    ("dflash", "all_sliding", True), ("dflash", "last_full", False), ("dflash2", "all_full", None),
-    ("dflash2", "all_sliding", None), ("dflash2", "last_full", None),
-])
+@pytest.mark.parametrize(
+    "drafter,layer_types,is_causal",
+    [
+        ("dflash", "all_full", None),
+        ("dflash", "all_sliding", None),
+        ("dflash", "all_sliding", False),
+        ("dflash", "all_sliding", True),
+        ("dflash", "last_full", False),
+        ("dflash2", "all_full", None),
+        ("dflash2", "all_sliding", None),
+        ("dflash2", "last_full", None),
+    ],
+)
 def test_vllm_serves_the_converted_drafter_as_it_was_trained(tmp_path, target_dir, caplog, drafter, layer_types, is_causal):
     """vLLM's two rules (above) on what --to speculators writes give each layer the causality it was
     trained with (`attention_rule`), and so do speculators' (its full layers are bidirectional, its
@@ -176,8 +202,9 @@ def test_vllm_serves_the_converted_drafter_as_it_was_trained(tmp_path, target_di
     trained = [trained_config.attention_rule(i)[0] for i in range(trained_config.num_hidden_layers)]
     written = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert vllm_layer_causal(vllm_update_dflash(written)) == trained
-    speculators = [kind == "sliding_attention" and not written["sliding_window_non_causal"]
-                   for kind in written["transformer_layer_config"]["layer_types"]]
+    speculators = [
+        kind == "sliding_attention" and not written["sliding_window_non_causal"] for kind in written["transformer_layer_config"]["layer_types"]
+    ]
     assert speculators == trained
     assert "vllm" not in caplog.text.lower()
 
@@ -195,8 +222,10 @@ def test_causal_sliding_layers_beside_full_ones_convert_with_a_warning_that_vllm
     [record] = [r for r in caplog.records if r.name == "convert_dflash"]
     message = record.getMessage()
     assert "\n" not in message
-    assert ("layers 0 slide causally and layers 1 are bidirectional full layers: speculators runs them as trained; vLLM "
-            "reads sliding_window_non_causal false as dflash_config.causal true and runs layers 1 causal too") in message, message
+    assert (
+        "layers 0 slide causally and layers 1 are bidirectional full layers: speculators runs them as trained; vLLM "
+        "reads sliding_window_non_causal false as dflash_config.causal true and runs layers 1 causal too"
+    ) in message, message
 
 
 def test_the_window_bound_is_where_the_two_window_rules_start_to_differ():
@@ -246,6 +275,7 @@ def test_what_the_other_layout_cannot_express_is_refused_in_one_line(tmp_path, t
         with pytest.raises(ConversionError, match=message):
             convert(changed, tmp_path / "out", "zlab", target_dir)
     import dflash_decoding  # evaluation names the conversion when handed a speculators checkpoint
+
     with pytest.raises(ValueError, match=r"is a speculators checkpoint; convert it .*convert_dflash.py .* --to zlab"):
         dflash_decoding.load_drafter(str(tmp_path / "spec"), torch.float32, torch.device("cpu"))
     with pytest.raises(ConversionError, match="already our export"):
@@ -254,8 +284,12 @@ def test_what_the_other_layout_cannot_express_is_refused_in_one_line(tmp_path, t
         convert(tmp_path / "full", tmp_path / "spec", "speculators", target_dir)
 
     # The command line: one `error:` line, exit status 2, as train_dflash.py and eval_dflash.py.
-    result = subprocess.run([sys.executable, "convert_dflash.py", str(sliding), str(tmp_path / "cli"), "--to", "speculators",
-                             "--target", str(target_dir)], cwd=REPO_ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "convert_dflash.py", str(sliding), str(tmp_path / "cli"), "--to", "speculators", "--target", str(target_dir)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in result.stderr
 
@@ -282,8 +316,13 @@ def speculators_draft_logits(folder: Path, target, context_features, input_ids, 
     loss_mask[0, anchors[0]] = 1
     with torch.no_grad():
         _, logits, _, _, indices = model._backbone_forward(
-            context_features, input_ids, loss_mask, torch.zeros(1, seq_len, HIDDEN), torch.zeros(1, seq_len, dtype=torch.long),
-            max_anchors=anchors.shape[1])
+            context_features,
+            input_ids,
+            loss_mask,
+            torch.zeros(1, seq_len, HIDDEN),
+            torch.zeros(1, seq_len, dtype=torch.long),
+            max_anchors=anchors.shape[1],
+        )
     assert torch.equal(indices.view(-1, BLOCK)[:, 0], anchors[0])
     return logits, model
 

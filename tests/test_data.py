@@ -84,7 +84,10 @@ def test_three_formats_normalize_to_the_same_messages():
 def test_files_and_hf_datasets_give_identical_samples(tmp_path, qwen3_tokenizer):
     messages = [{"role": "user", "content": f"Add {i} and {i}."} for i in range(6)]
     records = [{"messages": [m, {"role": "assistant", "content": f"The sum is {2 * i}."}]} for i, m in enumerate(messages)]
-    sharegpt = [{"conversations": [{"from": "human", "value": r["messages"][0]["content"]}, {"from": "gpt", "value": r["messages"][1]["content"]}]} for r in records]
+    sharegpt = [
+        {"conversations": [{"from": "human", "value": r["messages"][0]["content"]}, {"from": "gpt", "value": r["messages"][1]["content"]}]}
+        for r in records
+    ]
     gsm8k = [{"question": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in records]
 
     jsonl = write_jsonl(tmp_path / "openai.jsonl", records)
@@ -137,13 +140,8 @@ def test_loss_mask_qwen3_multi_turn(qwen3_tokenizer):
 
 def test_loss_mask_qwen3_thinking_off_and_reasoning(qwen3_tokenizer):
     # enable_thinking=False: the empty think block is part of the generation prompt, not trained.
-    input_ids, loss_mask = tokenize_conversation(
-        MULTI_TURN, qwen3_tokenizer, max_seq_length=4096, chat_template_kwargs={"enable_thinking": False}
-    )
-    assert masked_runs(qwen3_tokenizer, input_ids, loss_mask) == [
-        "12 + 30 = 42." + IM_END,
-        "Doubling 42 gives 84.\n\nDone." + IM_END,
-    ]
+    input_ids, loss_mask = tokenize_conversation(MULTI_TURN, qwen3_tokenizer, max_seq_length=4096, chat_template_kwargs={"enable_thinking": False})
+    assert masked_runs(qwen3_tokenizer, input_ids, loss_mask) == ["12 + 30 = 42." + IM_END, "Doubling 42 gives 84.\n\nDone." + IM_END]
     # Reasoning: an earlier turn's <think> is dropped by the template; the last turn's is
     # trained. The answer "42" also occurs inside the reasoning; the span must still be right.
     messages = [
@@ -153,18 +151,12 @@ def test_loss_mask_qwen3_thinking_off_and_reasoning(qwen3_tokenizer):
         {"role": "assistant", "content": "<think>\n40 + 2 = 42\n</think>\n\n42"},
     ]
     input_ids, loss_mask = tokenize_conversation(messages, qwen3_tokenizer, max_seq_length=4096)
-    assert masked_runs(qwen3_tokenizer, input_ids, loss_mask) == [
-        "42" + IM_END,
-        "<think>\n40 + 2 = 42\n</think>\n\n42" + IM_END,
-    ]
+    assert masked_runs(qwen3_tokenizer, input_ids, loss_mask) == ["42" + IM_END, "<think>\n40 + 2 = 42\n</think>\n\n42" + IM_END]
 
 
 def test_loss_mask_smollm2_multi_turn(smollm2_tokenizer):
     input_ids, loss_mask = tokenize_conversation(MULTI_TURN, smollm2_tokenizer, max_seq_length=4096)
-    assert masked_runs(smollm2_tokenizer, input_ids, loss_mask) == [
-        "12 + 30 = 42." + IM_END,
-        "Doubling 42 gives 84.\n\nDone." + IM_END,
-    ]
+    assert masked_runs(smollm2_tokenizer, input_ids, loss_mask) == ["12 + 30 = 42." + IM_END, "Doubling 42 gives 84.\n\nDone." + IM_END]
     assert unmasked_text(smollm2_tokenizer, input_ids, loss_mask) == (
         "<|im_start|>system\nYou answer in one line.<|im_end|>\n"
         "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n\n"
@@ -268,8 +260,12 @@ def test_truncation_hint_names_a_length_above_the_setting(caplog):
 
     def columns(full_tokens):
         cut = [n > 100 for n in full_tokens]
-        return {"dropped": [False] * len(full_tokens), "full_tokens": full_tokens, "full_loss_tokens": [50] * len(full_tokens),
-                "num_loss_tokens": [40 if c else 50 for c in cut]}
+        return {
+            "dropped": [False] * len(full_tokens),
+            "full_tokens": full_tokens,
+            "full_loss_tokens": [50] * len(full_tokens),
+            "num_loss_tokens": [40 if c else 50 for c in cut],
+        }
 
     with caplog.at_level(logging.WARNING, logger="dflash_data"):
         report_truncation(columns([80] * 19 + [130]), max_seq_length=100, max_dropped_fraction=0.5)
@@ -281,8 +277,11 @@ def test_truncation_hint_names_a_length_above_the_setting(caplog):
 
 def test_too_many_samples_dropped_is_an_error(tmp_path, qwen3_tokenizer):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, _long_prompt(100), _long_prompt(120)])
-    with pytest.raises(ValueError, match=r"dropped 2 of 3 samples \(66.7%\).*more than --max_dropped_fraction 0.5.*"
-                                         r"Raise --max_seq_length \(--max_seq_length \d+ would keep 95%"):
+    with pytest.raises(
+        ValueError,
+        match=r"dropped 2 of 3 samples \(66.7%\).*more than --max_dropped_fraction 0.5.*"
+        r"Raise --max_seq_length \(--max_seq_length \d+ would keep 95%",
+    ):
         build_train_dataset([path], qwen3_tokenizer, max_seq_length=40)
     assert len(build_train_dataset([path], qwen3_tokenizer, max_seq_length=40, max_dropped_fraction=0.7)) == 1
 
@@ -290,8 +289,7 @@ def test_too_many_samples_dropped_is_an_error(tmp_path, qwen3_tokenizer):
 def test_template_error_names_file_and_line(tmp_path, smollm2_tokenizer):
     tokenizer = copy.deepcopy(smollm2_tokenizer)
     tokenizer.chat_template = (
-        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
-        + smollm2_tokenizer.chat_template
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + smollm2_tokenizer.chat_template
     )
     with_system = {"messages": [{"role": "system", "content": "S"}] + GOOD["messages"]}
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, with_system])
@@ -301,8 +299,11 @@ def test_template_error_names_file_and_line(tmp_path, smollm2_tokenizer):
 
 
 def test_conversation_may_open_with_the_assistant(smollm2_tokenizer):
-    messages = [{"role": "assistant", "content": "Hello! Ask me anything."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "How can I help?"}]
+    messages = [
+        {"role": "assistant", "content": "Hello! Ask me anything."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "How can I help?"},
+    ]
     input_ids, loss_mask = tokenize_conversation(messages, smollm2_tokenizer, max_seq_length=4096)
     assert masked_runs(smollm2_tokenizer, input_ids, loss_mask) == ["Hello! Ask me anything." + IM_END, "How can I help?" + IM_END]
 
@@ -417,9 +418,15 @@ def test_load_prompts_formats_and_errors(tmp_path, qwen3_tokenizer):
             {"question": "Q2", "answer": "ignored"},
             {"turns": ["T3", "second turn"]},
             "",
-            {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
-                          {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"},
-                          {"role": "assistant", "content": "A2"}]},
+            {
+                "messages": [
+                    {"role": "system", "content": "S"},
+                    {"role": "user", "content": "U1"},
+                    {"role": "assistant", "content": "A1"},
+                    {"role": "user", "content": "U2"},
+                    {"role": "assistant", "content": "A2"},
+                ]
+            },
             {"conversations": [{"from": "human", "value": "H"}]},
         ],
     )
@@ -428,8 +435,12 @@ def test_load_prompts_formats_and_errors(tmp_path, qwen3_tokenizer):
         [{"role": "user", "content": "P1"}],
         [{"role": "user", "content": "Q2"}],
         [{"role": "user", "content": "T3"}],
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
-         {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}],
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "U2"},
+        ],
         [{"role": "user", "content": "H"}],
     ]
     assert load_prompts(path, num_prompts=2) == prompts[:2]

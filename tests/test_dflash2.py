@@ -28,40 +28,27 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash_decoding
-from dflash2_model import (
-    DFlash2Config,
-    DFlash2DraftModel,
-    GroupedDynamicCausalConv,
-    selector_predecessor_ids,
-)
+from dflash2_model import DFlash2Config, DFlash2DraftModel, GroupedDynamicCausalConv, selector_predecessor_ids
 from dflash_decoding import Decoder, greedy_generate, speculative_generate
-from dflash_loss import (
-    dpace_weights,
-    loss_weights,
-    selector_loss,
-    selector_objective,
-    selector_training_candidates,
-    weighted_block_loss,
-)
-from dflash_masks import (
-    block_labels,
-    dense_anchor_block_mask,
-    position_rule,
-    sample_anchors,
-)
-from dflash_model import (
-    DFlashDraftModel,
-    sample_index,
-    sampling_probs,
-)
+from dflash_loss import dpace_weights, loss_weights, selector_loss, selector_objective, selector_training_candidates, weighted_block_loss
+from dflash_masks import block_labels, dense_anchor_block_mask, position_rule, sample_anchors
+from dflash_model import DFlashDraftModel, sample_index, sampling_probs
 from dflash_target import drafter_config_for_target
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VOCAB = 64
 MASK_ID = VOCAB - 1
 HIDDEN = 32
-TARGET = Qwen3Config(hidden_size=HIDDEN, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                     intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=256)
+TARGET = Qwen3Config(
+    hidden_size=HIDDEN,
+    num_hidden_layers=6,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    intermediate_size=64,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
 
@@ -71,8 +58,14 @@ def tiny_dflash2(block_size=4, num_draft_layers=2, seed=0, scale=0.3, target_con
     tables attached. Every weight is redrawn at `scale` (None keeps the identity-conv init), so the
     convolutions and the selector change the result. `settings`: drafter_config_for_target's."""
     settings = {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 5, **settings}
-    config = drafter_config_for_target(target_config, mask_token_id=target_config.vocab_size - 1, num_draft_layers=num_draft_layers,
-                                       block_size=block_size, drafter="dflash2", **settings)
+    config = drafter_config_for_target(
+        target_config,
+        mask_token_id=target_config.vocab_size - 1,
+        num_draft_layers=num_draft_layers,
+        block_size=block_size,
+        drafter="dflash2",
+        **settings,
+    )
     torch.manual_seed(seed)
     drafter = DFlash2DraftModel(config).eval()
     if scale is not None:
@@ -112,8 +105,17 @@ def test_conv_equals_the_formula_and_moves_only_its_block_and_successors():
     """Perturb one input position at a time (both convolutions of a pair, kernel 3, three blocks of
     4 end to end): an output moves iff it is in the same block and 0..K-1 positions later."""
     block_size, taps, blocks = 4, 3, 3
-    config = DFlash2Config(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                           vocab_size=VOCAB, block_size=block_size, conv_kernel_size=taps, conv_group_size=8)
+    config = DFlash2Config(
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=VOCAB,
+        block_size=block_size,
+        conv_kernel_size=taps,
+        conv_group_size=8,
+    )
     torch.manual_seed(0)
     conv = GroupedDynamicCausalConv(config)
     for param in conv.parameters():
@@ -201,8 +203,9 @@ def test_training_forward_equals_draft_pass_at_every_anchor():
 def test_compiled_flex_forward_equals_sdpa_on_cpu():
     """At test_model's flex shapes (hidden 16, 2 heads of 8, B = 4, 6 anchors, 24 positions), so one
     pytest session compiles flex_attention once for both."""
-    target = Qwen3Config(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                         intermediate_size=32, vocab_size=VOCAB)
+    target = Qwen3Config(
+        hidden_size=16, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32, vocab_size=VOCAB
+    )
     drafter = tiny_dflash2(block_size=4, target_config=target)
     input_ids, loss_mask = _batch()
     features = torch.randn(2, input_ids.shape[1], 2 * 16)
@@ -225,8 +228,7 @@ def test_a_fresh_dflash2_drafter_computes_what_its_dflash_drafter_computes():
     features = torch.randn(2, input_ids.shape[1], 2 * HIDDEN)
     anchors, valid = sample_anchors(loss_mask, 5, torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(dflash2(features, input_ids, anchors, valid), dflash(features, input_ids, anchors, valid),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(dflash2(features, input_ids, anchors, valid), dflash(features, input_ids, anchors, valid), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,7 +269,7 @@ def reference_draft(drafter, features, anchor, embed, head):
         return v * angles[at].cos()[:, None] + rotated * angles[at].sin()[:, None]
 
     for i in range(config.num_hidden_layers):
-        w = {k[len(f"layers.{i}."):]: v for k, v in p.items() if k.startswith(f"layers.{i}.")}
+        w = {k[len(f"layers.{i}.") :]: v for k, v in p.items() if k.startswith(f"layers.{i}.")}
         h = rms(x, w["input_layernorm.weight"])
         kernels = (h @ w["attention_conv.kernel_projection.weight"].T).view(block_size, 2, taps, groups)
         h = conv(h, w["attention_conv.base_kernel"][0], kernels[:, 0])
@@ -341,8 +343,9 @@ def test_draft_pass_and_selector_equal_the_reference_arithmetic(is_causal):
         tokens, candidate_ids, q = drafter.draft_sample(cache, token, 0.7, 1.0, torch.rand(1, 4))
         candidates, scores = reference_selector_scores(drafter, hidden, logits, torch.cat([token, tokens[0, :-1]]))
         assert torch.equal(candidate_ids[0].sort(-1).values, candidates.sort(-1).values)  # the same top-k sets
-        torch.testing.assert_close(scattered(q[0], candidate_ids[0], VOCAB), scattered(torch.softmax(scores / 0.7, -1), candidates, VOCAB),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            scattered(q[0], candidate_ids[0], VOCAB), scattered(torch.softmax(scores / 0.7, -1), candidates, VOCAB), rtol=1e-5, atol=1e-6
+        )
         assert (q[0].gather(1, (candidate_ids[0] == tokens[0, :, None]).int().argmax(1, keepdim=True)) > 0).all()
 
 
@@ -401,8 +404,19 @@ def test_selector_objective_equals_a_plain_reference():
         return total / norm
 
     def ours(chunk_size):
-        return selector_objective(selector, selector.top_k, hidden, head, labels, label_valid, predecessors,
-                                  weights[label_valid.nonzero()[:, 2]], chunk_size=chunk_size, output_multiplier=0.7, final_logit_softcapping=3.0)[0]
+        return selector_objective(
+            selector,
+            selector.top_k,
+            hidden,
+            head,
+            labels,
+            label_valid,
+            predecessors,
+            weights[label_valid.nonzero()[:, 2]],
+            chunk_size=chunk_size,
+            output_multiplier=0.7,
+            final_logit_softcapping=3.0,
+        )[0]
 
     expected = run(reference)
     for chunk_size in (4096, 3):
@@ -416,8 +430,7 @@ def test_selector_objective_equals_a_plain_reference():
     torch.testing.assert_close(selector_loss(scores, index, w), (F.cross_entropy(scores, index, reduction="none") * w).sum() / w.sum())
     # A micro-batch with nothing valid (a filler step): zero, and still a gradient (zeros) for every
     # selector parameter, as every drafter rank's ZeRO reduction needs.
-    loss, accepted = selector_objective(selector, selector.top_k, hidden, head, labels, torch.zeros_like(label_valid),
-                                        predecessors, weights[:0])
+    loss, accepted = selector_objective(selector, selector.top_k, hidden, head, labels, torch.zeros_like(label_valid), predecessors, weights[:0])
     drafter.zero_grad(set_to_none=True)
     loss.backward()
     assert loss.item() == 0.0 and torch.isnan(accepted).all()
@@ -435,21 +448,34 @@ def test_selector_is_weighted_and_normalised_as_the_drafter_loss(normalize):
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
     predecessors = selector_predecessor_ids(input_ids, anchors, 4)
     hidden = torch.randn(2, 4, 3, HIDDEN)
-    _, _, row_weights = weighted_block_loss(hidden, head, labels, label_valid, None, loss_weighting="dpace", normalize=normalize,
-                                    return_row_weights=True)
+    _, _, row_weights = weighted_block_loss(
+        hidden, head, labels, label_valid, None, loss_weighting="dpace", normalize=normalize, return_row_weights=True
+    )
     confidence = torch.exp(-F.cross_entropy(drafter.compute_logits(hidden).flatten(0, 2), labels.flatten(), reduction="none"))
     expected_weights = dpace_weights(confidence.view_as(labels), label_valid)[label_valid]
     torch.testing.assert_close(row_weights, expected_weights)
     assert not torch.allclose(row_weights, loss_weights(4)[label_valid.nonzero()[:, 2]])  # not the fixed decay
-    loss, _ = selector_objective(selector, selector.top_k, hidden, head, labels, label_valid, predecessors, row_weights,
-                                 normalize=normalize)
+    loss, _ = selector_objective(selector, selector.top_k, hidden, head, labels, label_valid, predecessors, row_weights, normalize=normalize)
     # The same rows' K-way CE, weighted by hand.
-    plain, _ = selector_objective(selector, selector.top_k, hidden, head, labels, label_valid, predecessors,
-                                  torch.ones_like(row_weights), normalize="count")
+    plain, _ = selector_objective(
+        selector, selector.top_k, hidden, head, labels, label_valid, predecessors, torch.ones_like(row_weights), normalize="count"
+    )
     count = int(label_valid.sum())
-    ce = torch.stack([selector_objective(selector, selector.top_k, hidden, head, labels, label_valid & (torch.arange(label_valid.numel())
-                                         .view_as(label_valid) == i), predecessors, torch.ones(1))[0]
-                      for i in label_valid.flatten().nonzero()[:, 0].tolist()])  # [T], one row at a time
+    ce = torch.stack(
+        [
+            selector_objective(
+                selector,
+                selector.top_k,
+                hidden,
+                head,
+                labels,
+                label_valid & (torch.arange(label_valid.numel()).view_as(label_valid) == i),
+                predecessors,
+                torch.ones(1),
+            )[0]
+            for i in label_valid.flatten().nonzero()[:, 0].tolist()
+        ]
+    )  # [T], one row at a time
     torch.testing.assert_close(plain, ce.mean())
     torch.testing.assert_close(loss, (ce * expected_weights).sum() / (expected_weights.sum() if normalize == "weights" else count))
 
@@ -474,8 +500,16 @@ def test_selector_accepted_is_the_walk_along_the_true_tokens():
                 if label_valid[b, n, k]:
                     input_ids[b, anchors[b, n] + k + 1] = labels[b, n, k]
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
-    _, accepted = selector_objective(selector, selector.top_k, hidden, head, labels, label_valid,
-                                     selector_predecessor_ids(input_ids, anchors, 4), loss_weights(4, 2.0)[label_valid.nonzero()[:, 2]])
+    _, accepted = selector_objective(
+        selector,
+        selector.top_k,
+        hidden,
+        head,
+        labels,
+        label_valid,
+        selector_predecessor_ids(input_ids, anchors, 4),
+        loss_weights(4, 2.0)[label_valid.nonzero()[:, 2]],
+    )
     with torch.no_grad():
         walk = selector.walk(hidden.flatten(0, 1), drafter.compute_logits(hidden.flatten(0, 1)), input_ids.gather(1, anchors).flatten())[0]
     runs = ((walk.view_as(labels) == labels) & label_valid).int().cumprod(-1).bool()  # [batch, N, B-1]
@@ -488,11 +522,28 @@ def test_selector_accepted_is_the_walk_along_the_true_tokens():
 
 def zlab_sized_config() -> DFlash2Config:
     """Our config for the drafter of z-lab's fixture, derived from a target of its sizes."""
-    target = Qwen3Config(hidden_size=6656, num_hidden_layers=52, num_attention_heads=52, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=19968, vocab_size=202048, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    config = drafter_config_for_target(target, mask_token_id=201818, num_draft_layers=5, target_layer_ids=[1, 13, 25, 37, 49],
-                                       layer_types="all_sliding", sliding_window=2048, num_attention_heads=32, drafter="dflash2")
+    target = Qwen3Config(
+        hidden_size=6656,
+        num_hidden_layers=52,
+        num_attention_heads=52,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=19968,
+        vocab_size=202048,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
+    config = drafter_config_for_target(
+        target,
+        mask_token_id=201818,
+        num_draft_layers=5,
+        target_layer_ids=[1, 13, 25, 37, 49],
+        layer_types="all_sliding",
+        sliding_window=2048,
+        num_attention_heads=32,
+        drafter="dflash2",
+    )
     config.dflash_config.update(output_multiplier=0.19611613513818404, final_logit_softcapping=20.0)
     return config
 
@@ -534,8 +585,12 @@ def test_export_round_trip(tmp_path):
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         names = set(f.keys())
     assert names == set(drafter.state_dict())
-    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
-            "candidate_selector.hidden_projection.weight", "layers.1.mlp_conv.base_kernel"} <= names
+    assert {
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+        "layers.1.mlp_conv.base_kernel",
+    } <= names
     assert not any("embed_tokens" in k or "lm_head" in k for k in names)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == ["DFlash2DraftModel"] and saved["block_size"] == saved["dflash_config"]["block_size"] == 4
@@ -624,8 +679,9 @@ def test_zlab_reference_parity(tmp_path):
             logits = drafter.compute_logits(ours_hidden)
             unary, our_candidates = logits.topk(drafter.config.selector_top_k, dim=-1)
             scores = drafter.candidate_selector(ours_hidden, torch.cat([token[:, None], path[:, :-1]], 1), our_candidates, unary)
-        torch.testing.assert_close(scattered(sampling_probs(scores, 0.8)[0], our_candidates[0], VOCAB), scattered(q[0], candidates[0], VOCAB),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            scattered(sampling_probs(scores, 0.8)[0], our_candidates[0], VOCAB), scattered(q[0], candidates[0], VOCAB), rtol=1e-5, atol=1e-6
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -637,9 +693,19 @@ def test_greedy_speculative_decoding_is_lossless_fp32(tmp_path):
     speculative decoding returns plain greedy decoding's tokens, with the dynamic and the static
     cache and with the reloaded export."""
     torch.manual_seed(0)
-    target = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                          head_dim=16, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=128,
-                                          initializer_range=0.15)).eval()
+    target = Qwen3ForCausalLM(
+        Qwen3Config(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=128,
+            initializer_range=0.15,
+        )
+    ).eval()
     drafter = tiny_dflash2(block_size=4, scale=0.2, target_config=target.config, layer_types="last_full", sliding_window=3)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     drafter.save_pretrained(tmp_path)
@@ -669,8 +735,17 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(monkeypatch
     from test_sampling import VOCAB as SMALL_VOCAB
 
     torch.manual_seed(0)
-    config = Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         intermediate_size=64, vocab_size=SMALL_VOCAB, max_position_embeddings=64, initializer_range=0.15)
+    config = Qwen3Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=SMALL_VOCAB,
+        max_position_embeddings=64,
+        initializer_range=0.15,
+    )
     target = Qwen3ForCausalLM(config).eval()
     drafter = tiny_dflash2(block_size=BLOCK, num_draft_layers=1, scale=None, target_config=config, selector_top_k=12)
     for param in drafter.candidate_selector.parameters():
@@ -681,8 +756,9 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(monkeypatch
         decoder = Decoder(target, drafter)
         outputs, stats = [], []
         for seed in range(seeds):
-            out, s = speculative_generate(target, drafter, PROMPT, TOKENS, BLOCK, (), decoder, TEMPERATURE, TOP_P,
-                                          torch.Generator().manual_seed(seed))
+            out, s = speculative_generate(
+                target, drafter, PROMPT, TOKENS, BLOCK, (), decoder, TEMPERATURE, TOP_P, torch.Generator().manual_seed(seed)
+            )
             outputs.append(out)
             stats.append(s)
         decoder.close()
@@ -698,8 +774,11 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(monkeypatch
     # The check has power: a verifier that reads q as if it were over token ids 0..K-1 (ignoring the
     # candidate ids) fails it.
     original = dflash_decoding.rejection_sample
-    monkeypatch.setattr(dflash_decoding, "rejection_sample", lambda drafts, q, p, generator, draft_indices=None: original(
-        drafts, F.pad(q, (0, SMALL_VOCAB - q.shape[1])), p, generator))
+    monkeypatch.setattr(
+        dflash_decoding,
+        "rejection_sample",
+        lambda drafts, q, p, generator, draft_indices=None: original(drafts, F.pad(q, (0, SMALL_VOCAB - q.shape[1])), p, generator),
+    )
     wrong, _ = samples(150)
     wrong_tv = [tv(torch.bincount(wrong[:, j], minlength=SMALL_VOCAB).float() / len(wrong), exact[j]) for j in range(1, TOKENS)]
     assert max(wrong_tv) > 2 * TV_BOUND, wrong_tv
@@ -769,8 +848,9 @@ def test_trainer_loss_of_dflash2_with_dpace_and_count_equals_a_plain_reference()
     block = 4
     drafter = tiny_dflash2(block_size=block, scale=0.5).train()
     config, selector = drafter.config, drafter.candidate_selector
-    settings = TrainSettings(target_model="x", train_data=["x"], drafter="dflash2", num_anchors=6, block_size=block,
-                             loss_weighting="dpace", loss_normalize="count")
+    settings = TrainSettings(
+        target_model="x", train_data=["x"], drafter="dflash2", num_anchors=6, block_size=block, loss_weighting="dpace", loss_normalize="count"
+    )
     compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
     loss_fn = MicroBatchLoss(settings, config, compute, None, drafter.target_lm_head)
     input_ids, loss_mask = _batch(seq_len=20)

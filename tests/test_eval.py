@@ -31,8 +31,15 @@ LAYER_IDS = [0, 2]  # two features, so concatenation order is checked too
 def tiny_target(vocab_size=VOCAB, hidden=64, seed=0, **extra):
     torch.manual_seed(seed)
     config = Qwen3Config(
-        hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=1024, **extra,
+        hidden_size=hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=vocab_size,
+        max_position_embeddings=1024,
+        **extra,
     )
     return Qwen3ForCausalLM(config).eval()
 
@@ -108,9 +115,9 @@ def first_new_token_index(tokens, start):
 
 def test_greedy_reference_matches_transformers_generate(target):
     for input_ids in random_prompts(3, seed=5):
-        reference = target.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=25, do_sample=False, pad_token_id=0
-        )[0, input_ids.shape[1] :].tolist()
+        reference = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=25, do_sample=False, pad_token_id=0)[
+            0, input_ids.shape[1] :
+        ].tolist()
         assert greedy_generate(target, input_ids, 25) == reference
     ours = greedy_generate(target, input_ids, 25)
     eos = ours[first_new_token_index(ours, 4)]
@@ -233,8 +240,13 @@ def qwen3_dirs(tmp_path_factory):
 
     tokenizer = AutoTokenizer.from_pretrained(find_qwen3_tokenizer_dir())
     root = tmp_path_factory.mktemp("eval_cli")
-    target = tiny_target(vocab_size=151936, seed=7, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id)
+    target = tiny_target(
+        vocab_size=151936,
+        seed=7,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     drafter = tiny_drafter(target, mask_token_id=151669, block_size=6)
@@ -242,8 +254,7 @@ def qwen3_dirs(tmp_path_factory):
     records = [
         {"prompt": "What is 17 + 26?"},
         {"question": "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"},
-        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                      {"role": "user", "content": "Count to five."}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Count to five."}]},
         {"turns": ["Write a haiku about rain.", "Now one about snow."]},
     ]
     prompts = root / "prompts.jsonl"
@@ -254,11 +265,28 @@ def qwen3_dirs(tmp_path_factory):
 def test_cli_writes_consistent_results_and_plot(qwen3_dirs, tmp_path):
     target_dir, drafter_dir, prompts, _ = qwen3_dirs
     output = tmp_path / "out" / "results.json"
-    eval_dflash.main([
-        "--target_model", str(target_dir), "--draft_model", str(drafter_dir), "--data", str(prompts),
-        "--max_new_tokens", "19", "--block_size", "4", "--output", str(output), "--baseline", "prompt_lookup",
-        "--prompt_lookup_num_tokens", "5", "--device", "cpu",
-    ])
+    eval_dflash.main(
+        [
+            "--target_model",
+            str(target_dir),
+            "--draft_model",
+            str(drafter_dir),
+            "--data",
+            str(prompts),
+            "--max_new_tokens",
+            "19",
+            "--block_size",
+            "4",
+            "--output",
+            str(output),
+            "--baseline",
+            "prompt_lookup",
+            "--prompt_lookup_num_tokens",
+            "5",
+            "--device",
+            "cpu",
+        ]
+    )
     results = json.loads(output.read_text())
     assert (tmp_path / "out" / "results_acceptance.png").stat().st_size > 1000
     assert results["lossless"] is True and results["mismatches"] == []
@@ -287,9 +315,28 @@ def test_cli_samples_at_temperature(qwen3_dirs, tmp_path):
     """--temperature > 0: tau and acceptance by position are counted as at temperature 0, there is no
     per-prompt lossless check, and a seed makes the run reproducible."""
     target_dir, drafter_dir, prompts, _ = qwen3_dirs
-    args = ["--target_model", str(target_dir), "--draft_model", str(drafter_dir), "--data", str(prompts),
-            "--max_new_tokens", "13", "--temperature", "0.9", "--top_p", "0.95", "--seed", "3", "--device", "cpu",
-            "--prompt_lookup_num_tokens", "4", "--num_prompts", "1"]
+    args = [
+        "--target_model",
+        str(target_dir),
+        "--draft_model",
+        str(drafter_dir),
+        "--data",
+        str(prompts),
+        "--max_new_tokens",
+        "13",
+        "--temperature",
+        "0.9",
+        "--top_p",
+        "0.95",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+        "--prompt_lookup_num_tokens",
+        "4",
+        "--num_prompts",
+        "1",
+    ]
     first = eval_dflash.main(args + ["--output", str(tmp_path / "a.json")])
     again = eval_dflash.main(args + ["--output", str(tmp_path / "b.json"), "--baseline", "none"])
     assert first["lossless"] is None and first["mismatches"] == [] and first["baseline"]["lossless"] is None
@@ -299,8 +346,9 @@ def test_cli_samples_at_temperature(qwen3_dirs, tmp_path):
     assert len(rates) == 5 and rates == sorted(rates, reverse=True)
     assert first["settings"]["temperature"] == 0.9 and first["settings"]["top_p"] == 0.95
     # The same seed draws the same tokens.
-    assert {k: first["per_prompt"][0][k] for k in ("generated_tokens", "verify_forwards", "acceptance_length")} == \
-        {k: again["per_prompt"][0][k] for k in ("generated_tokens", "verify_forwards", "acceptance_length")}
+    assert {k: first["per_prompt"][0][k] for k in ("generated_tokens", "verify_forwards", "acceptance_length")} == {
+        k: again["per_prompt"][0][k] for k in ("generated_tokens", "verify_forwards", "acceptance_length")
+    }
 
 
 def test_evaluate_acceptance_restores_training_mode(qwen3_dirs):
@@ -327,16 +375,27 @@ def test_evaluate_acceptance_restores_training_mode(qwen3_dirs):
     with_baseline = evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12, prompt_lookup=True)
     assert "prompt_lookup_acceptance_length" not in summary
     eos = eos_token_ids_of(tokenizer, target)
-    lookup = [prompt_lookup_generate(target, encode_prompt(tokenizer, messages, None, "cpu"), 12, eos, tokenizer.pad_token_id)[1]
-              for messages in prompts]
+    lookup = [
+        prompt_lookup_generate(target, encode_prompt(tokenizer, messages, None, "cpu"), 12, eos, tokenizer.pad_token_id)[1] for messages in prompts
+    ]
     assert with_baseline["prompt_lookup_acceptance_length"] == prompt_lookup_tau(lookup) is not None
     assert with_baseline["acceptance_length"] == evaluate_acceptance(target, drafter, tokenizer, prompts, max_new_tokens=12)["acceptance_length"]
 
 
 def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path, monkeypatch):
     target_dir, drafter_dir, prompts, _ = qwen3_dirs
-    base = ["--target_model", str(target_dir), "--data", str(prompts), "--max_new_tokens", "8",
-            "--output", str(tmp_path / "r.json"), "--device", "cpu"]
+    base = [
+        "--target_model",
+        str(target_dir),
+        "--data",
+        str(prompts),
+        "--max_new_tokens",
+        "8",
+        "--output",
+        str(tmp_path / "r.json"),
+        "--device",
+        "cpu",
+    ]
     not_dflash = tmp_path / "plain_qwen3"
     tiny_target(seed=3).config.save_pretrained(not_dflash)
     with pytest.raises(ValueError, match="dflash_config"):
@@ -470,8 +529,18 @@ def test_cli_refuses_a_drafter_whose_weights_do_not_fit_its_config_before_any_we
     import dflash_target
 
     target_dir, drafter_dir, prompts, _ = qwen3_dirs
-    base = ["--target_model", str(target_dir), "--data", str(prompts), "--max_new_tokens", "8",
-            "--output", str(tmp_path / "r.json"), "--device", "cpu"]
+    base = [
+        "--target_model",
+        str(target_dir),
+        "--data",
+        str(prompts),
+        "--max_new_tokens",
+        "8",
+        "--output",
+        str(tmp_path / "r.json"),
+        "--device",
+        "cpu",
+    ]
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the drafter's files were checked")
@@ -503,8 +572,22 @@ def qwen3_target_dir(root, tokenizer, seed, **sizes):
     with `sizes` only a config.json of those sizes (for checks that must not load weights)."""
     extra = dict(tie_word_embeddings=True, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id)
     if sizes:
-        Qwen3Config(**{**dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              intermediate_size=128, vocab_size=151936, max_position_embeddings=1024), **extra, **sizes}).save_pretrained(root)
+        Qwen3Config(
+            **{
+                **dict(
+                    hidden_size=64,
+                    num_hidden_layers=4,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                    intermediate_size=128,
+                    vocab_size=151936,
+                    max_position_embeddings=1024,
+                ),
+                **extra,
+                **sizes,
+            }
+        ).save_pretrained(root)
     else:
         tiny_target(vocab_size=151936, seed=seed, **extra).save_pretrained(root)
     tokenizer.save_pretrained(root)
@@ -551,14 +634,30 @@ def test_eval_warns_in_one_line_when_the_target_is_not_the_one_the_export_was_tr
     def warnings(target_path, drafter_path):
         caplog.clear()
         with caplog.at_level("WARNING", logger="eval_dflash"):
-            eval_dflash.main(["--target_model", str(target_path), "--draft_model", str(drafter_path), "--data", str(prompts),
-                              "--num_prompts", "1", "--max_new_tokens", "3", "--baseline", "none", "--device", "cpu",
-                              "--output", str(tmp_path / "r.json")])
+            eval_dflash.main(
+                [
+                    "--target_model",
+                    str(target_path),
+                    "--draft_model",
+                    str(drafter_path),
+                    "--data",
+                    str(prompts),
+                    "--num_prompts",
+                    "1",
+                    "--max_new_tokens",
+                    "3",
+                    "--baseline",
+                    "none",
+                    "--device",
+                    "cpu",
+                    "--output",
+                    str(tmp_path / "r.json"),
+                ]
+            )
         return [record.getMessage() for record in caplog.records if record.name == "eval_dflash"]
 
     [warning] = warnings(other_dir, tmp_path / "final")
-    assert "\n" not in warning and warning.startswith("the target differs from the one this drafter was trained for "
-                                                      "(embedding_signs_sha256 ")
+    assert "\n" not in warning and warning.startswith("the target differs from the one this drafter was trained for (embedding_signs_sha256 ")
     assert f"{recorded['embedding_signs_sha256']} at export" in warning and "expect tau near 1" in warning
     assert warnings(target_dir, tmp_path / "final") == []
     assert warnings(other_dir, drafter_dir) == []  # no fingerprint: no word
@@ -575,15 +674,28 @@ def test_a_drafter_for_another_target_shape_and_a_missing_prompt_file_are_refuse
     for loader in ("load_target", "load_target_model"):
         monkeypatch.setattr(dflash_target, loader, no_weights)
     monkeypatch.setattr(DFlashDraftModel, "from_pretrained", no_weights)
-    base = ["--draft_model", str(drafter_dir), "--data", str(prompts), "--max_new_tokens", "8", "--output", str(tmp_path / "r.json"),
-            "--device", "cpu"]
+    base = [
+        "--draft_model",
+        str(drafter_dir),
+        "--data",
+        str(prompts),
+        "--max_new_tokens",
+        "8",
+        "--output",
+        str(tmp_path / "r.json"),
+        "--device",
+        "cpu",
+    ]
     wider = qwen3_target_dir(tmp_path / "wider", tokenizer, seed=0, hidden_size=96)
     with pytest.raises(ValueError, match=r"^hidden size mismatch: the drafter has hidden_size 64, the target has 96\. ") as error:
         eval_dflash.main(["--target_model", str(wider)] + base)
     assert "\n" not in str(error.value)
     deeper = qwen3_target_dir(tmp_path / "deeper", tokenizer, seed=0, num_hidden_layers=6)
-    with pytest.raises(ValueError, match=r"^layer count mismatch: the drafter was trained on a target with 4 decoder layers, "
-                                         r"this target has 6\. Pass the matching --target_model or a drafter trained for this target"):
+    with pytest.raises(
+        ValueError,
+        match=r"^layer count mismatch: the drafter was trained on a target with 4 decoder layers, "
+        r"this target has 6\. Pass the matching --target_model or a drafter trained for this target",
+    ):
         eval_dflash.main(["--target_model", str(deeper)] + base)
     with pytest.raises(ValueError, match=f"^--data {tmp_path}/missing.jsonl: no such file$"):
         eval_dflash.main(["--target_model", str(target_dir)] + base[:2] + ["--data", str(tmp_path / "missing.jsonl")] + base[4:])

@@ -22,32 +22,82 @@ from dflash_target import TargetFeatureExtractor, check_target_scaling, drafter_
 
 VOCAB = 96
 MASK_ID = VOCAB - 1
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.2)
-LINEAR = dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-              full_attention_interval=2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+LINEAR = dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=2)
 WINDOW = 8  # the targets' sliding window: prompts plus generations run past it
 
 # family -> (model_type, config beyond COMMON, the dflash_config scaling fields the drafter must carry)
 FAMILIES = {
     "qwen3": ("qwen3", {}, {}),
     "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), {}),
-    "qwen3_next": ("qwen3_next", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                      shared_expert_intermediate_size=16, **LINEAR), {}),
-    "qwen3_5_moe": ("qwen3_5_moe_text", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                             shared_expert_intermediate_size=16, **LINEAR), {}),
-    "llama3.1": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                             "original_max_position_embeddings": 32}, rope_theta=500000.0), {}),
+    "qwen3_next": (
+        "qwen3_next",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, **LINEAR),
+        {},
+    ),
+    "qwen3_5_moe": (
+        "qwen3_5_moe_text",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, **LINEAR),
+        {},
+    ),
+    "llama3.1": (
+        "llama",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            rope_theta=500000.0,
+        ),
+        {},
+    ),
     "mistral": ("mistral", dict(sliding_window=WINDOW), {}),
-    "gemma2": ("gemma2", dict(final_logit_softcapping=30.0, query_pre_attn_scalar=8, sliding_window=WINDOW),
-               {"input_embedding_scale": math.sqrt(32), "final_logit_softcapping": 30.0}),
-    "gemma3": ("gemma3_text", dict(query_pre_attn_scalar=8, sliding_window=WINDOW, sliding_window_pattern=2),
-               {"input_embedding_scale": math.sqrt(32)}),
-    "granite": ("granite", dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.125),
-                {"input_embedding_scale": 12.0, "output_multiplier": 0.125}),
-    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                                                 "original_max_position_embeddings": 64, "rope_theta": 150000.0}), {}),
+    "gemma2": (
+        "gemma2",
+        dict(final_logit_softcapping=30.0, query_pre_attn_scalar=8, sliding_window=WINDOW),
+        {"input_embedding_scale": math.sqrt(32), "final_logit_softcapping": 30.0},
+    ),
+    "gemma3": (
+        "gemma3_text",
+        dict(query_pre_attn_scalar=8, sliding_window=WINDOW, sliding_window_pattern=2),
+        {"input_embedding_scale": math.sqrt(32)},
+    ),
+    "granite": (
+        "granite",
+        dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.125),
+        {"input_embedding_scale": 12.0, "output_multiplier": 0.125},
+    ),
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
+        ),
+        {},
+    ),
 }
 HYBRID = {"qwen3_next", "qwen3_5_moe"}  # linear-attention layers: verification restores and re-runs
 MOE = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "gpt_oss"}
@@ -86,8 +136,7 @@ def padded_batch(lengths=(14, 9), seed=0):
 
 
 def drafter_for(target, **layout) -> DFlashDraftModel:
-    config = drafter_config_for_target(target.config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=4,
-                                             target_layer_ids=[0, 2], **layout)
+    config = drafter_config_for_target(target.config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=4, target_layer_ids=[0, 2], **layout)
     torch.manual_seed(1)
     drafter = DFlashDraftModel(config).eval()
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
@@ -101,8 +150,7 @@ def test_features_and_truncation(family):
     target = tiny_target(family)
     input_ids, attention_mask = padded_batch()
     with torch.no_grad():
-        hidden_states = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                               use_cache=False).hidden_states
+        hidden_states = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False).hidden_states
     expected = torch.cat([hidden_states[1], hidden_states[3]], dim=-1)  # layers 0 and 2
     full = TargetFeatureExtractor(target, [0, 2], truncate=False)
     torch.testing.assert_close(full(input_ids, attention_mask), expected, rtol=1e-5, atol=1e-5)
@@ -123,8 +171,11 @@ def test_drafter_sizing_and_scaling_match_the_target(family):
     assert {k: v for k, v in config.dflash_config.items() if k not in ("mask_token_id", "target_layer_ids")} == pytest.approx(expected_fields)
     input_ids, _ = padded_batch(lengths=(10,))
     layer_inputs = []
-    hook = target.get_decoder().layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: layer_inputs.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    hook = (
+        target.get_decoder()
+        .layers[0]
+        .register_forward_pre_hook(lambda module, args, kwargs: layer_inputs.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    )
     with torch.no_grad():
         out = target(input_ids=input_ids, output_hidden_states=True, use_cache=False)
     hook.remove()
@@ -160,11 +211,20 @@ def test_the_drafter_of_a_qwen3_5_target_keeps_no_multimodal_rope(tmp_path):
     sum(section) == rotary_dim / 2: 32 against 64 here, and the drafter would not load.)"""
     if "qwen3_5" not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no 'qwen3_5' configs")
-    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
-    target_config = CONFIG_MAPPING["qwen3_5"](text_config=dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=256, rope_parameters=rope, **LINEAR))
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    target_config = CONFIG_MAPPING["qwen3_5"](
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=256,
+            rope_parameters=rope,
+            **LINEAR,
+        )
+    )
     assert "mrope_section" in target_config.get_text_config().rope_parameters  # the target really carries them
     config = drafter_config_for_target(target_config, mask_token_id=MASK_ID, num_draft_layers=2)
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 10000000.0}
@@ -193,9 +253,15 @@ def test_train_export_reload_and_decode(family, tmp_path):
         anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(step % 2))
         hidden = drafter(features, input_ids, anchors, valid)
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, 4)
-        loss, _ = weighted_block_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(4, 2.0),
-                              output_multiplier=drafter.config.output_multiplier,
-                              final_logit_softcapping=drafter.config.final_logit_softcapping)
+        loss, _ = weighted_block_loss(
+            hidden[:, :, 1:],
+            drafter.target_lm_head.weight,
+            labels,
+            label_valid,
+            loss_weights(4, 2.0),
+            output_multiplier=drafter.config.output_multiplier,
+            final_logit_softcapping=drafter.config.final_logit_softcapping,
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -220,8 +286,9 @@ def test_train_export_reload_and_decode(family, tmp_path):
     eos = target.generation_config.eos_token_id
     eos = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
     reference = greedy_generate(target, prompt, 20, eos)
-    generated = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False,
-                                pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    generated = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False, pad_token_id=0)[
+        0, prompt.shape[1] :
+    ].tolist()
     assert reference == generated
     tokens, stats = speculative_generate(target, drafter, prompt, 20, eos_token_ids=eos)
     again, stats_again = speculative_generate(target, reloaded, prompt, 20, eos_token_ids=eos)
@@ -262,8 +329,7 @@ def test_hybrid_detection_never_falls_back_silently(monkeypatch):
     assert not dflash_decoding._needs_rollback_cache(attention_only)
 
 
-def reference_draft_logits(drafter: DFlashDraftModel, features: torch.Tensor, anchor: int, embed: torch.Tensor,
-                           head: torch.Tensor) -> torch.Tensor:
+def reference_draft_logits(drafter: DFlashDraftModel, features: torch.Tensor, anchor: int, embed: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """The draft pass written out from the reference implementation's arithmetic (z-lab
     dflash/model.py, read for this test, not copied): one block after a context of S positions.
 
@@ -295,7 +361,7 @@ def reference_draft_logits(drafter: DFlashDraftModel, features: torch.Tensor, an
         return v * angles[at].cos()[:, None] + rotated * angles[at].sin()[:, None]
 
     for i in range(config.num_hidden_layers):
-        w = {k[len(f"layers.{i}."):]: v for k, v in p.items() if k.startswith(f"layers.{i}.")}
+        w = {k[len(f"layers.{i}.") :]: v for k, v in p.items() if k.startswith(f"layers.{i}.")}
         h = rms(x, w["input_layernorm.weight"])
         kv_input = torch.cat([context, h])  # [S+B, hidden]
         q = rms((h @ w["self_attn.q_proj.weight"].T).view(block_size, heads, d), w["self_attn.q_norm.weight"])
@@ -329,9 +395,16 @@ def test_draft_pass_equals_the_reference_arithmetic(is_causal):
     pass (growing cache) equals the reference arithmetic at several context lengths."""
     target = tiny_target("qwen3_5_moe")
     text = target.config.get_text_config()
-    config = drafter_config_for_target(target.config, mask_token_id=MASK_ID, num_draft_layers=3, block_size=5,
-                                             target_layer_ids=[0, 2, 3], layer_types="last_full", sliding_window=3,
-                                             is_causal=is_causal)
+    config = drafter_config_for_target(
+        target.config,
+        mask_token_id=MASK_ID,
+        num_draft_layers=3,
+        block_size=5,
+        target_layer_ids=[0, 2, 3],
+        layer_types="last_full",
+        sliding_window=3,
+        is_causal=is_causal,
+    )
     assert (config.num_attention_heads, config.head_dim, config.intermediate_size) == (32, 128, 3 * text.hidden_size)
     config.dflash_config.update(input_embedding_scale=1.7, output_multiplier=0.6, final_logit_softcapping=4.0)
     torch.manual_seed(3)

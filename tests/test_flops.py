@@ -16,11 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config
 
 from bench_dflash import fused_dflash_loss
-from dflash_flops import (
-    drafter_step_flops,
-    target_forward_flops,
-    visible_pairs,
-)
+from dflash_flops import drafter_step_flops, target_forward_flops, visible_pairs
 from dflash_loss import loss_weights, weighted_block_loss, weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
 from dflash_masks import block_labels, dense_anchor_block_mask, sample_anchors
 from dflash_model import DFlashDraftModel
@@ -33,16 +29,20 @@ BLOCK = 4
 
 def tiny_target_config(num_layers=6):
     return Qwen3Config(
-        hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, tie_word_embeddings=False,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
     )
 
 
 def tiny_drafter(num_draft_layers=2):
     """A 2-layer drafter reading 2 target layers ([1, 3] of 6), with frozen random target tables."""
-    config = drafter_config_for_target(
-        tiny_target_config(), mask_token_id=VOCAB - 1, num_draft_layers=num_draft_layers, block_size=BLOCK
-    )
+    config = drafter_config_for_target(tiny_target_config(), mask_token_id=VOCAB - 1, num_draft_layers=num_draft_layers, block_size=BLOCK)
     drafter = DFlashDraftModel(config)
     drafter.attach_target(nn.Embedding(VOCAB, HIDDEN).requires_grad_(False), nn.Linear(HIDDEN, VOCAB, bias=False).requires_grad_(False))
     return drafter
@@ -124,7 +124,9 @@ def test_visible_pairs_of_every_layer_rule_equal_the_masks_true_entries(causal, 
     input_ids, _, anchors, anchor_valid, _, _ = tiny_batch(config)
     mask = dense_anchor_block_mask(anchors, anchor_valid, input_ids.shape[1], BLOCK, causal, window)
     # Padded slots (anchor 0) see only their own block, under the same rule.
-    assert visible_pairs(anchors, anchor_valid, BLOCK, causal, window) + visible_pairs(anchors, ~anchor_valid, BLOCK, causal, window) == int(mask.sum())
+    assert visible_pairs(anchors, anchor_valid, BLOCK, causal, window) + visible_pairs(anchors, ~anchor_valid, BLOCK, causal, window) == int(
+        mask.sum()
+    )
     assert visible_pairs(torch.tensor([[7]]), torch.tensor([[True]]), BLOCK, True, 3) == 12  # the docstring's worked example
 
 
@@ -165,12 +167,12 @@ def test_distribution_loss_step_counts_the_target_head():
 
     def step(**objective):
         hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend="sdpa")
-        loss, _ = fused_dflash_loss(hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(BLOCK, 4.0),
-                                    chunk_size=16, **objective)
+        loss, _ = fused_dflash_loss(
+            hidden[:, :, 1:], drafter.target_lm_head.weight, labels, label_valid, loss_weights(BLOCK, 4.0), chunk_size=16, **objective
+        )
         loss.backward()
 
-    parts = drafter_step_flops(config, input_ids.shape[1], anchors, anchor_valid, label_valid, dense_attention=True,
-                               distribution_loss=True)
+    parts = drafter_step_flops(config, input_ids.shape[1], anchors, anchor_valid, label_valid, dense_attention=True, distribution_loss=True)
     assert parts["target_head"] == (parts["lm_head"][0], 0)
     # The head's matmuls are counted exactly, so the difference is exact (the part is ~2% of the total here).
     added = count(lambda: step(loss="lk", target_hidden=target_hidden, loss_weighting="dpace"))["Global"] - count(step)["Global"]

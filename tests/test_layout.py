@@ -19,8 +19,7 @@ def source_files() -> list[Path]:
     """Every .py file of the repository outside tests/, hidden folders (.git, .venv) and virtual environments."""
     found = []
     for folder, dirs, files in os.walk(REPO):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS
-                         and not (Path(folder, d) / "pyvenv.cfg").exists())
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS and not (Path(folder, d) / "pyvenv.cfg").exists())
         found += [Path(folder, name) for name in sorted(files) if name.endswith(".py")]
     return found
 
@@ -29,8 +28,13 @@ def is_script(tree: ast.Module) -> bool:
     """Whether the module has a top-level `if __name__ == "__main__":` block."""
     for node in tree.body:
         test = getattr(node, "test", None)
-        if (isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
-                and test.left.id == "__name__" and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+        ):
             return True
     return False
 
@@ -58,8 +62,12 @@ def test_no_file_imports_a_script():
     trees = parsed()
     scripts = {path.stem for path, tree in trees.items() if is_script(tree)}
     assert {"train_dflash", "eval_dflash", "regenerate_data", "bench_dflash"} <= scripts, scripts  # the check sees them
-    problems = [f"{path.relative_to(REPO)}:{line}: imports the script {module.split('.')[0]}.py"
-                for path, tree in trees.items() for line, module, _ in imports(tree) if module.split(".")[0] in scripts]
+    problems = [
+        f"{path.relative_to(REPO)}:{line}: imports the script {module.split('.')[0]}.py"
+        for path, tree in trees.items()
+        for line, module, _ in imports(tree)
+        if module.split(".")[0] in scripts
+    ]
     assert not problems, "move what these need into a module that the script imports too:\n" + "\n".join(problems)
 
 
@@ -76,7 +84,9 @@ def test_no_file_imports_a_private_name_of_another_module():
                 imported[names] = module
                 continue
             problems += [f"{path.relative_to(REPO)}:{line}: imports {name} from {module}" for name in names if is_private(name)]
-        problems += [f"{path.relative_to(REPO)}:{node.lineno}: reads {node.value.id}.{node.attr}" for node in ast.walk(tree)
-                     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
-                     and is_private(node.attr)]
+        problems += [
+            f"{path.relative_to(REPO)}:{node.lineno}: reads {node.value.id}.{node.attr}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported and is_private(node.attr)
+        ]
     assert not problems, "make these names public (with a docstring) or move them to where they are used:\n" + "\n".join(problems)

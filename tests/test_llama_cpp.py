@@ -23,8 +23,7 @@ import llama_cpp_check  # noqa: E402
 LLAMA_CPP_DIR = os.environ.get("DFLASH_LLAMA_CPP_DIR", llama_cpp_check.DEFAULT_DIR)
 pytestmark = pytest.mark.skipif(
     llama_cpp_check.find_llama_cpp(LLAMA_CPP_DIR) is None,
-    reason=f"llama.cpp b11434 is not built in {LLAMA_CPP_DIR}: `make engine-check` builds it (about 24 minutes on 2 cores) "
-    f"and runs this test",
+    reason=f"llama.cpp b11434 is not built in {LLAMA_CPP_DIR}: `make engine-check` builds it (about 24 minutes on 2 cores) and runs this test",
 )
 
 
@@ -33,9 +32,15 @@ def save_tiny_drafter(target_dir, folder, drafter: str, target_layer_ids=(0, 2))
     from transformers import AutoConfig
 
     torch.manual_seed(5)
-    config = drafter_config_for_target(AutoConfig.from_pretrained(target_dir), mask_token_id=151669, num_draft_layers=2,
-                                       block_size=8, target_layer_ids=list(target_layer_ids), drafter=drafter,
-                                       selector_top_k=4 if drafter == "dflash2" else None)  # llama.cpp: top_k x (top_k + 1) <= hidden 64
+    config = drafter_config_for_target(
+        AutoConfig.from_pretrained(target_dir),
+        mask_token_id=151669,
+        num_draft_layers=2,
+        block_size=8,
+        target_layer_ids=list(target_layer_ids),
+        drafter=drafter,
+        selector_top_k=4 if drafter == "dflash2" else None,
+    )  # llama.cpp: top_k x (top_k + 1) <= hidden 64
     model = (DFlash2DraftModel if drafter == "dflash2" else DFlashDraftModel)(config)
     model.save_pretrained(folder)
     return folder
@@ -51,11 +56,26 @@ def prompts(tmp_path_factory):
 @pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
 def test_llama_cpp_drafts_like_our_evaluator(trainable_qwen3_target, prompts, tmp_path, drafter):
     export = save_tiny_drafter(trainable_qwen3_target, tmp_path / "export", drafter)
-    results = llama_cpp_check.main([
-        "--draft_model", str(export), "--target_model", str(trainable_qwen3_target), "--data", str(prompts),
-        "--num_prompts", "2", "--max_new_tokens", "24", "--llama_cpp_dir", LLAMA_CPP_DIR, "--work_dir", str(tmp_path / "work"),
-        "--timeout_s", "300",
-    ])
+    results = llama_cpp_check.main(
+        [
+            "--draft_model",
+            str(export),
+            "--target_model",
+            str(trainable_qwen3_target),
+            "--data",
+            str(prompts),
+            "--num_prompts",
+            "2",
+            "--max_new_tokens",
+            "24",
+            "--llama_cpp_dir",
+            LLAMA_CPP_DIR,
+            "--work_dir",
+            str(tmp_path / "work"),
+            "--timeout_s",
+            "300",
+        ]
+    )
     per_prompt = results["per_prompt"]
     for prompt in per_prompt:
         assert prompt["generated_tokens"] == 24  # the random target never says <|im_end|>
@@ -74,10 +94,20 @@ def test_a_feature_from_the_last_target_layer_is_refused_before_serving(trainabl
     # llama.cpp reads feature i as the input of target layer i + 1: there is none after the last layer
     export = save_tiny_drafter(trainable_qwen3_target, tmp_path / "export", "dflash", target_layer_ids=(1, 3))
     with pytest.raises(llama_cpp_check.CheckError, match=r"target_layer_ids \[1, 3\] includes 3, the target's last layer"):
-        llama_cpp_check.main([
-            "--draft_model", str(export), "--target_model", str(trainable_qwen3_target), "--data", str(prompts),
-            "--llama_cpp_dir", LLAMA_CPP_DIR, "--work_dir", str(tmp_path / "work"),
-        ])
+        llama_cpp_check.main(
+            [
+                "--draft_model",
+                str(export),
+                "--target_model",
+                str(trainable_qwen3_target),
+                "--data",
+                str(prompts),
+                "--llama_cpp_dir",
+                LLAMA_CPP_DIR,
+                "--work_dir",
+                str(tmp_path / "work"),
+            ]
+        )
 
 
 def test_a_refused_export_fails_in_one_line(trainable_qwen3_target, prompts, tmp_path, capsys):
@@ -85,7 +115,17 @@ def test_a_refused_export_fails_in_one_line(trainable_qwen3_target, prompts, tmp
     config_path = export / "config.json"
     config_path.write_text(config_path.read_text().replace('"DFlashDraftModel"', '"NoSuchDraftModel"'))
     with pytest.raises(llama_cpp_check.CheckError, match="refused the drafter.*NoSuchDraftModel"):
-        llama_cpp_check.main([
-            "--draft_model", str(export), "--target_model", str(trainable_qwen3_target), "--data", str(prompts),
-            "--llama_cpp_dir", LLAMA_CPP_DIR, "--work_dir", str(tmp_path / "work"),
-        ])
+        llama_cpp_check.main(
+            [
+                "--draft_model",
+                str(export),
+                "--target_model",
+                str(trainable_qwen3_target),
+                "--data",
+                str(prompts),
+                "--llama_cpp_dir",
+                LLAMA_CPP_DIR,
+                "--work_dir",
+                str(tmp_path / "work"),
+            ]
+        )

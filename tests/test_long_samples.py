@@ -12,8 +12,16 @@ import dflash_masks
 from dflash_loss import loss_weights, weighted_block_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 
-BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+BLOCK_MASK_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
 
 
 @pytest.mark.parametrize("causal, window", [(False, None), (True, 96)])
@@ -41,7 +49,7 @@ def loss_and_grads(drafter, chunk_size=0, checkpointed=False, seq_len=70):
     input_ids = torch.randint(0, VOCAB - 1, (2, seq_len), generator=g)
     loss_mask = torch.ones(2, seq_len, dtype=torch.bool)
     loss_mask[:, :9] = False
-    loss_mask[1, seq_len - 13:] = False
+    loss_mask[1, seq_len - 13 :] = False
     features = torch.randn(2, seq_len, len(drafter.config.target_layer_ids) * 16, generator=g)
     anchors, valid = sample_anchors(loss_mask, 12, torch.Generator().manual_seed(2))
     hidden = drafter(features, input_ids, anchors, valid)
@@ -140,15 +148,35 @@ def test_bench_long_grid_runs_on_cpu_and_resumes(tmp_path, capsys):
     import bench_dflash
 
     rows = tmp_path / "rows.jsonl"
-    argv = ["--long", "--device", "cpu", "--tiny", "--long_lengths", "96,256", "--steps", "1", "--warmup", "0",
-            "--variant", "baseline+context_chunk_64+checkpoint_layers", "--rows", str(rows), "--record-to", str(tmp_path / "B.md")]
+    argv = [
+        "--long",
+        "--device",
+        "cpu",
+        "--tiny",
+        "--long_lengths",
+        "96,256",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--variant",
+        "baseline+context_chunk_64+checkpoint_layers",
+        "--rows",
+        str(rows),
+        "--record-to",
+        str(tmp_path / "B.md"),
+    ]
     threads = torch.get_num_threads()  # bench_dflash.main sets 1 on a CPU
     bench_dflash.main(argv)
     first = [json.loads(line) for line in rows.read_text().splitlines()]
     assert [(r["kind"], r.get("layout"), r["seq"], r["status"]) for r in first] == [
-        ("target", None, 96, "ok"), ("target", None, 256, "ok"),
-        ("drafter", "all_full", 96, "ok"), ("drafter", "all_full", 256, "ok"),
-        ("drafter", "last_full", 96, "ok"), ("drafter", "last_full", 256, "ok")]
+        ("target", None, 96, "ok"),
+        ("target", None, 256, "ok"),
+        ("drafter", "all_full", 96, "ok"),
+        ("drafter", "all_full", 256, "ok"),
+        ("drafter", "last_full", 96, "ok"),
+        ("drafter", "last_full", 256, "ok"),
+    ]
     assert first[3]["flops_sample"] > first[2]["flops_sample"] > 0  # the context work grows with the length
     table = (tmp_path / "B.md").read_text()
     assert "| last_full (32) | baseline+context_chunk_64+checkpoint_layers | 256 | 16 |" in table and "every row measured" in table
@@ -186,8 +214,22 @@ def test_eval_names_a_prompt_longer_than_the_targets_context_before_the_target_l
 
     monkeypatch.setattr(dflash_target, "load_target_model", no_weights)
     prompts = long_prompt_file(tmp_path / "long.jsonl", 1010)
-    argv = ["--target_model", str(target_dir), "--draft_model", str(drafter_dir), "--data", str(prompts), "--max_new_tokens", "8",
-            "--output", str(tmp_path / "r.json"), "--device", "cpu", "--baseline", "none"]
+    argv = [
+        "--target_model",
+        str(target_dir),
+        "--draft_model",
+        str(drafter_dir),
+        "--data",
+        str(prompts),
+        "--max_new_tokens",
+        "8",
+        "--output",
+        str(tmp_path / "r.json"),
+        "--device",
+        "cpu",
+        "--baseline",
+        "none",
+    ]
     with pytest.raises(ValueError) as error:
         eval_dflash.main(argv)
     message = str(error.value)
@@ -210,12 +252,14 @@ def test_regenerate_names_a_prompt_longer_than_the_targets_context_before_the_ta
     monkeypatch.setattr(regenerate_data, "load_target", no_weights)
     prompts = long_prompt_file(tmp_path / "long.jsonl", 480)  # ~490 tokens: fits 512 alone, not with 64 new ones
     argv = ["--target_model", tiny_target, "--prompts", str(prompts), "--output", str(tmp_path / "out.jsonl"), "--temperature", "0"]
-    with pytest.raises(ValueError, match=rf"^{prompts}:2: the prompt is \d+ tokens \(chat template included\), and with "
-                                         rf"--max_new_tokens 64 it needs \d+ positions, more than the target's context of 512"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{prompts}:2: the prompt is \d+ tokens \(chat template included\), and with "
+        rf"--max_new_tokens 64 it needs \d+ positions, more than the target's context of 512",
+    ):
         regenerate_data.main(argv + ["--max_new_tokens", "64"])
     with pytest.raises(AssertionError, match="weights loaded"):  # with 8 new tokens it fits
         regenerate_data.main(argv + ["--max_new_tokens", "8"])
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,16 +283,45 @@ def test_long_prompts_fill_each_length_and_the_table_splits_tau_by_length(tiny_q
     from transformers import AutoTokenizer
 
     replies = tmp_path / "greedy.jsonl"
-    replies.write_text("".join(json.dumps({"id": i, "messages": [
-        {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
-        {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * (1 + i % 3)}]}) + "\n" for i in range(30)))
+    replies.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": i,
+                    "messages": [
+                        {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
+                        {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * (1 + i % 3)},
+                    ],
+                }
+            )
+            + "\n"
+            for i in range(30)
+        )
+    )
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text("".join(json.dumps({"question": f"Held-out {i}: what is {i} times 3?"}) + "\n" for i in range(3)))
     out = tmp_path / "long"
     long_prompts, tau_by_length = tool("tools/long_prompts.py"), tool("tools/gpu/tau_by_length.py")
-    long_prompts.main(["--target_model", str(tiny_qwen3_target), "--replies", str(replies), "--heldout", str(heldout),
-                       "--out_dir", str(out), "--lengths", "30,200,400", "--num_eval", "2", "--train_lengths", "150,300",
-                       "--num_train", "6"])
+    long_prompts.main(
+        [
+            "--target_model",
+            str(tiny_qwen3_target),
+            "--replies",
+            str(replies),
+            "--heldout",
+            str(heldout),
+            "--out_dir",
+            str(out),
+            "--lengths",
+            "30,200,400",
+            "--num_eval",
+            "2",
+            "--train_lengths",
+            "150,300",
+            "--num_train",
+            "6",
+        ]
+    )
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_target)
 
     def tokens(messages, generation_prompt):
@@ -271,8 +344,10 @@ def test_long_prompts_fill_each_length_and_the_table_splits_tau_by_length(tiny_q
         assert user["content"].count("Question: ") >= 1 and tokens([user, assistant], False) <= (150, 300)[n % 2]
 
     # tau by length: two prompts per length, tau = committed / forwards over each length's prompts
-    per_prompt = [{"prompt_index": i, "prompt_tokens": 50 * (i + 1), "acceptance_length": a, "verify_forwards": f}
-                  for i, (a, f) in enumerate([(3.0, 10), (2.0, 10), (2.5, 4), (2.5, 4), (1.0, 5), (2.0, 15)])]
+    per_prompt = [
+        {"prompt_index": i, "prompt_tokens": 50 * (i + 1), "acceptance_length": a, "verify_forwards": f}
+        for i, (a, f) in enumerate([(3.0, 10), (2.0, 10), (2.5, 4), (2.5, 4), (1.0, 5), (2.0, 15)])
+    ]
     (tmp_path / "eval_recipe.json").write_text(json.dumps({"per_prompt": per_prompt}))
     (tmp_path / "eval_recipe_t0.8.json").write_text(json.dumps({"per_prompt": per_prompt[:2]}))
     capsys.readouterr()
@@ -286,8 +361,7 @@ def test_long_prompts_fill_each_length_and_the_table_splits_tau_by_length(tiny_q
 def test_long_sample_settings_parse_and_are_checked():
     from train_dflash import parse_settings
 
-    settings, _ = parse_settings(["--target_model", "x", "--train_data", "README.md", "--context_chunk_size", "4096",
-                                  "--checkpoint_drafter_layers"])
+    settings, _ = parse_settings(["--target_model", "x", "--train_data", "README.md", "--context_chunk_size", "4096", "--checkpoint_drafter_layers"])
     assert settings.context_chunk_size == 4096 and settings.checkpoint_drafter_layers is True
     defaults, _ = parse_settings(["--target_model", "x", "--train_data", "README.md"])
     assert defaults.context_chunk_size == 0 and defaults.checkpoint_drafter_layers is False

@@ -67,8 +67,9 @@ def reference_dpace(confidence, valid, alpha):
     return weights
 
 
-def reference_loss(hidden, target_hidden, head, labels, valid, weights, loss, weighting="exp", alpha=0.5,
-                   normalize="weights", multiplier=1.0, cap=None, lk_eta=3.0):
+def reference_loss(
+    hidden, target_hidden, head, labels, valid, weights, loss, weighting="exp", alpha=0.5, normalize="weights", multiplier=1.0, cap=None, lk_eta=3.0
+):
     z = scale_and_cap_logits(hidden @ head.t(), multiplier, cap)  # [2, 3, 5, vocab], all positions
     u = scale_and_cap_logits(target_hidden @ head.t(), multiplier, cap)
     per_position, confidence = reference_row_losses(z, u, labels, loss, lk_eta)
@@ -82,8 +83,18 @@ def reference_loss(hidden, target_hidden, head, labels, valid, weights, loss, we
 @pytest.mark.parametrize("chunk_size", [4, 1000])
 def test_each_loss_and_its_gradient_equal_autograd_through_full_logits(loss, multiplier, cap, chunk_size):
     hidden, target_hidden, head, labels, valid, weights = random_inputs()
-    value, _ = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=chunk_size, output_multiplier=multiplier,
-                           final_logit_softcapping=cap, loss=loss, target_hidden=target_hidden)
+    value, _ = weighted_block_loss(
+        hidden,
+        head,
+        labels,
+        valid,
+        weights,
+        chunk_size=chunk_size,
+        output_multiplier=multiplier,
+        final_logit_softcapping=cap,
+        loss=loss,
+        target_hidden=target_hidden,
+    )
     (grad,) = torch.autograd.grad(value, hidden)
     expected = reference_loss(hidden, target_hidden, head, labels, valid, weights, loss, multiplier=multiplier, cap=cap)
     (expected_grad,) = torch.autograd.grad(expected, hidden)
@@ -97,8 +108,20 @@ def test_each_loss_and_its_gradient_equal_autograd_through_full_logits(loss, mul
 def test_dpace_weighting_and_both_normalisers_equal_the_reference(loss, normalize):
     """D-PACE weights from every row's confidence, with 3-row chunks that split blocks across chunks."""
     hidden, target_hidden, head, labels, valid, weights = random_inputs(seed=1)
-    value, _ = weighted_block_loss(hidden, head, labels, valid, None, chunk_size=3, loss=loss, target_hidden=target_hidden,
-                           loss_weighting="dpace", dpace_alpha=0.3, normalize=normalize, final_logit_softcapping=5.0)
+    value, _ = weighted_block_loss(
+        hidden,
+        head,
+        labels,
+        valid,
+        None,
+        chunk_size=3,
+        loss=loss,
+        target_hidden=target_hidden,
+        loss_weighting="dpace",
+        dpace_alpha=0.3,
+        normalize=normalize,
+        final_logit_softcapping=5.0,
+    )
     (grad,) = torch.autograd.grad(value, hidden)
     expected = reference_loss(hidden, target_hidden, head, labels, valid, weights, loss, "dpace", 0.3, normalize, cap=5.0)
     (expected_grad,) = torch.autograd.grad(expected, hidden)
@@ -156,8 +179,9 @@ def test_accuracy_output_is_the_same_for_every_loss_and_weighting():
     _, accepted = weighted_block_loss(hidden, head, labels, valid, weights)
     for loss in LOSSES:
         for weighting in ("exp", "dpace"):
-            _, other = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=4, loss=loss, target_hidden=target_hidden,
-                                   loss_weighting=weighting)
+            _, other = weighted_block_loss(
+                hidden, head, labels, valid, weights, chunk_size=4, loss=loss, target_hidden=target_hidden, loss_weighting=weighting
+            )
             assert torch.equal(torch.nan_to_num(other, nan=-1.0), torch.nan_to_num(accepted, nan=-1.0)), (loss, weighting)
 
 
@@ -185,8 +209,10 @@ def test_with_a_one_hot_target_kl_and_nla_are_ce_and_the_confidences_agree():
     valid[0, 1, 1] = False
     hidden = torch.randn(1, 4, 3, 8, generator=g)
     target_hidden = 200.0 * F.one_hot(labels, 8).float()  # logits through the identity head: p[label] = 1 in fp32
-    values = {loss: weighted_block_loss(hidden, torch.eye(8), labels, valid, None, loss=loss, target_hidden=target_hidden,
-                                loss_weighting="dpace")[0] for loss in ("ce", "kl", "nla")}
+    values = {
+        loss: weighted_block_loss(hidden, torch.eye(8), labels, valid, None, loss=loss, target_hidden=target_hidden, loss_weighting="dpace")[0]
+        for loss in ("ce", "kl", "nla")
+    }
     torch.testing.assert_close(values["kl"], values["ce"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(values["nla"], values["ce"], rtol=1e-5, atol=1e-5)
 

@@ -22,13 +22,7 @@ from dflash_masks import (
     dense_anchor_block_mask,
     sample_anchors,
 )
-from dflash_model import (
-    DFlashConfig,
-    DFlashDraftModel,
-    default_target_layer_ids,
-    resolve_layer_types,
-    scale_and_cap_logits,
-)
+from dflash_model import DFlashConfig, DFlashDraftModel, default_target_layer_ids, resolve_layer_types, scale_and_cap_logits
 from dflash_target import drafter_config_for_target
 
 VOCAB = 64
@@ -40,12 +34,9 @@ def tiny_drafter(block_size=4, num_draft_layers=2, seed=0, **layout):
     `layout`: layer_types / sliding_window / is_causal for `drafter_config_for_target`."""
     torch.manual_seed(seed)
     target_config = Qwen3Config(
-        hidden_size=16, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        intermediate_size=32, vocab_size=VOCAB,
+        hidden_size=16, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32, vocab_size=VOCAB
     )
-    config = drafter_config_for_target(
-        target_config, mask_token_id=MASK_ID, num_draft_layers=num_draft_layers, block_size=block_size, **layout
-    )
+    config = drafter_config_for_target(target_config, mask_token_id=MASK_ID, num_draft_layers=num_draft_layers, block_size=block_size, **layout)
     drafter = DFlashDraftModel(config).eval()
     drafter.attach_target(nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB, bias=False))
     return drafter
@@ -250,8 +241,9 @@ def test_padding_never_counts_and_chunking_is_exact():
 
 def test_loss_with_no_valid_label_is_zero_with_a_graph():
     hidden = torch.randn(1, 2, 3, 4, requires_grad=True)
-    loss, acc = weighted_block_loss(hidden, torch.randn(10, 4), torch.zeros(1, 2, 3, dtype=torch.long),
-                            torch.zeros(1, 2, 3, dtype=torch.bool), loss_weights(4, 2.0))
+    loss, acc = weighted_block_loss(
+        hidden, torch.randn(10, 4), torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 3, dtype=torch.bool), loss_weights(4, 2.0)
+    )
     loss.backward()
     assert loss.item() == 0.0 and torch.isnan(acc).all() and (hidden.grad == 0).all()
 
@@ -379,8 +371,16 @@ def test_export_round_trip_is_bit_identical(tmp_path):
     assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2, 3]}
     assert config["tie_word_embeddings"] is False and config["vocab_size"] == VOCAB
     assert len(config["layer_types"]) == 3
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "rms_norm_eps", "rope_theta", "max_position_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+    ):
         assert config[key] is not None, key
     weights = load_file(tmp_path / "model.safetensors")
     assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= set(weights)
@@ -405,8 +405,9 @@ def test_export_round_trip_is_bit_identical(tmp_path):
 
 
 def test_config_from_llama_target_and_errors():
-    llama = LlamaConfig(hidden_size=32, num_hidden_layers=30, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=64, vocab_size=100, rope_theta=1e5)
+    llama = LlamaConfig(
+        hidden_size=32, num_hidden_layers=30, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, vocab_size=100, rope_theta=1e5
+    )
     config = drafter_config_for_target(llama, mask_token_id=7)
     assert config.head_dim == 8 and config.num_hidden_layers == 5 and config.num_target_layers == 30
     assert config.target_layer_ids == default_target_layer_ids(30, 5) and config.rope_theta == 1e5
@@ -419,11 +420,18 @@ def test_config_from_llama_target_and_errors():
 def test_scaled_rope_is_exported_for_older_loaders_too(tmp_path):
     """A Llama-3.1-style target: config.json carries rope_scaling (what transformers 4 and the engines'
     parsers read) beside rope_parameters, and both load back to the same scaled RoPE."""
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    llama31 = LlamaConfig(hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                          intermediate_size=64, vocab_size=100, rope_theta=500000.0, rope_scaling=dict(scaling),  # a copy: the config adds rope_theta to it
-                          max_position_embeddings=131072)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    llama31 = LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+        rope_theta=500000.0,
+        rope_scaling=dict(scaling),  # a copy: the config adds rope_theta to it
+        max_position_embeddings=131072,
+    )
     config = drafter_config_for_target(llama31, mask_token_id=7, num_draft_layers=2)
     DFlashDraftModel(config).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -523,8 +531,7 @@ def test_training_forward_equals_draft_pass_at_every_anchor_mixed_layers(is_caus
     """sliding (window 3 < B), sliding, full: the training forward's logits at every anchor equal the
     draft pass over a growing cache and over a static one with stale entries past its length."""
     block_size, seq_len = 4, 20
-    drafter = tiny_drafter(block_size=block_size, num_draft_layers=3, layer_types="last_full", sliding_window=3,
-                           is_causal=is_causal)
+    drafter = tiny_drafter(block_size=block_size, num_draft_layers=3, layer_types="last_full", sliding_window=3, is_causal=is_causal)
     input_ids, _ = _batch(seq_len=seq_len, batch=1)
     width = len(drafter.config.target_layer_ids) * 16
     features = torch.randn(1, seq_len, width)
@@ -585,8 +592,7 @@ def test_compiled_flex_forward_equals_sdpa_mixed_layers_on_cpu():
 def test_loss_applies_the_logit_multiplier_and_cap(multiplier, cap):
     """Loss and gradient through the scaled, capped logits equal autograd on scale_and_cap_logits."""
     hidden, head, labels, valid, weights = random_loss_inputs()
-    loss, _ = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=4, output_multiplier=multiplier,
-                          final_logit_softcapping=cap)
+    loss, _ = weighted_block_loss(hidden, head, labels, valid, weights, chunk_size=4, output_multiplier=multiplier, final_logit_softcapping=cap)
     (grad,) = torch.autograd.grad(loss, hidden)
     z = scale_and_cap_logits(hidden @ head.t(), multiplier, cap)  # [2, 3, 5, vocab]
     w = weights.expand_as(labels)[valid]

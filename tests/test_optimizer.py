@@ -18,9 +18,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_drafter() -> DFlashDraftModel:
-    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                          num_hidden_layers=2, vocab_size=64, block_size=4, num_target_layers=4, rope_theta=10000.0,
-                          dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]})
+    config = DFlashConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=2,
+        vocab_size=64,
+        block_size=4,
+        num_target_layers=4,
+        rope_theta=10000.0,
+        dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]},
+    )
     return DFlashDraftModel(config)
 
 
@@ -75,10 +85,25 @@ torch.save({"before": before, "after": after, "grads": grads, "lr": scheduler.ge
 def zero2_step(tmp_path, optimizer: str, max_grad_norm: str = "default") -> dict:
     out = tmp_path / f"step_{optimizer}.pt"
     port = str(free_port())
-    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RANK": "0",
-           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    result = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(REPO), port, optimizer, max_grad_norm, str(out)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", STEP_SCRIPT, str(REPO), port, optimizer, max_grad_norm, str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(out)
 

@@ -69,8 +69,23 @@ def prompts_file(tmp_path) -> str:
 
 
 def regenerate(target, prompts, output, *extra) -> dict:
-    argv = ["--target_model", target, "--prompts", prompts, "--output", str(output), "--max_new_tokens", "6",
-            "--batch_size", "3", "--temperature", "0", "--seed", "7", *extra]
+    argv = [
+        "--target_model",
+        target,
+        "--prompts",
+        prompts,
+        "--output",
+        str(output),
+        "--max_new_tokens",
+        "6",
+        "--batch_size",
+        "3",
+        "--temperature",
+        "0",
+        "--seed",
+        "7",
+        *extra,
+    ]
     return regenerate_data.main(argv)
 
 
@@ -247,8 +262,7 @@ def test_several_samples_per_prompt_independent_of_batching(tmp_path, peaked_tar
 
     other = tmp_path / "batched.jsonl"
     regenerate(peaked_target, prompts_file, other, *sampling, "--num_prompts", "2", "--batch_size", "5")
-    summary = regenerate(peaked_target, prompts_file, other, *sampling, "--num_prompts", "5", "--batch_size", "4",
-                         "--kv_cache", "static")
+    summary = regenerate(peaked_target, prompts_file, other, *sampling, "--num_prompts", "5", "--batch_size", "4", "--kv_cache", "static")
     assert summary["already_done"] == 6 and summary["written"] == 9
     records = read_output(other)
     assert len(records) == 15 and {(r["id"], r["sample"]): r["messages"][-1]["content"] for r in records} == texts
@@ -283,8 +297,9 @@ def smollm2_server(tmp_path_factory, smollm2_target):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(folder / "serve.log", "w")
-    server = subprocess.Popen([executable, "serve", str(folder), "--port", str(port), "--host", "127.0.0.1", "--device", "cpu"],
-                              stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [executable, "serve", str(folder), "--port", str(port), "--host", "127.0.0.1", "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -310,13 +325,27 @@ def test_server_backend_writes_and_resumes_after_a_kill(tmp_path, smollm2_server
 
     url, model = smollm2_server
     prompts = tmp_path / "prompts.jsonl"
-    questions = ["What is 2 + 3?", "Name a colour.", "What is the capital of France?", "Count to three.",
-                 "Say hello.", "What is 10 - 4?"]
+    questions = ["What is 2 + 3?", "Name a colour.", "What is the capital of France?", "Count to three.", "Say hello.", "What is 10 - 4?"]
     prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in questions))
     output = tmp_path / "out.jsonl"
-    command = [sys.executable, str(repo_root / "regenerate_data.py"), "--server_url", url, "--server_model", model,
-               "--prompts", str(prompts), "--output", str(output), "--max_new_tokens", "24", "--temperature", "0",
-               "--server_concurrency", "1"]
+    command = [
+        sys.executable,
+        str(repo_root / "regenerate_data.py"),
+        "--server_url",
+        url,
+        "--server_model",
+        model,
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(output),
+        "--max_new_tokens",
+        "24",
+        "--temperature",
+        "0",
+        "--server_concurrency",
+        "1",
+    ]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while (not output.exists() or not output.read_text()) and run.poll() is None and time.time() < deadline:
@@ -339,9 +368,24 @@ def test_server_failures_are_counted_and_retried(tmp_path, prompts_file):
     """A server that cannot be reached: every reply counts as failed, nothing is written, and the
     summary says so (a rerun against a live server retries them)."""
     output = tmp_path / "out.jsonl"
-    summary = regenerate_data.main(["--server_url", "http://127.0.0.1:9/v1", "--server_model", "m", "--prompts", prompts_file,
-                                    "--output", str(output), "--num_prompts", "3", "--server_max_retries", "0",
-                                    "--server_timeout_s", "5"])
+    summary = regenerate_data.main(
+        [
+            "--server_url",
+            "http://127.0.0.1:9/v1",
+            "--server_model",
+            "m",
+            "--prompts",
+            prompts_file,
+            "--output",
+            str(output),
+            "--num_prompts",
+            "3",
+            "--server_max_retries",
+            "0",
+            "--server_timeout_s",
+            "5",
+        ]
+    )
     assert summary["failed"] == 3 and summary["written"] == 0
     assert not output.exists() or output.read_text() == ""
 
@@ -351,9 +395,17 @@ def test_resume_reads_replies_with_unicode_line_separators(tmp_path, prompts_fil
     record there (str.splitlines would, and call the file corrupt)."""
     prompts = regenerate_data.load_prompts(prompts_file)
     output = tmp_path / "out.jsonl"
-    records = [{"id": i, "sample": 0, "prompt_hash": prompt_hash(prompts[i]),
-                "messages": prompts[i] + [{"role": "assistant", "content": f"a\u2028b\x85c {i}"}],
-                "num_new_tokens": 3, "finished": True} for i in range(3)]
+    records = [
+        {
+            "id": i,
+            "sample": 0,
+            "prompt_hash": prompt_hash(prompts[i]),
+            "messages": prompts[i] + [{"role": "assistant", "content": f"a\u2028b\x85c {i}"}],
+            "num_new_tokens": 3,
+            "finished": True,
+        }
+        for i in range(3)
+    ]
     output.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     assert regenerate_data.read_done(str(output), prompts) == {(0, 0), (1, 0), (2, 0)}
 
@@ -389,8 +441,17 @@ def test_refilled_rows_decode_what_generate_decodes(tiny_model_and_prompts, monk
     third, so replies end wherever they write one."""
     model, tokenizer, ids = tiny_model_and_prompts
     max_new = 16
-    alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=max_new,
-                            do_sample=False, eos_token_id=[], pad_token_id=0)[0, len(p):].tolist() for p in ids]
+    alone = [
+        model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=[],
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
+        for p in ids
+    ]
     eos = sorted({alone[1][2], alone[6][2]})
     expected = [reply[: next((i + 1 for i, t in enumerate(reply) if t in eos), max_new)] for reply in alone]
     lengths = [len(reply) for reply in expected]
@@ -433,7 +494,7 @@ def test_a_repeated_prefill_shape_creates_no_tensor_from_host_data(tiny_model_an
     input_ids = torch.zeros(2, width, dtype=torch.long)
     real = torch.zeros(2, width, dtype=torch.bool)
     for i, p in enumerate(ids[:2]):
-        input_ids[i, width - len(p):], real[i, width - len(p):] = torch.tensor(p), True
+        input_ids[i, width - len(p) :], real[i, width - len(p) :] = torch.tensor(p), True
     rows, column = torch.tensor([1, 3]), torch.tensor([5])
     call = lambda: decoder._prefill_forward(input_ids, real, rows, column)
     first, ring = call(), decoder.cache.layers[0].keys.clone()
@@ -514,11 +575,15 @@ def test_compiled_decode_step_writes_what_generate_writes(tmp_path, tiny_target,
         def step(tokens, *inputs):
             compiled_calls.append(tokens.shape[1])
             return compiled(tokens, *inputs)
+
         return step
 
     monkeypatch.setattr(torch, "compile", counting_compile)
-    runs = {"dynamic": ("--kv_cache", "dynamic"), "eager": ("--kv_cache", "static", "--compile_decode", "off"),
-            "compiled": ("--kv_cache", "static", "--compile_decode", "on")}
+    runs = {
+        "dynamic": ("--kv_cache", "dynamic"),
+        "eager": ("--kv_cache", "static", "--compile_decode", "off"),
+        "compiled": ("--kv_cache", "static", "--compile_decode", "on"),
+    }
     texts = {}
     with caplog.at_level(logging.INFO, logger="regenerate_data"):
         for name, flags in runs.items():
@@ -534,9 +599,11 @@ def test_compiled_decode_step_writes_what_generate_writes(tmp_path, tiny_target,
 def test_compiled_decode_step_falls_back_to_the_eager_step(tmp_path, tiny_target, prompts_file, caplog, monkeypatch):
     """A compiled step that raises in its first call: one warning naming the error, and the run
     goes on with the eager step (same replies, nothing failed)."""
+
     def failing_compile(fn, **kwargs):
         def compiled(*inputs):
             raise RuntimeError("simulated inductor failure")
+
         return compiled
 
     flags = ("--num_prompts", "3", "--batch_size", "2", "--kv_cache", "static")  # two batches: the fallback lasts the run
@@ -561,16 +628,19 @@ def test_compile_decode_setting_is_checked(prompts_file):
         regenerate_data.parse_args(common + ["--compile_decode", "on", "--kv_cache", "dynamic"])
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--batch_size", "0", "--batch_size must be >= 1, got 0"),
-    ("--max_new_tokens", "-2", "--max_new_tokens must be >= 1, got -2"),
-    ("--num_samples_per_prompt", "0", "--num_samples_per_prompt must be >= 1, got 0"),
-    ("--temperature", "-1", "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
-    ("--temperature", "nan", "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
-    ("--temperature", "inf", "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
-    ("--num_prompts", "0", "--num_prompts must be >= 1 (leave it out for every prompt), got 0"),
-    ("--num_prompts", "-1", "--num_prompts must be >= 1 (leave it out for every prompt), got -1"),
-])
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--batch_size", "0", "--batch_size must be >= 1, got 0"),
+        ("--max_new_tokens", "-2", "--max_new_tokens must be >= 1, got -2"),
+        ("--num_samples_per_prompt", "0", "--num_samples_per_prompt must be >= 1, got 0"),
+        ("--temperature", "-1", "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+        ("--temperature", "nan", "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+        ("--temperature", "inf", "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
+        ("--num_prompts", "0", "--num_prompts must be >= 1 (leave it out for every prompt), got 0"),
+        ("--num_prompts", "-1", "--num_prompts must be >= 1 (leave it out for every prompt), got -1"),
+    ],
+)
 def test_bad_numbers_name_their_flag(prompts_file, flag, value, message):
     with pytest.raises(ValueError) as error:
         regenerate_data.parse_args(["--target_model", "t", "--prompts", prompts_file, "--output", "o.jsonl", flag, value])
@@ -604,5 +674,7 @@ def test_packed_gqa_sdpa_matches_repeated_kv_heads():
     assert packed.shape == (batch, 1, kv_heads * 3, head_dim)
     torch.testing.assert_close(packed, expected.transpose(1, 2))
     queries, mask = torch.randn(batch, kv_heads * 3, 4, head_dim), torch.ones(batch, 1, 4, columns, dtype=torch.bool).tril(columns - 4)
-    torch.testing.assert_close(dflash_batch_decoding.packed_gqa_sdpa(Attention(), queries, key, value, mask, scaling=0.3)[0],
-                               sdpa_attention_forward(Attention(), queries, key, value, mask, scaling=0.3)[0])
+    torch.testing.assert_close(
+        dflash_batch_decoding.packed_gqa_sdpa(Attention(), queries, key, value, mask, scaling=0.3)[0],
+        sdpa_attention_forward(Attention(), queries, key, value, mask, scaling=0.3)[0],
+    )

@@ -27,11 +27,21 @@ def models():
     """A 16-token target whose distributions are far from uniform, and a random drafter for it
     whose distributions are far from the target's (so drafts are often, not always, rejected)."""
     torch.manual_seed(0)
-    config = Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.15)
+    config = Qwen3Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        initializer_range=0.15,
+    )
     target = Qwen3ForCausalLM(config).eval()
-    draft_config = drafter_config_for_target(config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=BLOCK,
-                                                   target_layer_ids=[0, 1], layer_types="last_full", sliding_window=3)
+    draft_config = drafter_config_for_target(
+        config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=BLOCK, target_layer_ids=[0, 1], layer_types="last_full", sliding_window=3
+    )
     torch.manual_seed(1)
     drafter = DFlashDraftModel(draft_config).eval()
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
@@ -95,8 +105,9 @@ def speculative_samples(target, drafter, seeds: int, tokens: int, proposal: str 
     decoder = Decoder(target, drafter)
     outputs, stats = [], []
     for seed in range(seeds):
-        out, s = speculative_generate(target, drafter, PROMPT, tokens, BLOCK, (), decoder, TEMPERATURE, TOP_P,
-                                      torch.Generator().manual_seed(seed), proposal=proposal)
+        out, s = speculative_generate(
+            target, drafter, PROMPT, tokens, BLOCK, (), decoder, TEMPERATURE, TOP_P, torch.Generator().manual_seed(seed), proposal=proposal
+        )
         outputs.append(out)
         stats.append(s)
     decoder.close()
@@ -131,8 +142,9 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(proposal, m
         return
 
     # The check has power: a verifier that accepts every draft (tokens 2..4 from q, not p) fails it.
-    monkeypatch.setattr(dflash_decoding, "rejection_sample", lambda drafts, q, p, generator: (
-        len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))))
+    monkeypatch.setattr(
+        dflash_decoding, "rejection_sample", lambda drafts, q, p, generator: (len(drafts), int(torch.multinomial(p[-1], 1, generator=generator)))
+    )
     wrong, _ = speculative_samples(target, drafter, 150, TOKENS)
     wrong_tv = [tv(torch.bincount(wrong[:, j], minlength=VOCAB).float() / len(wrong), exact[j]) for j in range(1, TOKENS)]
     assert max(wrong_tv) > 2 * TV_BOUND, wrong_tv
@@ -143,8 +155,9 @@ def test_plain_sampling_follows_the_exact_distribution(models):
     target, _ = models
     exact = exact_marginals(target, PROMPT, TOKENS)
     decoder = Decoder(target)
-    outputs = torch.tensor([plain_generate(target, PROMPT, TOKENS, (), decoder, TEMPERATURE, TOP_P,
-                                           torch.Generator().manual_seed(seed)) for seed in range(SEEDS // 2)])
+    outputs = torch.tensor(
+        [plain_generate(target, PROMPT, TOKENS, (), decoder, TEMPERATURE, TOP_P, torch.Generator().manual_seed(seed)) for seed in range(SEEDS // 2)]
+    )
     decoder.close()
     distances = [tv(torch.bincount(outputs[:, j], minlength=VOCAB).float() / len(outputs), exact[j]) for j in range(TOKENS)]
     assert max(distances) < TV_BOUND * math.sqrt(2), distances  # half the samples: sqrt(2) more noise
@@ -156,9 +169,7 @@ def test_static_cache_samples_the_same_tokens(models):
     target, drafter = models
     static = Decoder(target, drafter, "static", max_length=PROMPT.shape[1] + 24 + BLOCK)
     for seed in range(8):
-        dynamic_out = speculative_generate(target, drafter, PROMPT, 24, BLOCK, (), None, TEMPERATURE, TOP_P,
-                                           torch.Generator().manual_seed(seed))
-        static_out = speculative_generate(target, drafter, PROMPT, 24, BLOCK, (), static, TEMPERATURE, TOP_P,
-                                          torch.Generator().manual_seed(seed))
+        dynamic_out = speculative_generate(target, drafter, PROMPT, 24, BLOCK, (), None, TEMPERATURE, TOP_P, torch.Generator().manual_seed(seed))
+        static_out = speculative_generate(target, drafter, PROMPT, 24, BLOCK, (), static, TEMPERATURE, TOP_P, torch.Generator().manual_seed(seed))
         assert static_out == dynamic_out, f"seed {seed}"
     static.close()

@@ -23,8 +23,7 @@ def run_two_at_a_time(commands: dict, env: dict, timeout: int = 300) -> dict:
     run is mostly a single-threaded import, so two share the 2 CPU cores of CI."""
 
     def launch(script):
-        return subprocess.run([sys.executable, script, *commands[script]], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run([sys.executable, script, *commands[script]], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(commands, pool.map(launch, commands)))
@@ -40,29 +39,82 @@ def smoke_runs(tiny_qwen3_target, train_env, tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("smoke")
     drafter = root / "drafter"
-    config = drafter_config_for_target(AutoConfig.from_pretrained(tiny_qwen3_target), mask_token_id=151669,
-                                             num_draft_layers=1, block_size=4)
+    config = drafter_config_for_target(AutoConfig.from_pretrained(tiny_qwen3_target), mask_token_id=151669, num_draft_layers=1, block_size=4)
     DFlashDraftModel(config).save_pretrained(drafter)
     prompts = root / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "What is 2 + 3?"}) + "\n" + json.dumps({"question": "Name a color."}) + "\n")
     run_dir = root / "trained"  # what plot_tau.py reads: a train_dflash.py --output_dir with held-out tau
     run_dir.mkdir()
-    run_dir.joinpath("train_log.jsonl").write_text("".join(
-        json.dumps(row) + "\n" for row in [{"step": 5, "loss": 9.0, "tau_estimate": 1.1}, {"step": 5, "eval_tau": 1.2},
-                                           {"step": 10, "eval_tau": 1.4}]))
+    run_dir.joinpath("train_log.jsonl").write_text(
+        "".join(
+            json.dumps(row) + "\n"
+            for row in [{"step": 5, "loss": 9.0, "tau_estimate": 1.1}, {"step": 5, "eval_tau": 1.2}, {"step": 10, "eval_tau": 1.4}]
+        )
+    )
     commands = {
         # A DFlash2 drafter: its step is DFlash's plus the selector's loss, so the run covers both.
-        "bench_dflash.py": ["--device", "cpu", "--tiny", "--quick", "--variant", "baseline", "--objectives", "--steps", "1",
-                            "--warmup", "0", "--no_append", "--drafter", "dflash2"],
+        "bench_dflash.py": [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--quick",
+            "--variant",
+            "baseline",
+            "--objectives",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--no_append",
+            "--drafter",
+            "dflash2",
+        ],
         # Dynamo off: the harness's threads, locks, warm-ups and loss run, without minutes of C++ compiles
         # (flex then runs eagerly, which the CPU allows).
-        "tools/gpu/bench_compile_race.py": ["race", "--device", "cpu", "--pattern", "ours", "--runs", "2", "--parallel", "2",
-                                            "--steps", "1", "--log-dir", str(root / "race_logs"), "--record-to", str(root / "BENCHMARKS.md")],
+        "tools/gpu/bench_compile_race.py": [
+            "race",
+            "--device",
+            "cpu",
+            "--pattern",
+            "ours",
+            "--runs",
+            "2",
+            "--parallel",
+            "2",
+            "--steps",
+            "1",
+            "--log-dir",
+            str(root / "race_logs"),
+            "--record-to",
+            str(root / "BENCHMARKS.md"),
+        ],
         "plot_tau.py": [str(run_dir), "--baseline", "prompt lookup=1.3", "--output", str(root / "tau.png")],
-        "eval_dflash.py": ["--target_model", str(tiny_qwen3_target), "--draft_model", str(drafter), "--data", str(prompts),
-                           "--num_prompts", "1", "--max_new_tokens", "4", "--output", str(root / "eval.json")],
-        "regenerate_data.py": ["--target_model", str(tiny_qwen3_target), "--prompts", str(prompts), "--output",
-                               str(root / "regenerated.jsonl"), "--max_new_tokens", "4", "--temperature", "0"],
+        "eval_dflash.py": [
+            "--target_model",
+            str(tiny_qwen3_target),
+            "--draft_model",
+            str(drafter),
+            "--data",
+            str(prompts),
+            "--num_prompts",
+            "1",
+            "--max_new_tokens",
+            "4",
+            "--output",
+            str(root / "eval.json"),
+        ],
+        "regenerate_data.py": [
+            "--target_model",
+            str(tiny_qwen3_target),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(root / "regenerated.jsonl"),
+            "--max_new_tokens",
+            "4",
+            "--temperature",
+            "0",
+        ],
     }
     results = run_two_at_a_time(commands, dict(train_env, TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1"))
     return {script: (result, root) for script, result in results.items()}
@@ -86,7 +138,10 @@ def test_bench_compile_race_records_the_summary_table(smoke_runs):
     recorded = (root / "BENCHMARKS.md").read_text()
     assert "| pattern | runs | reproduced (FX error or hang) | unrelated errors | clean | median seconds |" in recorded
     assert "| ours | 2 | 0 | 0 | 2 |" in recorded, recorded
-    assert "3 threads at lengths [64, 96, 128], loss checkpoint reentrant, attention layer not checkpointed, timeout 90 s, 2 runs in parallel" in recorded
+    assert (
+        "3 threads at lengths [64, 96, 128], loss checkpoint reentrant, attention layer not checkpointed, timeout 90 s, 2 runs in parallel"
+        in recorded
+    )
     assert len(list((root / "race_logs").glob("race_ours_*.log"))) == 2
 
 
@@ -128,10 +183,27 @@ def test_race_outcomes_count_only_the_fx_error_and_hangs():
 def test_user_errors_of_the_tools_are_one_line_like_training(tmp_path):
     """A bad setting: `error: ...` on stderr, exit code 2, no traceback (as train_dflash.py answers)."""
     runs = {
-        "eval_dflash.py": (["--target_model", "x", "--draft_model", "y", "--data", "d.jsonl", "--max_new_tokens", "4",
-                            "--output", str(tmp_path / "r.json"), "--temperature", "-1"], "error: --temperature must be >= 0"),
-        "regenerate_data.py": (["--target_model", "x", "--prompts", "p.jsonl", "--output", str(tmp_path / "o.jsonl"),
-                                "--compile_decode", "maybe"], "error: --compile_decode must be auto, on or off, got 'maybe'"),
+        "eval_dflash.py": (
+            [
+                "--target_model",
+                "x",
+                "--draft_model",
+                "y",
+                "--data",
+                "d.jsonl",
+                "--max_new_tokens",
+                "4",
+                "--output",
+                str(tmp_path / "r.json"),
+                "--temperature",
+                "-1",
+            ],
+            "error: --temperature must be >= 0",
+        ),
+        "regenerate_data.py": (
+            ["--target_model", "x", "--prompts", "p.jsonl", "--output", str(tmp_path / "o.jsonl"), "--compile_decode", "maybe"],
+            "error: --compile_decode must be auto, on or off, got 'maybe'",
+        ),
     }
     results = run_two_at_a_time({script: args for script, (args, _) in runs.items()}, {**os.environ, "HF_HUB_OFFLINE": "1"}, 120)
     for script, (_, message) in runs.items():
@@ -153,9 +225,14 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
     bad_record.write_text(json.dumps({"prompt": "no assistant turn"}) + "\n")
     run = tmp_path / "sliding_w64"  # a training run that made its own held-out evaluation at the end
     (run / "final").mkdir(parents=True)
-    (run / "train_log.jsonl").write_text(json.dumps({"step": 5, "tau_estimate": 2.0, "elapsed_s": 20.0}) + "\n"  # estimate: their mean
-                                         + json.dumps({"step": 10, "tau_estimate": 2.5, "elapsed_s": 31.0}) + "\n"
-                                         + json.dumps({"step": 10, "eval_tau": 2.5, "elapsed_s": 40.0}) + "\n")
+    (run / "train_log.jsonl").write_text(
+        json.dumps({"step": 5, "tau_estimate": 2.0, "elapsed_s": 20.0})
+        + "\n"  # estimate: their mean
+        + json.dumps({"step": 10, "tau_estimate": 2.5, "elapsed_s": 31.0})
+        + "\n"
+        + json.dumps({"step": 10, "eval_tau": 2.5, "elapsed_s": 40.0})
+        + "\n"
+    )
     (run / "final" / "training_settings.json").write_text(json.dumps({"eval_num_prompts": 8}))
     (tmp_path / "eval_sliding_w64_t0.8.json").write_text(json.dumps({"acceptance_length": 1.875}))  # HELD_OUT's sampled evaluation
     runs = {
@@ -164,11 +241,38 @@ def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_
         "experiments/gpu/shaped_targets.py": [str(tmp_path / "shaped"), str(gsm8k)],
         "tools/gpu/ablation_table.py": [str(tmp_path)],
         "tools/gpu/bench_table.py": [str(tmp_path)],
-        "experiments/gpu/decode_step_profile.py": [str(tiny_qwen3_target), str(tmp_path / "decode"), "--rows", "2", "--width", "8",
-                                             "--max_new_tokens", "8", "--valid", "10", "--repeats", "1", "--device", "cpu"],
+        "experiments/gpu/decode_step_profile.py": [
+            str(tiny_qwen3_target),
+            str(tmp_path / "decode"),
+            "--rows",
+            "2",
+            "--width",
+            "8",
+            "--max_new_tokens",
+            "8",
+            "--valid",
+            "10",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+        ],
         "experiments/tp_subgroup_check.py": ["--make_target", str(tmp_path / "tp")],
-        "tools/anchor_flops.py": [str(gsm8k), str(bad_record), "--target_model", str(files), "--num_anchors", "64", "--max_seq_length", "96",
-                                  "--batch_size", "4", "--anchor_slots_multiple", "8", "--skip_bad_samples"],
+        "tools/anchor_flops.py": [
+            str(gsm8k),
+            str(bad_record),
+            "--target_model",
+            str(files),
+            "--num_anchors",
+            "64",
+            "--max_seq_length",
+            "96",
+            "--batch_size",
+            "4",
+            "--anchor_slots_multiple",
+            "8",
+            "--skip_bad_samples",
+        ],
     }
     out = {}
     for script, result in run_two_at_a_time(runs, dict(train_env, HF_HUB_OFFLINE="1")).items():

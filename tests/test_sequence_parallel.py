@@ -29,7 +29,6 @@ VOCAB, MASK_ID, HIDDEN, BLOCK, ANCHORS, SEQ = 64, 63, 32, 4, 8, 24
 CASES = [("dflash", "exp", "weights"), ("dflash", "dpace", "count"), ("dflash2", "exp", "weights")]
 
 
-
 def one_case(case, sp):
     """The drafter, its loss function (SP=1) and one micro-batch of 2 rows, the same on every rank."""
     from transformers import Qwen3Config
@@ -43,15 +42,24 @@ def one_case(case, sp):
 
     drafter_kind, weighting, normalize = case
     torch.manual_seed(0)
-    target_config = Qwen3Config(hidden_size=HIDDEN, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                                head_dim=8, intermediate_size=64, vocab_size=VOCAB)
+    target_config = Qwen3Config(
+        hidden_size=HIDDEN, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=VOCAB
+    )
     config = drafter_config_for_target(target_config, mask_token_id=MASK_ID, num_draft_layers=2, block_size=BLOCK, drafter=drafter_kind)
     drafter = (DFlash2DraftModel if drafter_kind == "dflash2" else DFlashDraftModel)(config)
     head = nn.Linear(HIDDEN, VOCAB, bias=False)
     nn.init.normal_(head.weight, std=0.5)  # logits that are not all ~0
     drafter.attach_target(nn.Embedding(VOCAB, HIDDEN), head)
-    settings = TrainSettings(target_model="x", train_data=["x"], num_anchors=ANCHORS, block_size=BLOCK, drafter=drafter_kind,
-                             loss_weighting=weighting, loss_normalize=normalize, sequence_parallel_size=sp)
+    settings = TrainSettings(
+        target_model="x",
+        train_data=["x"],
+        num_anchors=ANCHORS,
+        block_size=BLOCK,
+        drafter=drafter_kind,
+        loss_weighting=weighting,
+        loss_normalize=normalize,
+        sequence_parallel_size=sp,
+    )
     compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
     loss_fn = MicroBatchLoss(settings, config, compute, loss_weights(BLOCK, 2.0) if weighting == "exp" else None, head)
     g = torch.Generator().manual_seed(1)
@@ -73,8 +81,9 @@ def loss_and_grads(drafter, loss_fn, batch):
 def sharded_step_worker(rank, world, port, out_dir):
     """Rank `rank` of 2: every case at SP=1 (on rank 0, alone) and at SP=2 (both ranks); the SP=2
     loss and gradients averaged over the ranks, as DeepSpeed averages them over drafter ranks."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu"
+    )
     sys.path.insert(0, str(REPO))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -132,11 +141,18 @@ def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target,
     feeding the 2 (--target_ranks 1, run by hand). ~55 s on 2 busy cores."""
     args = dict(max_samples=6, max_steps=3, num_train_epochs=1, logging_steps=1)
     started = time.time()
-    one = subprocess.run([sys.executable, "train_dflash.py", *run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp1", **args)],
-                         cwd=REPO, env=train_env, capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [sys.executable, "train_dflash.py", *run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp1", **args)],
+        cwd=REPO,
+        env=train_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-4000:]
-    two = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp2", **args), train_env, nproc=2,
-                            config="accelerate_configs/cpu_sp2.yaml")
+    two = accelerate_launch(
+        run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp2", **args), train_env, nproc=2, config="accelerate_configs/cpu_sp2.yaml"
+    )
     print(f"two runs: {time.time() - started:.0f} s")
     assert two.returncode == 0, two.stderr[-4000:]
     assert "Sequence parallelism: drafter ranks in groups of 2 ([0, 1]), each group one sample at a time" in two.stderr
@@ -160,9 +176,7 @@ def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target,
     assert worst < 1e-5
 
 
-@pytest.mark.parametrize("backend, pad_to, sp, expected", [
-    ("sdpa", None, 3, 24), ("flex", None, 3, 384), ("sdpa", 5, 2, 10), ("sdpa", None, 2, 8),
-])
+@pytest.mark.parametrize("backend, pad_to, sp, expected", [("sdpa", None, 3, 24), ("flex", None, 3, 384), ("sdpa", 5, 2, 10), ("sdpa", None, 2, 8)])
 def test_batches_pad_to_a_multiple_of_the_sequence_parallel_size(backend, pad_to, sp, expected):
     """Every rank of a group holds 1/P of a batch's positions, so batches pad to the least common
     multiple of the backend's multiple (or --pad_to_multiple_of) and P. Samples of 13 and 7 tokens:
@@ -171,8 +185,9 @@ def test_batches_pad_to_a_multiple_of_the_sequence_parallel_size(backend, pad_to
     from dflash_model import SequenceParallel
     from train_dflash import TrainSettings, resolve_compute
 
-    settings = TrainSettings(target_model="x", train_data=["x"], sequence_parallel_size=sp, num_anchors=6 * sp,
-                             pad_to_multiple_of=pad_to, attention_backend=backend)
+    settings = TrainSettings(
+        target_model="x", train_data=["x"], sequence_parallel_size=sp, num_anchors=6 * sp, pad_to_multiple_of=pad_to, attention_backend=backend
+    )
     compute = resolve_compute(settings, torch.device("cpu"))
     assert compute.pad_multiple == expected
     samples = [{"input_ids": list(range(1, 14)), "loss_mask": [True] * 13}, {"input_ids": list(range(1, 8)), "loss_mask": [True] * 7}]
@@ -202,8 +217,9 @@ def test_a_checkpoint_resumes_only_at_the_sequence_parallel_size_that_wrote_it(m
     data = TrainData(dataset=None, lengths=[(7 * i) % 23 + 1 for i in range(12)], eval_prompts=None, chat_kwargs=None)
 
     def settings(sp):
-        return TrainSettings(target_model="x", train_data=["x"], output_dir=str(tmp_path / f"sp{sp}"), per_device_batch_size=2,
-                             sequence_parallel_size=sp, save_steps=1)
+        return TrainSettings(
+            target_model="x", train_data=["x"], output_dir=str(tmp_path / f"sp{sp}"), per_device_batch_size=2, sequence_parallel_size=sp, save_steps=1
+        )
 
     for written, resumed in ((2, 1), (1, 2)):
         save_checkpoint(Engine(), settings(written), layout, 1, 0, 2)
@@ -212,8 +228,9 @@ def test_a_checkpoint_resumes_only_at_the_sequence_parallel_size_that_wrote_it(m
         assert make_schedule(settings(written), data, ResumePoint(str(path), state), 2).micro_steps_left > 0  # the same size resumes
         with pytest.raises(ValueError) as refused:
             make_schedule(settings(resumed), data, ResumePoint(str(path), state), 2)
-        assert str(refused.value).startswith(f"--resume_from_checkpoint {path} was written with --sequence_parallel_size {written}, "
-                                             f"this run has {resumed}")
+        assert str(refused.value).startswith(
+            f"--resume_from_checkpoint {path} was written with --sequence_parallel_size {written}, this run has {resumed}"
+        )
         assert "\n" not in str(refused.value)
 
 
@@ -251,8 +268,7 @@ def test_target_rank_counts_each_sample_once_for_a_sequence_parallel_group(monke
     layout = RankLayout(0, 3, [[0, 1, 2]], [[0]], [1, 2], None, None, None, None, None)
     plan = train_plan(lengths, settings, 0, 0, 3, drafter_ranks=2)  # one epoch: 3 micro-batches, each for both ranks
     with caplog.at_level(logging.INFO, logger="train_dflash"):
-        serve_context_features(plan, dataset, type("Tokenizer", (), {"pad_token_id": 0}), Extractor(), layout, settings,
-                               torch.device("cpu"), 8, 0)
+        serve_context_features(plan, dataset, type("Tokenizer", (), {"pad_token_id": 0}), Extractor(), layout, settings, torch.device("cpu"), 8, 0)
     assert len(headers) == 2 * 3 + 2  # every micro-batch to both drafter ranks, then END to each
     assert f"Target rank 0 done: 6 samples, {sum(lengths)} tokens" in caplog.text
     samples, tokens = HEADER.index("target_samples"), HEADER.index("target_tokens")
@@ -265,18 +281,20 @@ def sp_layout(rank, nodes, num_target_ranks):
 
     groups = [[members[i]] for members in nodes for i in range(num_target_ranks)]
     targets = {g[0] for g in groups}
-    return RankLayout(rank, sum(map(len, nodes)), nodes, groups, [r for m in nodes for r in m if r not in targets],
-                      None, None, None, None, None)
+    return RankLayout(rank, sum(map(len, nodes)), nodes, groups, [r for m in nodes for r in m if r not in targets], None, None, None, None, None)
 
 
-@pytest.mark.parametrize("nodes, num_target_ranks, size, expected", [
-    (2, 2, 2, [[2, 3], [4, 5], [6, 7], [10, 11], [12, 13], [14, 15]]),
-    (2, 0, 4, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]),
-    (1, 1, 3, [[1, 2, 3], [4, 5, 6]]),
-    (2, 1, 2, "each of the 2 nodes has 7 drafter ranks, not a multiple of 2"),  # [7, 9] would span the nodes
-    (2, 0, 3, "each of the 2 nodes has 8 drafter ranks, not a multiple of 3"),  # 16 ranks in all are not either
-    (2, 2, 4, "each of the 2 nodes has 6 drafter ranks, not a multiple of 4"),  # 12 in all are: [6, 7, 10, 11] would span
-])
+@pytest.mark.parametrize(
+    "nodes, num_target_ranks, size, expected",
+    [
+        (2, 2, 2, [[2, 3], [4, 5], [6, 7], [10, 11], [12, 13], [14, 15]]),
+        (2, 0, 4, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]),
+        (1, 1, 3, [[1, 2, 3], [4, 5, 6]]),
+        (2, 1, 2, "each of the 2 nodes has 7 drafter ranks, not a multiple of 2"),  # [7, 9] would span the nodes
+        (2, 0, 3, "each of the 2 nodes has 8 drafter ranks, not a multiple of 3"),  # 16 ranks in all are not either
+        (2, 2, 4, "each of the 2 nodes has 6 drafter ranks, not a multiple of 4"),  # 12 in all are: [6, 7, 10, 11] would span
+    ],
+)
 def test_sequence_parallel_groups_lie_within_a_node(monkeypatch, nodes, num_target_ranks, size, expected):
     """make_sequence_parallel_groups on 8 ranks per node (7 on one node): groups of `size` consecutive
     drafter ranks, never across a node, the ones the schedule gives one micro-batch (consecutive
@@ -321,9 +339,13 @@ def test_a_node_whose_drafter_ranks_do_not_divide_into_groups_is_refused_before_
     from train_dflash import TrainSettings
 
     accelerator = types.SimpleNamespace(process_index=0, num_processes=16, device=torch.device("cpu"))
-    for name, value in (("setup_compile_cache", lambda *a, **k: None), ("init_distributed", lambda on_cuda: accelerator),
-                        ("start_liveness", lambda *a: None), ("check_shared_output_dir", lambda *a: None),
-                        ("node_ranks", lambda rank, world, device: [list(range(8)), list(range(8, 16))])):
+    for name, value in (
+        ("setup_compile_cache", lambda *a, **k: None),
+        ("init_distributed", lambda on_cuda: accelerator),
+        ("start_liveness", lambda *a: None),
+        ("check_shared_output_dir", lambda *a: None),
+        ("node_ranks", lambda rank, world, device: [list(range(8)), list(range(8, 16))]),
+    ):
         monkeypatch.setattr(dflash_topology, name, value)
 
     def settings(target_ranks):
@@ -354,12 +376,26 @@ def test_heads_that_do_not_split_are_refused_before_the_target_loads(tiny_qwen3_
     monkeypatch.setattr(train_dflash, "find_resume_point", lambda *args: ResumePoint(None, {}))
     monkeypatch.setattr(train_dflash, "plan_rank_roles", target_loads)
     monkeypatch.setattr(train_dflash, "load_target_parts", target_loads)
-    argv = ["--target_model", str(tiny_qwen3_target), "--train_data", "README.md", "--output_dir", str(tmp_path),
-            "--sequence_parallel_size", "4", "--num_draft_layers", "1", "--report_to", "none"]
+    argv = [
+        "--target_model",
+        str(tiny_qwen3_target),
+        "--train_data",
+        "README.md",
+        "--output_dir",
+        str(tmp_path),
+        "--sequence_parallel_size",
+        "4",
+        "--num_draft_layers",
+        "1",
+        "--report_to",
+        "none",
+    ]
     with pytest.raises(ValueError) as refused:
         train_dflash.main(argv)
-    assert str(refused.value) == ("--sequence_parallel_size 4: Ulysses gives each rank 1/4 of the drafter's heads, but it has 4 "
-                                  "attention heads and 2 KV heads; pick a size that divides both, or set "
-                                  "--draft_num_attention_heads / --draft_num_key_value_heads")
+    assert str(refused.value) == (
+        "--sequence_parallel_size 4: Ulysses gives each rank 1/4 of the drafter's heads, but it has 4 "
+        "attention heads and 2 KV heads; pick a size that divides both, or set "
+        "--draft_num_attention_heads / --draft_num_key_value_heads"
+    )
     with pytest.raises(AssertionError, match="the target was about to load"):
         train_dflash.main(argv + ["--draft_num_key_value_heads", "4"])

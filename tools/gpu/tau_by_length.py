@@ -21,7 +21,7 @@ def main(prompts: Path, results_dir: Path) -> None:
     rows, tokens = [], defaultdict(list)
     for path in sorted(results_dir.glob("eval_*.json")):
         result = json.loads(path.read_text())
-        name = path.stem[len("eval_"):]
+        name = path.stem[len("eval_") :]
         run, temperature = (name[: -len("_t0.8")], "0.8") if name.endswith("_t0.8") else (name, "0")
         committed, forwards = defaultdict(float), defaultdict(int)
         for row in result["per_prompt"]:
@@ -32,8 +32,9 @@ def main(prompts: Path, results_dir: Path) -> None:
             tokens[length].append(row["prompt_tokens"])
         taus = {g: committed[g] / forwards[g] for g in groups if forwards[g]}
         drop = f"{taus[groups[-1]] - taus[groups[0]]:+.2f}" if groups[0] in taus and groups[-1] in taus else "-"
-        rows.append((run, temperature, f"| {run} | {temperature} | " + " | ".join(f"{taus[g]:.2f}" if g in taus else "-" for g in groups)
-                     + f" | {drop} |"))
+        rows.append(
+            (run, temperature, f"| {run} | {temperature} | " + " | ".join(f"{taus[g]:.2f}" if g in taus else "-" for g in groups) + f" | {drop} |")
+        )
     mean = {g: round(sum(tokens[g]) / len(tokens[g])) if tokens[g] else g for g in groups}
     print("| run | temperature | " + " | ".join(f"tau at ~{mean[g]:,} tokens" for g in groups) + " | longest - shortest |")
     print("|---|---|" + "---|" * len(groups) + "---|")
