@@ -251,3 +251,15 @@ def test_sampled_draft_follows_the_markov_chain(drafter, inputs, golden):
 
 
 # ---- export ------------------------------------------------------------------------------------
+
+
+def test_validity_is_a_prefix():
+    """A hole in the loss mask inside a block ends the block's supervision there (DeepSpec's
+    eval_mask); a padded anchor slot supervises nothing. Worked example: labels at 3..6 with
+    loss mask 1, 1, 0, 1 -> valid 1, 1, 0, 0."""
+    input_ids = torch.arange(10)[None]
+    loss_mask = torch.tensor([[1, 1, 1, 1, 1, 0, 1, 1, 1, 1]])
+    anchors, anchor_valid = torch.tensor([[2, 6, 0]]), torch.tensor([[True, True, False]])
+    labels, valid = dspark_block_labels(input_ids, loss_mask, anchors, anchor_valid, 4)
+    assert labels[0, 0].tolist() == [3, 4, 5, 6]
+    assert valid.int().tolist() == [[[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]]
