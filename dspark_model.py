@@ -23,9 +23,14 @@ Notation used in every shape comment (dflash_model.py's, and):
     V       vocabulary size            r       Markov rank
 """
 
+import os
+import shutil
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 from huggingface_hub.dataclasses import strict
+from safetensors.torch import save_file
 from transformers import initialization as hf_init
 
 from dflash_masks import block_labels
@@ -362,3 +367,22 @@ class DSparkDraftModel(DFlashDraftModel):
         weights["embed_tokens.weight"] = self.target_embed_tokens.weight.detach().cpu().contiguous()
         weights["lm_head.weight"] = self.target_lm_head.weight.detach().cpu().contiguous()
         return weights
+
+
+def save_dspark_export(drafter: DSparkDraftModel, directory: str | Path) -> None:
+    """Write the DeepSpec-native checkpoint the engines load: config.json (`DSparkConfig.to_dict`) and
+    model.safetensors (`export_weights`: the drafter's tensors plus copies of the target's
+    `embed_tokens` / `lm_head`). Written to a temp directory beside it and renamed into place, so
+    a crash never leaves a half-written export.
+
+    Serve: vLLM `--speculative-config '{"method": "dspark", "model": DIR, "num_speculative_tokens": gamma}'`;
+    SGLang `--speculative-algorithm DSPARK`; llama.cpp `convert_hf_to_gguf.py DIR --target-model-dir
+    TARGET`, then `--spec-type draft-dspark --spec-draft-n-max gamma`.
+    """
+    directory = Path(directory)
+    tmp = directory.with_name(f".tmp-{directory.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.config.save_pretrained(tmp)  # every key written, defaults included (DFlash's export does the same)
+    save_file(drafter.export_weights(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)

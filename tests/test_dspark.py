@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
+from safetensors.torch import load_file, safe_open
 
 from dflash_loss import block_target_hidden, dspark_loss
 from dflash_model import sample_index, sampling_probs
-from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, markov_predecessor_ids
+from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, markov_predecessor_ids, save_dspark_export
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "dspark"
 ATOL = 1e-5  # fp32 on CPU; the observed differences are below 2e-6
@@ -263,3 +263,43 @@ def test_validity_is_a_prefix():
     labels, valid = dspark_block_labels(input_ids, loss_mask, anchors, anchor_valid, 4)
     assert labels[0, 0].tolist() == [3, 4, 5, 6]
     assert valid.int().tolist() == [[[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]]
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+# What the engines read with a risky default when missing (vLLM, SGLang, llama.cpp, DeepSpec's own loader).
+ENGINE_KEYS = {
+    "architectures": ["Qwen3DSparkModel"],
+    "block_size": 4,
+    "mask_token_id": 63,
+    "target_layer_ids": [1, 3, 4],
+    "num_target_layers": 6,
+    "markov_rank": 8,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+    "head_dim": 8,
+    "sample_from_anchor": True,
+    "num_anchors": 3,
+    "model_type": "qwen3",
+    "tie_word_embeddings": False,
+}
+
+
+def test_export_round_trip(drafter, inputs, golden, tmp_path):
+    """The export has every key the engines need, explicitly, the fixture's tensor names (DeepSpec's
+    layout, embed_tokens and lm_head included) with equal values, and loads back to the same drafter."""
+    save_dspark_export(drafter, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert {key: config.get(key) for key in ENGINE_KEYS} == ENGINE_KEYS
+    fixture = load_file(FIXTURE / "model.safetensors")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert set(exported) == set(fixture)
+    assert all(torch.equal(exported[name], fixture[name]) for name in fixture)
+    with safe_open(tmp_path / "export" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    reloaded = load_drafter(tmp_path / "export")
+    hidden, prev = training_pass(reloaded, inputs)
+    keep = inputs["block_keep_mask"]
+    with torch.no_grad():
+        close(reloaded.block_logits(hidden, prev), golden["logits"], keep)
