@@ -879,3 +879,71 @@ def selector_objective(
     correct[b_index, n_index, k_index] = hit
     accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [B-1]
     return loss, accepted / label_valid.sum(dim=(0, 1)).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# DSpark's objective
+
+
+def dspark_loss(
+    logits: torch.Tensor,
+    confidence_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    label_valid: torch.Tensor,
+    target_logits: torch.Tensor,
+    ce_weight: float = 0.1,
+    l1_weight: float = 0.9,
+    confidence_weight: float = 1.0,
+    gamma: float = 4.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DSpark's training objective: `ce_weight * CE + l1_weight * L1 + confidence_weight * BCE`.
+
+    Source: "DSpark" (arXiv 2607.05147) and DeepSeek's DeepSpec, `deepspec/modeling/dspark/loss.py`
+    (the Qwen3-8B recipe's weights 0.1, 0.9, 1.0 and loss_decay_gamma 4 are the defaults here).
+    Per block slot k (k = 0 at the anchor's slot, which predicts token[a+1]):
+    - CE: cross-entropy of the drafter's logits against the data's token (`labels`);
+    - L1: sum_v |p - q|, the full L1 distance (= 2 TV, in [0, 2]) between the target's
+      distribution p and the drafter's q, both plain softmax at T = 1 in fp32;
+    - BCE: binary cross-entropy of the confidence logit against the acceptance
+      c* = clamp(1 - 0.5 * sum_v |p - q|, 0, 1), detached (the head learns it, q does not chase it).
+    Each term is a weighted mean with w[k] = label_valid * exp(-k / gamma), divided by its own sum
+    of weights + 1e-6 (the three sums are equal; DeepSpec keeps them apart). Worked example,
+    gamma 4: slot weights 1, 0.78, 0.61, 0.47, ... Invalid slots are selected out, not multiplied by
+    0, so a non-finite value there cannot poison the sums.
+
+    Args:
+        logits: [batch, N, G, V], the drafter's teacher-forced logits with the Markov term
+            (`DSparkDraftModel.block_logits`), any float dtype (computed in fp32).
+        confidence_logits: [batch, N, G] (`DSparkDraftModel.confidence_logits`), or None for no BCE term.
+        labels, label_valid: [batch, N, G] int64 / bool (a prefix) from `dspark_model.dspark_block_labels`.
+        target_logits: [batch, N, G, V], the target's logits at position a + k (its prediction of
+            token[a+k+1]), e.g. `lm_head(block_target_hidden(target_last_hidden, anchors, G + 1))`.
+        ce_weight, l1_weight, confidence_weight: the terms' weights; a weight <= 0 drops its term.
+        gamma: position decay, w = exp(-k / gamma).
+    Returns:
+        loss: scalar float32 (0 with a graph when nothing is valid).
+        terms: {"ce", "l1", "bce"}: each unweighted term, detached float32 (0 when dropped).
+    """
+    slots = torch.arange(logits.shape[-2], device=logits.device, dtype=torch.float32)
+    weights = torch.exp(-slots / gamma) * label_valid.float()  # [batch, N, G]
+    index = label_valid.nonzero(as_tuple=True)
+    w = weights[index]  # [T]
+    denominator = w.sum() + 1e-6
+    rows = logits[index].float()  # [T, V]
+    zero = rows.sum() * 0.0  # a graph even when nothing is valid
+    terms = {"ce": zero, "l1": zero, "bce": zero}
+    if ce_weight > 0:
+        ce = F.cross_entropy(rows, labels[index], reduction="none")  # [T]
+        terms["ce"] = (w * ce).sum() / denominator
+    if l1_weight > 0 or (confidence_weight > 0 and confidence_logits is not None):
+        l1 = (torch.softmax(target_logits[index].float(), dim=-1) - torch.softmax(rows, dim=-1)).abs().sum(dim=-1)  # [T]
+        if l1_weight > 0:
+            terms["l1"] = (w * l1).sum() / denominator
+        if confidence_weight > 0 and confidence_logits is not None:
+            accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()  # [T]
+            bce = F.binary_cross_entropy_with_logits(confidence_logits[index].float(), accept, reduction="none")
+            terms["bce"] = (w * bce).sum() / denominator
+    loss = ce_weight * terms["ce"] + l1_weight * terms["l1"] + confidence_weight * terms["bce"]
+    if confidence_logits is not None:
+        loss = loss + confidence_logits[index].sum() * 0.0  # every parameter gets a gradient (ZeRO needs it on every rank)
+    return loss, {name: value.detach().float() for name, value in terms.items()}
