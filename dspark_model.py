@@ -282,12 +282,7 @@ class DSparkDraftModel(DFlashDraftModel):
 
     @torch.no_grad()
     def markov_walk(
-        self,
-        hidden: torch.Tensor,
-        anchor_token: torch.Tensor,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        uniform: torch.Tensor | None = None,
+        self, hidden: torch.Tensor, anchor_token: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, uniform: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a block left to right through the Markov head: `prev_0` = the anchor,
         `logits_k = lm_head(h_k) + W2(W1[prev_k])`, `x_k` = argmax (temperature 0) or a sample from
@@ -345,10 +340,7 @@ class DSparkDraftModel(DFlashDraftModel):
     def draft_probs(self, cache, anchor_token: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
         """Not defined for DSpark: each slot's distribution depends on the draft before it, so q comes
         with the sampled path (`draft_sample`)."""
-        raise ValueError(
-            "a DSpark drafter samples its block through the Markov head: call draft_sample, which returns "
-            "the tokens with their q rows"
-        )
+        raise ValueError("a DSpark drafter samples its block through the Markov head: call draft_sample, which returns the tokens with their q rows")
 
     @torch.no_grad()
     def draft_confidence(self, hidden: torch.Tensor, anchor_token: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -58,13 +58,7 @@ def golden():
 def training_pass(drafter, inputs):
     """(hidden [2, 3, 4, 32], teacher-forced predecessors [2, 3, 4]) of the fixture's batch."""
     with torch.no_grad():
-        hidden = drafter(
-            inputs["context_features"],
-            inputs["input_ids"],
-            inputs["anchors"],
-            inputs["block_keep_mask"],
-            attention_backend="sdpa",
-        )
+        hidden = drafter(inputs["context_features"], inputs["input_ids"], inputs["anchors"], inputs["block_keep_mask"], attention_backend="sdpa")
     return hidden, markov_predecessor_ids(inputs["input_ids"], inputs["anchors"], drafter.config.block_size)
 
 
@@ -134,11 +128,7 @@ def test_markov_term_and_predecessor_alignment_matter(drafter, inputs, golden):
     shifted_back = ids.gather(1, (anchors[:, :, None] + torch.arange(4) - 1).clamp(0, 11).flatten(1)).view_as(prev)
     shifted_on = ids.gather(1, (anchors[:, :, None] + torch.arange(4) + 1).clamp(0, 11).flatten(1)).view_as(prev)
     with torch.no_grad():
-        for variant in (
-            drafter.compute_logits(hidden),
-            drafter.block_logits(hidden, shifted_back),
-            drafter.block_logits(hidden, shifted_on),
-        ):
+        for variant in (drafter.compute_logits(hidden), drafter.block_logits(hidden, shifted_back), drafter.block_logits(hidden, shifted_on)):
             assert (variant - golden["logits"])[keep].abs().max() > 0.1
         for variant_prev in (shifted_back, shifted_on):
             assert (drafter.confidence_logits(hidden, variant_prev) - golden["confidence_logits"])[keep].abs().max() > 0.01
