@@ -192,7 +192,7 @@ class TrainSettings:
     selector_rank: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: width of the candidate selector's codebooks (default 256)"})
     selector_top_k: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: draft-logit candidates the selector rescores per position (default 16)"})
     markov_rank: int = field(default=256, metadata={"group": "drafter", "help": "--drafter dspark: rank r of the Markov head W2(W1[previous token]) (2 x vocab x r parameters; 0: no Markov head; DeepSpec's recipe: 256)"})
-    enable_confidence_head: bool = field(default=True, metadata={"group": "drafter", "help": "--drafter dspark: train the confidence head (a linear on [h_k; W1[previous token]] predicting each slot's acceptance)"})
+    enable_confidence_head: bool | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dspark: train the confidence head (a linear on [h_k; W1[previous token]] predicting each slot's acceptance); default: true"})
     # objective
     num_anchors: int = field(default=512, metadata={"group": "objective", "help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
     label_source: str = field(default="data", metadata={"group": "objective", "help": "What each block position learns: data (the reply's next token) or target_argmax (the target's greedy next token: what temperature-0 verification accepts; runs the whole target, not with --target_tp_size > 1; docs/training.md#labels-the-datas-next-token-or-the-targets-argmax)"})
@@ -201,7 +201,7 @@ class TrainSettings:
     dpace_alpha: float = field(default=0.5, metadata={"group": "objective", "help": "D-PACE's smoothing: confidence s_k = (1 - alpha) * exp(-CE_k) + alpha (the acceptance probability instead of exp(-CE_k) with a distribution loss)"})
     loss_normalize: str = field(default="weights", metadata={"group": "objective", "help": "Divide the weighted loss sum by the sum of weights (weights, a weighted mean) or by the valid positions (count, speculators' reduction)"})
     lk_eta: float = field(default=3.0, metadata={"group": "objective", "help": "eta of --loss lk (3.0 is speculators' value too; 0 gives plain KL)"})
-    loss_decay_gamma: float | None = field(default=None, metadata={"group": "objective", "help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those); --drafter dspark: w_k = exp(-k/gamma), k = 0 at the anchor's slot, default 4 (DeepSpec's)"})
+    loss_decay_gamma: float | None = field(default=None, metadata={"group": "objective", "help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those); --drafter dspark: w_k = exp(-k/gamma), k = 0 at the anchor's slot, and 4 (DeepSpec's) when unset"})
     dspark_ce_weight: float = field(default=0.1, metadata={"group": "objective", "help": "--loss dspark: weight of the cross-entropy on the data's tokens (DeepSpec's Qwen3-8B recipe: 0.1; 0 drops the term)"})
     dspark_l1_weight: float = field(default=0.9, metadata={"group": "objective", "help": "--loss dspark: weight of the L1 distance sum |p - q| = 2 TV between the target's and the drafter's distributions (recipe: 0.9). The loss holds the logits of every block slot at once, drafter's and target's ([batch, anchors, gamma, vocab] fp32 each, not chunked): at Qwen3's vocabulary 512 anchors x 7 slots are 2.2 GB a copy"})
     dspark_bce_weight: float = field(default=1.0, metadata={"group": "objective", "help": "--loss dspark: weight of the confidence head's BCE against the detached acceptance 1 - TV(p, q) (recipe: 1.0)"})
@@ -331,6 +331,8 @@ class TrainSettings:
                     )
         if self.loss is None:
             self.loss = "dspark" if self.drafter == "dspark" else "ce"
+        if self.enable_confidence_head is None:  # None in the field: a default of true would add a --no_ flag
+            self.enable_confidence_head = True
         self.check_dspark()
         if self.target_tp_size < 1:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
