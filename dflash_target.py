@@ -48,6 +48,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from dflash2_model import DFLASH2_FIELDS, DFlash2Config
 from dflash_compile import CUDAGraphCall, compile_once_locked, running_compiled
 from dflash_model import DFlashConfig, default_target_layer_ids, resolve_layer_types
+from dspark_model import DSparkConfig
 
 log = logging.getLogger("dflash_target")
 
@@ -670,6 +671,9 @@ def drafter_config_for_target(
     conv_group_size: int | None = None,
     selector_rank: int | None = None,
     selector_top_k: int | None = None,
+    markov_rank: int | None = None,
+    enable_confidence_head: bool | None = None,
+    num_anchors: int | None = None,
 ) -> DFlashConfig:
     """A drafter config sized after any HF causal-LM target (Qwen3, Llama, Mistral, Gemma, MoE, hybrid, ...).
 
@@ -692,11 +696,13 @@ def drafter_config_for_target(
         layer_types, sliding_window, is_causal: the drafter's attention layout (`resolve_layer_types`,
             `DFlashConfig.attention_rule`); default all full attention.
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim: override the derived sizes.
-        drafter: "dflash" (a `DFlashConfig`) or "dflash2" (a `DFlash2Config`; unless is_causal is
+        drafter: "dflash" (a `DFlashConfig`), "dflash2" (a `DFlash2Config`; unless is_causal is
             given, a DFlash2 drafter is written with is_causal false: two-sided windows, as z-lab's
-            released DFlash2 config and speculators' DFlash2 default have them).
+            released DFlash2 config and speculators' DFlash2 default have them) or "dspark" (a
+            `dspark_model.DSparkConfig`, whose block_size is gamma, the drafts per block).
         conv_kernel_size, conv_group_size, selector_rank, selector_top_k: DFlash2's sizes; None
             keeps `DFlash2Config`'s defaults.
+        markov_rank, enable_confidence_head, num_anchors: DSpark's (`DSparkConfig`); None keeps its defaults.
     Raises:
         ValueError: as `DFlashConfig` / `DFlash2Config`, when the heads do not divide
             into the KV heads, on an unknown drafter, or on DFlash2 sizes for a DFlash drafter.
@@ -704,9 +710,9 @@ def drafter_config_for_target(
     extra = {
         name: value for name, value in zip(DFLASH2_FIELDS, (conv_kernel_size, conv_group_size, selector_rank, selector_top_k)) if value is not None
     }
-    if drafter not in ("dflash", "dflash2"):
-        raise ValueError(f"--drafter must be dflash or dflash2, got {drafter!r}")
-    if drafter == "dflash" and extra:
+    if drafter not in ("dflash", "dflash2", "dspark"):
+        raise ValueError(f"--drafter must be dflash, dflash2 or dspark, got {drafter!r}")
+    if drafter != "dflash2" and extra:
         raise ValueError(f"{', '.join('--' + name for name in extra)} belong to DFlash2 drafters: pass --drafter dflash2, or leave them out")
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     num_target_layers = text_config.num_hidden_layers
@@ -741,13 +747,16 @@ def drafter_config_for_target(
     derived_intermediate = (
         3 * hidden if _is_moe(text_config) or not getattr(text_config, "intermediate_size", None) else text_config.intermediate_size
     )
-    config_class = DFlash2Config if drafter == "dflash2" else DFlashConfig
+    config_class = {"dflash": DFlashConfig, "dflash2": DFlash2Config, "dspark": DSparkConfig}[drafter]
+    if drafter == "dspark":
+        dspark = {"markov_rank": markov_rank, "enable_confidence_head": enable_confidence_head, "num_anchors": num_anchors}
+        extra.update({name: value for name, value in dspark.items() if value is not None})
     if drafter == "dflash2" and is_causal is None:
         is_causal = False  # written out: a DFlash2 config.json without the key reads as causal sliding layers
     if is_causal is not None:
         extra["is_causal"] = is_causal
     return config_class(
-        architectures=["DFlash2DraftModel" if drafter == "dflash2" else "DFlashDraftModel"],
+        architectures=[{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}[drafter]],
         vocab_size=vocab_size or text_config.vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate_size or derived_intermediate,

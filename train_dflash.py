@@ -105,6 +105,7 @@ from dflash_loss import (
     LOSSES,
     block_target_hidden,
     default_loss_gamma,
+    dspark_loss,
     loss_weights,
     selector_objective,
     weighted_block_loss,
@@ -141,6 +142,7 @@ from dflash_topology import (
     setup_distributed,
     time_rank_split,
 )
+from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, markov_predecessor_ids
 
 logger = logging.getLogger("train_dflash")
 # DeepSpeed's ZeRO step gathers parameters through an all-gather that newer torch deprecates: one
@@ -150,6 +152,7 @@ REPO_DIR = Path(__file__).resolve().parent
 DEMO_CONFIG = REPO_DIR / "configs" / "demo.yaml"
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULERS = ("cosine", "linear")
+DSPARK_LOSS_GAMMA = 4.0  # DeepSpec's loss_decay_gamma: DSpark's slot weights exp(-k/4)
 
 # ----------------------------------------------------------------------------------------------
 # Settings: one typed block; YAML (--config) fills it, command-line flags override the YAML.
@@ -171,10 +174,10 @@ class TrainSettings:
     max_samples: int | None = field(default=None, metadata={"group": "data", "help": "Use at most this many samples, for quick runs (default: none, all of them)"})
     num_proc: int = field(default=4, metadata={"group": "data", "help": "Tokenization processes"})
     # drafter
-    drafter: str = field(default="dflash", metadata={"group": "drafter", "help": "dflash (the paper's drafter) or dflash2 (its successor: grouped dynamic causal convolutions around each layer's attention and MLP, and a candidate selector that rescores the top-k draft tokens along the block; docs/drafters.md)"})
+    drafter: str = field(default="dflash", metadata={"group": "drafter", "help": "dflash (the paper's drafter), dflash2 (its successor: grouped dynamic causal convolutions around each layer's attention and MLP, and a candidate selector that rescores the top-k draft tokens along the block) or dspark (the anchor is the first prediction slot, a Markov head adds a bigram term to each slot's logits, a confidence head predicts each slot's acceptance; colocated, one rank per sample; docs/drafters.md)"})
     num_draft_layers: int = field(default=5, metadata={"group": "drafter", "help": "Drafter decoder layers (paper: 5)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"group": "drafter", "help": "0-based target layers feeding the drafter (default: one per drafter layer, spread evenly from layer 1 to L-3)"})
-    block_size: int = field(default=16, metadata={"group": "drafter", "help": "Tokens per block, anchor included (B)"})
+    block_size: int = field(default=16, metadata={"group": "drafter", "help": "Tokens per block, anchor included (B: B-1 drafts per block); --drafter dspark: gamma, the drafts per block (the anchor's slot is the first prediction slot: gamma inputs give gamma drafts, gamma + 1 tokens verified; equal drafts per verify to DFlash B = gamma + 1; DeepSpec's recipe: 7)"})
     mask_token_id: int | None = field(default=None, metadata={"group": "drafter", "help": "Block mask token id: an existing row of the target's embedding (default: <|MASK|> or the first spare row)"})
     mask_token: str | None = field(default=None, metadata={"group": "drafter", "help": "Block mask token as a string of the target tokenizer, instead of --mask_token_id (default: none)"})
     layer_types: str | None = field(default=None, metadata={"group": "drafter", "help": "Attention of each drafter layer: all_full (default), last_full (every layer sliding but the last: the layout of released long-context drafters), all_sliding, or a comma list of full_attention / sliding_attention, one per layer"})
@@ -188,15 +191,20 @@ class TrainSettings:
     conv_group_size: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: channels sharing one per-token kernel weight (default 16)"})
     selector_rank: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: width of the candidate selector's codebooks (default 256)"})
     selector_top_k: int | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dflash2: draft-logit candidates the selector rescores per position (default 16)"})
+    markov_rank: int = field(default=256, metadata={"group": "drafter", "help": "--drafter dspark: rank r of the Markov head W2(W1[previous token]) (2 x vocab x r parameters; 0: no Markov head; DeepSpec's recipe: 256)"})
+    enable_confidence_head: bool | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dspark: train the confidence head (a linear on [h_k; W1[previous token]] predicting each slot's acceptance); default: true"})
     # objective
     num_anchors: int = field(default=512, metadata={"group": "objective", "help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
     label_source: str = field(default="data", metadata={"group": "objective", "help": "What each block position learns: data (the reply's next token) or target_argmax (the target's greedy next token: what temperature-0 verification accepts; runs the whole target, not with --target_tp_size > 1; docs/training.md#labels-the-datas-next-token-or-the-targets-argmax)"})
-    loss: str = field(default="ce", metadata={"group": "objective", "help": "Per-position loss: ce (the paper's), or against the target's distribution p: kl, tv (1 - sum min(p, q)), nla (-log sum min(p, q)), lk (KL and TV blended by the acceptance). The last four send the target's last hidden state too (docs/training.md#beyond-the-paper-d-pace-weights-and-losses-against-the-targets-distribution)"})
+    loss: str | None = field(default=None, metadata={"group": "objective", "help": "Per-position loss: ce (the paper's), or against the target's distribution p: kl, tv (1 - sum min(p, q)), nla (-log sum min(p, q)), lk (KL and TV blended by the acceptance); dspark, DSpark's own (--dspark_*_weight) and the only one --drafter dspark trains with. All but ce send the target's last hidden state too (docs/training.md#beyond-the-paper-d-pace-weights-and-losses-against-the-targets-distribution). Default: ce, dspark with --drafter dspark"})
     loss_weighting: str = field(default="exp", metadata={"group": "objective", "help": "Position weights: exp (w_k = exp(-(k-1)/gamma), the paper's weights) or dpace (D-PACE, the weighting speculators trains with unless told otherwise: the expected accepted tokens each position carries, from the drafter's detached confidence)"})
     dpace_alpha: float = field(default=0.5, metadata={"group": "objective", "help": "D-PACE's smoothing: confidence s_k = (1 - alpha) * exp(-CE_k) + alpha (the acceptance probability instead of exp(-CE_k) with a distribution loss)"})
     loss_normalize: str = field(default="weights", metadata={"group": "objective", "help": "Divide the weighted loss sum by the sum of weights (weights, a weighted mean) or by the valid positions (count, speculators' reduction)"})
     lk_eta: float = field(default=3.0, metadata={"group": "objective", "help": "eta of --loss lk (3.0 is speculators' value too; 0 gives plain KL)"})
-    loss_decay_gamma: float | None = field(default=None, metadata={"group": "objective", "help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those)"})
+    loss_decay_gamma: float | None = field(default=None, metadata={"group": "objective", "help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those); --drafter dspark: w_k = exp(-k/gamma), k = 0 at the anchor's slot, and 4 (DeepSpec's) when unset"})
+    dspark_ce_weight: float = field(default=0.1, metadata={"group": "objective", "help": "--loss dspark: weight of the cross-entropy on the data's tokens (DeepSpec's Qwen3-8B recipe: 0.1; 0 drops the term)"})
+    dspark_l1_weight: float = field(default=0.9, metadata={"group": "objective", "help": "--loss dspark: weight of the L1 distance sum |p - q| = 2 TV between the target's and the drafter's distributions (recipe: 0.9). The loss holds the logits of every block slot at once, drafter's and target's ([batch, anchors, gamma, vocab] fp32 each, not chunked): at Qwen3's vocabulary 512 anchors x 7 slots are 2.2 GB a copy"})
+    dspark_bce_weight: float = field(default=1.0, metadata={"group": "objective", "help": "--loss dspark: weight of the confidence head's BCE against the detached acceptance 1 - TV(p, q) (recipe: 1.0)"})
     # optimisation
     num_train_epochs: int = field(default=6, metadata={"group": "optimisation", "help": "Epochs over the training data"})
     max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps in all, overriding --num_train_epochs; -1 (the default): --num_train_epochs sets the length"})
@@ -321,6 +329,11 @@ class TrainSettings:
                         f"--{name} {getattr(self, name)} must be a multiple of --sequence_parallel_size {sp}: "
                         f"each rank of a group trains 1/{sp} of a sample's anchor slots"
                     )
+        if self.loss is None:
+            self.loss = "dspark" if self.drafter == "dspark" else "ce"
+        if self.enable_confidence_head is None:  # None in the field: a default of true would add a --no_ flag
+            self.enable_confidence_head = True
+        self.check_dspark()
         if self.target_tp_size < 1:
             raise ValueError(f"--target_tp_size must be >= 1 (ranks sharing one copy of the target), got {self.target_tp_size}")
         if self.liveness_timeout_s < 5:
@@ -352,7 +365,7 @@ class TrainSettings:
             raise ValueError(f"--sliding_window must be >= 1 (a query always sees itself), got {self.sliding_window}")
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
             raise ValueError(f"--loss_decay_gamma must be > 0, got {self.loss_decay_gamma}")
-        for name, choices in (("loss", LOSSES), ("loss_weighting", LOSS_WEIGHTINGS), ("loss_normalize", LOSS_NORMALIZERS)):
+        for name, choices in (("loss", (*LOSSES, "dspark")), ("loss_weighting", LOSS_WEIGHTINGS), ("loss_normalize", LOSS_NORMALIZERS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if not 0 <= self.dpace_alpha <= 1:
@@ -387,6 +400,43 @@ class TrainSettings:
             raise ValueError(f"--muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"--warmup_ratio must be between 0 and 1, got {self.warmup_ratio}")
+
+    def check_dspark(self) -> None:
+        """Refuse, in one line each, what --drafter dspark does not train yet (or --loss dspark without it)."""
+        if self.drafter != "dspark":
+            if self.loss == "dspark":
+                raise ValueError("--loss dspark is DSpark's objective: pass --drafter dspark, or another --loss")
+            return
+        if self.loss != "dspark":
+            raise ValueError(
+                f"--drafter dspark trains with its own objective (--loss dspark, weighted by --dspark_ce_weight, "
+                f"--dspark_l1_weight, --dspark_bce_weight), got --loss {self.loss}: leave --loss out"
+            )
+        refused = (
+            (self.target_ranks != "0", f"split mode (--target_ranks {self.target_ranks}); use --target_ranks 0 (colocated)"),
+            (self.sequence_parallel_size > 1, f"sequence parallelism (--sequence_parallel_size {self.sequence_parallel_size}); use 1"),
+            (self.context_chunk_size > 0, f"--context_chunk_size {self.context_chunk_size}; use 0 (the context in one piece)"),
+            (self.loss_weighting != "exp", f"--loss_weighting {self.loss_weighting}; its weights are exp(-k/gamma) (--loss_decay_gamma)"),
+            (self.loss_normalize != "weights", f"--loss_normalize {self.loss_normalize}; each term is divided by its sum of weights"),
+            (self.label_source != "data", f"--label_source {self.label_source}; its cross-entropy is on the data's tokens"),
+            (self.optimizer != "adamw", f"--optimizer {self.optimizer}; use adamw (DeepSpec's; Muon would take the Markov head's matrices)"),
+            (self.eval_data is not None, "held-out tau (--eval_data) yet; leave it out and measure the export with eval_dflash.py"),
+        )
+        for refuse, what in refused:
+            if refuse:
+                raise ValueError(f"--drafter dspark does not train with {what}")
+        if self.markov_rank < 0:
+            raise ValueError(f"--markov_rank must be >= 0 (0: no Markov head), got {self.markov_rank}; DeepSpec's recipe: 256")
+        if self.enable_confidence_head and self.markov_rank == 0:
+            raise ValueError(
+                "--enable_confidence_head true reads the Markov features [h; W1[prev]]: pass --markov_rank > 0, or --enable_confidence_head false"
+            )
+        weights = (self.dspark_ce_weight, self.dspark_l1_weight, self.dspark_bce_weight if self.enable_confidence_head else 0.0)
+        if not all(0 <= w < math.inf for w in weights) or not any(weights[:2]):
+            raise ValueError(
+                f"--dspark_ce_weight {self.dspark_ce_weight}, --dspark_l1_weight {self.dspark_l1_weight}, --dspark_bce_weight "
+                f"{self.dspark_bce_weight}: each must be >= 0, and the CE or the L1 weight > 0 (recipe: 0.1, 0.9, 1.0)"
+            )
 
 
 def parse_settings(argv: list[str]) -> tuple[TrainSettings, str | None]:
@@ -560,6 +610,11 @@ def build_draft_config(settings: TrainSettings, target_config, tokenizer, comput
         conv_group_size=settings.conv_group_size,
         selector_rank=settings.selector_rank,
         selector_top_k=settings.selector_top_k,
+        **(
+            dict(markov_rank=settings.markov_rank, enable_confidence_head=settings.enable_confidence_head, num_anchors=settings.num_anchors)
+            if settings.drafter == "dspark"
+            else {}
+        ),
     )
     if settings.sliding_window is not None and "sliding_attention" not in draft_config.layer_types:
         logger.warning("--sliding_window %d has no effect: every drafter layer is full attention (set --layer_types)", settings.sliding_window)
@@ -586,12 +641,31 @@ def build_draft_config(settings: TrainSettings, target_config, tokenizer, comput
         draft_config.intermediate_size,
         {k: v for k, v in draft_config.dflash_config.items() if k not in ("mask_token_id", "target_layer_ids")} or "none",
     )
+    if isinstance(draft_config, DSparkConfig):
+        logger.info(
+            "DSpark: block size %d = drafts per block (the anchor's slot is the first prediction slot; %d tokens verified), "
+            "Markov head rank %d, confidence head %s",
+            draft_config.block_size,
+            draft_config.block_size + 1,
+            draft_config.markov_rank,
+            "on" if draft_config.enable_confidence_head else "off",
+        )
     return draft_config
 
 
 def fixed_loss_weights(settings: TrainSettings, block_size: int, device: torch.device) -> torch.Tensor | None:
     """The fixed per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by the
-    drafter's block size B), or None with D-PACE (its weights come from each block's confidence); logged."""
+    drafter's block size B), or None with D-PACE (its weights come from each block's confidence)
+    and with DSpark (`dspark_loss` weighs its slots); logged."""
+    if settings.drafter == "dspark":
+        logger.info(
+            "DSpark objective: %g CE + %g L1 + %g BCE, slot weights exp(-k/%g) from the anchor's slot, each term over its sum of weights",
+            settings.dspark_ce_weight,
+            settings.dspark_l1_weight,
+            settings.dspark_bce_weight if settings.enable_confidence_head else 0.0,
+            settings.loss_decay_gamma or DSPARK_LOSS_GAMMA,
+        )
+        return None  # dspark_loss weighs the slots itself
     objective = f"--loss {settings.loss}, normalised by the {'sum of weights' if settings.loss_normalize == 'weights' else 'valid positions'}"
     if settings.loss_weighting == "dpace":
         logger.info("Loss weights D-PACE (alpha %.2f); %s", settings.dpace_alpha, objective)
@@ -685,6 +759,8 @@ class MicroBatchLoss:
         hidden = model(
             context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend, sequence_parallel=sp
         )  # [batch, N, B, hidden], or [batch, N/P, B, hidden]: this rank's anchors
+        if isinstance(config, DSparkConfig):  # colocated, one rank per sample (TrainSettings.check_dspark)
+            return self.dspark_objective(getattr(model, "module", model), hidden, input_ids, loss_mask, anchors, anchor_valid, target_hidden)
         if sp is not None:
             anchors, anchor_valid = sp.shard(anchors), sp.shard(anchor_valid)
         labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, config.block_size)
@@ -736,6 +812,39 @@ class MicroBatchLoss:
             return sequence_parallel_share(loss + selector_loss, accepted, row_weights[0], label_valid, settings.loss_normalize, sp)
         return loss + selector_loss, accepted
 
+    def dspark_objective(self, drafter, hidden, input_ids, loss_mask, anchors, anchor_valid, target_hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, accepted [gamma]) of a DSpark drafter's micro-batch: `dspark_loss` on the teacher-forced
+        logits with the Markov term (predecessors: the data's tokens, `markov_predecessor_ids`), the
+        confidence logits, the labels of `dspark_block_labels`, and the target's distribution at each
+        slot (its last hidden state at position a + k through the LM head). accepted: at slot k, the
+        share of blocks with a label there whose teacher-forced greedy drafts are right through k.
+
+        drafter: the bare `DSparkDraftModel`; hidden [batch, N, gamma, hidden] from its forward;
+        input_ids [batch, S]; loss_mask [batch, S] on the device; anchors, anchor_valid [batch, N];
+        target_hidden [batch, S, hidden]. All gamma slots' logits, the drafter's and the target's, are
+        held at once ([batch, N, gamma, V] each; --dspark_l1_weight's help gives the sizes)."""
+        settings, gamma = self.settings, self.draft_config.block_size
+        labels, label_valid = dspark_block_labels(input_ids, loss_mask, anchors, anchor_valid, gamma)  # [batch, N, gamma] each
+        predecessors = markov_predecessor_ids(input_ids, anchors, gamma)  # [batch, N, gamma]
+        logits = drafter.block_logits(hidden, predecessors)  # [batch, N, gamma, V]
+        confidence = drafter.confidence_logits(hidden, predecessors) if drafter.confidence_head is not None else None
+        with torch.no_grad():  # slot k's p is the target's prediction at a + k (a block of gamma + 1 in DFlash's terms)
+            target_logits = drafter.compute_logits(block_target_hidden(target_hidden, anchors, gamma + 1))  # [batch, N, gamma, V]
+        loss, _ = dspark_loss(
+            logits,
+            confidence,
+            labels,
+            label_valid,
+            target_logits,
+            ce_weight=settings.dspark_ce_weight,
+            l1_weight=settings.dspark_l1_weight,
+            confidence_weight=settings.dspark_bce_weight,
+            gamma=settings.loss_decay_gamma or DSPARK_LOSS_GAMMA,
+        )
+        correct = logits.detach().argmax(dim=-1) == labels  # [batch, N, gamma]
+        accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [gamma]
+        return loss, accepted / label_valid.sum(dim=(0, 1)).float()
+
     def take_mean_anchor_slots(self) -> float | None:
         """Mean anchor slots per micro-batch of this rank since the last call (which it resets); None
         when nothing was trimmed (--anchor_slots_multiple 0)."""
@@ -776,7 +885,14 @@ def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> T
 def build_drafter(settings: TrainSettings, draft_config: DFlashConfig, parts: TargetParts, compute: Compute) -> DFlashDraftModel:
     """A freshly initialised drafter (seeded), borrowing the target's embedding and LM head."""
     torch.manual_seed(settings.seed)  # the drafter's init must not depend on what this rank loaded before
-    drafter = (DFlash2DraftModel if isinstance(draft_config, DFlash2Config) else DFlashDraftModel)(draft_config)
+    drafter_class = (
+        DSparkDraftModel
+        if isinstance(draft_config, DSparkConfig)
+        else DFlash2DraftModel
+        if isinstance(draft_config, DFlash2Config)
+        else DFlashDraftModel
+    )
+    drafter = drafter_class(draft_config)
     drafter.attach_target(parts.embed_tokens, parts.lm_head)  # by reference, not registered
     drafter.compile_layers(compute.compile_drafter)
     drafter.chunk_context(settings.context_chunk_size)  # long samples (docs/training.md#long-samples)
@@ -1193,7 +1309,14 @@ def main(argv: list[str]) -> None:
             feature_settings, layout, draft_config, data, tokenizer, parts.extractor, compute, device, schedule, schedule_settings, resume
         )
         progress = start_progress(
-            progress_settings, asdict(settings), layout, schedule, resume, len(data.dataset), cluster.world, draft_config.block_size
+            progress_settings,
+            asdict(settings),
+            layout,
+            schedule,
+            resume,
+            len(data.dataset),
+            cluster.world,
+            draft_config.block_size + isinstance(draft_config, DSparkConfig),  # a DSpark block of gamma drafts gamma tokens
         )
         evaluate = None
         if data.eval_prompts:
