@@ -815,8 +815,9 @@ class DFlashDraftModel(PreTrainedModel):
         return cache.extend([layer.self_attn.project_kv(context, cos, sin) for layer in self.layers])
 
     @torch.no_grad()
-    def draft_hidden(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:
-        """One draft pass: the drafter's final hidden states (after `norm`) at block positions 1..B-1.
+    def draft_hidden(self, cache, anchor_token: torch.Tensor, first_slot: int = 1) -> torch.Tensor:
+        """One draft pass: the drafter's final hidden states (after `norm`) at block positions 1..B-1
+        (`first_slot` 0: every position, the anchor's included, as DSpark reads them).
 
         The anchor is the last committed token, at position `cache.length` (the context holds the
         target features of every token before it, exactly as in training where a block sees
@@ -832,8 +833,9 @@ class DFlashDraftModel(PreTrainedModel):
         Args:
             cache: the drafter's context cache, length S.
             anchor_token: [batch] int64.
+            first_slot: the first block position returned.
         Returns:
-            [batch, B-1, hidden] in the drafter's dtype.
+            [batch, B - first_slot, hidden] in the drafter's dtype.
         """
         block_size = self.config.block_size
         batch = anchor_token.shape[0]
@@ -854,7 +856,7 @@ class DFlashDraftModel(PreTrainedModel):
         cos, sin = self._rope(x, query_positions.expand(batch, block_size))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.keys[i], cache.values[i], masks[self.config.attention_rule(i)])
-        return self.norm(x[:, 1:])  # [batch, B-1, hidden]
+        return self.norm(x[:, first_slot:])  # [batch, B - first_slot, hidden]
 
     @torch.no_grad()
     def draft_logits(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from transformers import initialization as hf_init
 
 from dflash_masks import block_labels
-from dflash_model import DFlashConfig, DFlashDraftModel, position_rule, sample_index, sampling_probs
+from dflash_model import DFlashConfig, DFlashDraftModel, sample_index, sampling_probs
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -250,35 +250,9 @@ class DSparkDraftModel(DFlashDraftModel):
 
     @torch.no_grad()
     def draft_hidden(self, cache, anchor_token: torch.Tensor) -> torch.Tensor:
-        """One draft pass: the final hidden states (after `norm`) of ALL gamma block slots, the anchor's
-        slot included (it predicts the first draft). Otherwise `DFlashDraftModel.draft_hidden`: the
-        block [anchor, MASK x (gamma-1)] at positions cache.length .. cache.length + gamma - 1 sees all
-        cached context and itself; the cache is not written.
-
-        Args:
-            cache: the drafter's context cache (`extend_context`), length S = the anchor's position.
-            anchor_token: [batch] int64.
-        Returns:
-            [batch, gamma, hidden] in the drafter's dtype.
-        """
-        block_size = self.config.block_size
-        batch = anchor_token.shape[0]
-        block = torch.full((batch, block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_token.device)
-        block[:, 0] = anchor_token
-        x = self.embed_block(block)  # [batch, gamma, hidden]
-        start, key_positions, key_valid = cache.key_layout(block_size, x.device)  # [KV] each; key_valid None: all
-        query_positions = start + torch.arange(block_size, device=x.device)  # [gamma]
-        masks = {}
-        for rule in dict.fromkeys(self.config.attention_rule(i) for i in range(self.config.num_hidden_layers)):
-            mask = key_valid
-            if rule != (False, None):
-                visible = position_rule(query_positions[:, None], key_positions[None, :], *rule)  # [gamma, KV]
-                mask = visible if mask is None else visible & mask
-            masks[rule] = None if mask is None else mask.expand(batch, 1, block_size, -1)  # [batch, 1, gamma, KV]
-        cos, sin = self._rope(x, query_positions.expand(batch, block_size))
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], masks[self.config.attention_rule(i)])
-        return self.norm(x)  # [batch, gamma, hidden]
+        """One draft pass (`DFlashDraftModel.draft_hidden`): the final hidden states of ALL gamma block
+        slots, the anchor's slot included (it predicts the first draft). [batch] int64 -> [batch, gamma, hidden]."""
+        return super().draft_hidden(cache, anchor_token, first_slot=0)
 
     @torch.no_grad()
     def markov_walk(
