@@ -83,6 +83,8 @@ The distribution losses read the target's last hidden state at the position befo
   loss_tv, loss_nla   1 - sum min(p, q), -log sum min(p, q). Prediction: as loss_kl, within +-3% of it.
   loss_lk             the LK hybrid of KL and TV. Prediction: +1-3% over loss_kl (both terms' elementwise work).
   loss_ce             CE, explicitly (the default).
+  fused_loss_liger, fused_loss_cce   the head + CE through Liger Kernel or Cut Cross-Entropy (train_dflash.py's
+                      --fused_loss; CE only; off CUDA the reference runs), to time beside the same variant without it.
 At 512 / 3072 / 1 the same 7,680 rows come per sample instead of per 2 samples: about twice the added ms/sample.
 
 Memory levers for long samples (levers too, e.g. compile_layers+fused_ce_compiled+context_chunk_8192+checkpoint_layers):
@@ -120,7 +122,7 @@ from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor
 from dflash_bench_training import MasterWeightAdamW, make_batch
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
 from dflash_flops import drafter_step_flops, target_forward_flops
-from dflash_loss import LOSSES, block_target_hidden, loss_weights, selector_objective, weighted_block_loss
+from dflash_loss import LOSSES, block_target_hidden, check_fused_loss, loss_weights, resolve_fused_loss, selector_objective, weighted_block_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
@@ -292,6 +294,7 @@ class Variant:
     weighting: str = "exp"  # weighted_block_loss's loss_weighting: exp | dpace
     context_chunk: int = 0  # DFlashDraftModel.chunk_context (0: the context path in one piece)
     checkpoint_layers: bool = False  # DFlashDraftModel.checkpoint_layers
+    fused_loss: str = "none"  # weighted_block_loss's fused_loss: none | liger | cce
 
 
 def parse_variant(name: str) -> Variant:
@@ -305,6 +308,7 @@ def parse_variant(name: str) -> Variant:
         "weighting": "exp",
         "context_chunk": 0,
         "checkpoint_layers": False,
+        "fused_loss": "none",
     }
     for lever in name.split("+"):
         if lever == "baseline":
@@ -313,6 +317,8 @@ def parse_variant(name: str) -> Variant:
             fields["objective"] = lever[len("loss_") :]
         elif lever == "dpace":
             fields["weighting"] = "dpace"
+        elif lever.startswith("fused_loss_"):  # the name is checked below
+            fields["fused_loss"] = lever[len("fused_loss_") :]
         elif lever == "compile_layers":
             fields["compile_layers"] = True
         elif lever.startswith("loss_chunk_") and lever[len("loss_chunk_") :].isdigit():
@@ -328,8 +334,10 @@ def parse_variant(name: str) -> Variant:
         else:
             raise ValueError(
                 f"--variant {name!r}: unknown lever {lever!r}; use baseline, compile_layers, loss_chunk_N, fused_ce, "
-                f"fused_ce_compiled, {', '.join('loss_' + loss for loss in LOSSES)}, dpace, context_chunk_N, checkpoint_layers, joined by '+'"
+                f"fused_ce_compiled, {', '.join('loss_' + loss for loss in LOSSES)}, dpace, context_chunk_N, checkpoint_layers, "
+                f"fused_loss_liger, fused_loss_cce, joined by '+'"
             )
+    check_fused_loss(fields["fused_loss"], fields["objective"])
     return Variant(name=name, **fields)
 
 
@@ -432,12 +440,21 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend=backend)  # [batch, N, B, hidden]
     clock.mark()
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)
-    objective = dict(loss=variant.objective, loss_weighting=variant.weighting)
+    objective = dict(loss=variant.objective, loss_weighting=variant.weighting, fused_loss=resolve_fused_loss(variant.fused_loss, hidden.device))
     if variant.objective != "ce":
         objective["target_hidden"] = block_target_hidden(target_hidden, anchors, block_size)  # [batch, N, B-1, hidden]
     dflash2 = isinstance(drafter.config, DFlash2Config)
+    top_k = drafter.config.selector_top_k if dflash2 else 0  # the selector's candidates from the loss's logits, as in training
     loss, _, *row_weights = loss_fn(variant)(
-        hidden[:, :, 1:], head_weight, labels, label_valid, weights, chunk_size=variant.chunk_size, return_row_weights=dflash2, **objective
+        hidden[:, :, 1:],
+        head_weight,
+        labels,
+        label_valid,
+        weights,
+        chunk_size=variant.chunk_size,
+        return_row_weights=dflash2,
+        top_k=top_k,
+        **objective,
     )
     if dflash2:  # the selector's loss beside the drafter's, with its weights, as train_dflash.py adds it
         loss = (
@@ -452,6 +469,7 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
                 selector_predecessor_ids(input_ids, anchors, block_size),
                 row_weights[0],
                 chunk_size=variant.chunk_size,
+                candidate_ids=row_weights[1],
             )[0]
         )
     clock.mark()

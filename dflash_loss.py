@@ -16,13 +16,19 @@ the weighted sum, so they run through `fused_linear_row_loss`, which returns eac
 each row's unweighted input gradient; the weights are applied afterwards (`weighted_block_loss` explains why
 that is exact and cheap). DFlash2 adds its candidate selector's objective (`selector_objective`): a
 hard K-way cross-entropy over the drafter's top-K candidates with teacher-forced predecessors, added
-to the DFlash loss.
+to the DFlash loss; the candidates come from the loss's own logits chunks (`weighted_block_loss`'s
+top_k), not from a second pass through the head.
+
+--fused_loss (`FUSED_LOSSES`) runs the head and the CE through Liger Kernel or Cut Cross-Entropy
+instead (`library_linear_ce`, CUDA only); the kernels here stay the reference they are checked against
+(tools/gpu/fused_loss_check.py).
 
 Notation: rows = positions in a chunk, T = valid positions in the micro-batch, vocab = LM head rows,
 B = block size, N = anchors per row, p = the target's distribution, q = the drafter's.
 """
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -194,14 +200,17 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, targets, row_weights, chunk_size, ce_grad_chunk):
+    def forward(ctx, rows, weight, targets, row_weights, chunk_size, ce_grad_chunk, top_k):
         needs_grad = rows.requires_grad
         grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden]
         hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
+        top_ids = torch.empty(rows.shape[0], top_k, dtype=torch.long, device=rows.device)  # [T, K]
         total = rows.new_zeros((), dtype=torch.float32)
         for start in range(0, rows.shape[0], chunk_size):
             end = min(start + chunk_size, rows.shape[0])
             logits = rows[start:end] @ weight.t()  # [rows, vocab], bf16 on GPU
+            if top_k:  # before the chunk function, which may overwrite fp32 logits in place
+                top_ids[start:end] = logits.topk(top_k, dim=-1).indices
             ce_sum, dlogits, hit = ce_grad_chunk(logits, targets[start:end], row_weights[start:end])
             del logits
             if needs_grad:
@@ -209,13 +218,13 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
             total = total + ce_sum
             hits[start:end] = hit
         ctx.save_for_backward(grad_rows if needs_grad else rows.new_empty(0))
-        ctx.mark_non_differentiable(hits)
-        return total, hits
+        ctx.mark_non_differentiable(hits, top_ids)
+        return total, hits, top_ids
 
     @staticmethod
-    def backward(ctx, grad_total, grad_hits):
+    def backward(ctx, grad_total, grad_hits, grad_top_ids):
         (grad_rows,) = ctx.saved_tensors
-        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None, None
+        return grad_rows * grad_total.to(grad_rows.dtype), None, None, None, None, None, None
 
 
 def fused_linear_weighted_ce(
@@ -227,8 +236,9 @@ def fused_linear_weighted_ce(
     ce_grad_chunk: Callable = weighted_ce_and_grad_chunk,
     multiplier: float = 1.0,
     softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum_i w_i * CE_i over the rows, and each row's argmax hit.
+    top_k: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """sum_i w_i * CE_i over the rows, and each row's argmax hit (and its top-K ids, from the same logits).
 
     Args:
         rows: [T, hidden], the drafter's hidden states at the valid label positions.
@@ -240,12 +250,16 @@ def fused_linear_weighted_ce(
             `compiled_ce_grad_chunk`).
         multiplier, softcap: the logit scaling and cap applied before the CE (as the engines apply
             them before sampling).
+        top_k: K > 0 also returns the ids of each row's K largest raw logits (`top_k_candidates`'
+            result, taken from the chunk's logits instead of a second pass through the head).
     Returns:
-        (weighted CE sum, scalar float32; backpropagate it once), hits [T] bool.
+        (weighted CE sum, scalar float32; backpropagate it once), hits [T] bool, and with top_k > 0
+        top_ids [T, K] int64, most likely first.
     """
     if multiplier != 1.0 or softcap:
         ce_grad_chunk = functools.partial(ce_grad_chunk, multiplier=multiplier, softcap=softcap)
-    return _FusedLinearWeightedCE.apply(rows, head_weight, targets, row_weights, chunk_size, ce_grad_chunk)
+    total, hits, top_ids = _FusedLinearWeightedCE.apply(rows, head_weight, targets, row_weights, chunk_size, ce_grad_chunk, top_k)
+    return (total, hits, top_ids) if top_k else (total, hits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,15 +459,18 @@ class _FusedLinearRowLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, targets, target_rows, chunk_size, row_grad_chunk):
+    def forward(ctx, rows, weight, targets, target_rows, chunk_size, row_grad_chunk, top_k):
         needs_grad = rows.requires_grad
         grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden], unweighted
         row_loss = torch.empty(targets.shape, dtype=torch.float32, device=rows.device)  # [T]
         confidence = torch.empty_like(row_loss)  # [T]
         hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
+        top_ids = torch.empty(rows.shape[0], top_k, dtype=torch.long, device=rows.device)  # [T, K]
         for start in range(0, rows.shape[0], chunk_size):
             end = min(start + chunk_size, rows.shape[0])
             logits = rows[start:end] @ weight.t()  # [rows, vocab]
+            if top_k:  # before the chunk function, which may overwrite fp32 logits in place
+                top_ids[start:end] = logits.topk(top_k, dim=-1).indices
             target_logits = None if target_rows is None else target_rows[start:end] @ weight.t()  # [rows, vocab]
             loss_c, confidence_c, dlogits, hit = row_grad_chunk(logits, targets[start:end], target_logits)
             del logits, target_logits
@@ -461,14 +478,14 @@ class _FusedLinearRowLoss(torch.autograd.Function):
                 grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
             row_loss[start:end], confidence[start:end], hits[start:end] = loss_c, confidence_c, hit
         ctx.save_for_backward(grad_rows if needs_grad else rows.new_empty(0))
-        ctx.mark_non_differentiable(confidence, hits)
-        return row_loss, confidence, hits
+        ctx.mark_non_differentiable(confidence, hits, top_ids)
+        return row_loss, confidence, hits, top_ids
 
     @staticmethod
-    def backward(ctx, grad_row_loss, grad_confidence, grad_hits):
+    def backward(ctx, grad_row_loss, grad_confidence, grad_hits, grad_top_ids):
         (grad_rows,) = ctx.saved_tensors
         # The per-row scale in fp32: a bf16 weight would be off by up to 0.4%, row by row.
-        return (grad_rows.float() * grad_row_loss[:, None]).to(grad_rows.dtype), None, None, None, None, None
+        return (grad_rows.float() * grad_row_loss[:, None]).to(grad_rows.dtype), None, None, None, None, None, None
 
 
 def fused_linear_row_loss(
@@ -482,7 +499,8 @@ def fused_linear_row_loss(
     multiplier: float = 1.0,
     softcap: float | None = None,
     lk_eta: float = DEFAULT_LK_ETA,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    top_k: int = 0,
+) -> tuple[torch.Tensor, ...]:
     """Each row's loss through the frozen head, its confidence and its argmax hit, in chunks: at most
     `chunk_size x vocab` logits of the drafter (and as many of the target) exist at a time.
 
@@ -498,12 +516,132 @@ def fused_linear_row_loss(
             (`compiled_row_loss_chunk`).
         multiplier, softcap: the logit scaling and cap, applied to both the drafter's and the target's logits.
         lk_eta: eta of the LK hybrid.
+        top_k: K > 0 also returns each row's top-K ids from the same logits (as `fused_linear_weighted_ce`).
     Returns:
         loss [T] float32 (differentiable: weight it, sum it, backpropagate once), confidence [T] float32,
-        hits [T] bool.
+        hits [T] bool, and with top_k > 0 top_ids [T, K] int64, most likely first.
     """
     row_grad_chunk = functools.partial(row_grad_chunk, loss=loss, multiplier=multiplier, softcap=softcap, lk_eta=lk_eta)
-    return _FusedLinearRowLoss.apply(rows, head_weight, targets, target_rows, chunk_size, row_grad_chunk)
+    row_loss, confidence, hits, top_ids = _FusedLinearRowLoss.apply(rows, head_weight, targets, target_rows, chunk_size, row_grad_chunk, top_k)
+    return (row_loss, confidence, hits, top_ids) if top_k else (row_loss, confidence, hits)
+
+
+# ----------------------------------------------------------------------------------------------
+# The LM head and CE through a library's fused kernel (--fused_loss)
+
+
+# none: the chunked head + loss above (the reference). liger: Liger Kernel's fused linear cross-entropy
+# (`LigerFusedLinearCrossEntropyLoss`), which chunks the rows as we do and runs the softmax in a Triton
+# kernel. cce: Apple's Cut Cross-Entropy (`cut_cross_entropy.linear_cross_entropy`), which never
+# materialises a logits chunk: its forward keeps a running logsumexp in SRAM, and its backward skips
+# vocabulary blocks whose softmax is below 2^-12 in bf16 (its default gradient filter). Both give the
+# per-row CE (reduction="none"), so the position weights (exp, D-PACE) and the normaliser apply
+# afterwards as in `fused_linear_row_loss`; only valid rows reach them, so no ignore_index is needed.
+FUSED_LOSSES = ("none", "liger", "cce")
+# --fused_loss -> (module imported, pip package). GPU only (Triton kernels), so not in requirements.txt.
+FUSED_LOSS_PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
+
+
+def check_fused_loss(fused_loss: str, loss: str = "ce", dtype: str = "auto") -> None:
+    """Refuse, in one line, a --fused_loss that does not exist or cannot compute this objective.
+
+    Both libraries compute only the cross-entropy with the labels. Liger's fused linear JSD / KL
+    return one batch mean (no per-row losses, so no per-position weights) and neither library has
+    tv, nla, lk or DSpark's objective: those keep the reference path.
+
+    Args:
+        fused_loss: one of `FUSED_LOSSES`.
+        loss: the --loss (`LOSSES`, or "dspark").
+        dtype: the --dtype: "auto", "bfloat16" or "float32".
+    Raises:
+        ValueError: on an unknown value, a loss other than ce with a library, or cce with --dtype float32.
+    """
+    if fused_loss not in FUSED_LOSSES:
+        raise ValueError(f"--fused_loss must be one of {', '.join(FUSED_LOSSES)}, got {fused_loss!r}")
+    if fused_loss != "none" and loss != "ce":
+        raise ValueError(
+            f"--fused_loss {fused_loss} computes only --loss ce, got --loss {loss}: Liger's fused KL/JSD give no per-position "
+            "losses and neither library has tv, nla, lk or DSpark's objective; use --fused_loss none"
+        )
+    if fused_loss == "cce" and dtype == "float32":
+        raise ValueError(
+            "--fused_loss cce needs bf16 hidden states (its backward kernel takes no float32); use --dtype bfloat16, or --fused_loss liger"
+        )
+
+
+def resolve_fused_loss(fused_loss: str, device: torch.device) -> str:
+    """The --fused_loss that runs on `device`: the library's name on CUDA, "none" elsewhere (the libraries
+    are Triton kernels: on a CPU the reference path computes the same loss; the caller says so in its log).
+
+    Raises:
+        ValueError: on CUDA, when the library cannot be imported (names the pip command).
+    """
+    if fused_loss == "none" or device.type != "cuda":
+        return "none"
+    module, package = FUSED_LOSS_PACKAGES[fused_loss]
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        raise ValueError(
+            f"--fused_loss {fused_loss} needs the {package} package ({error}): pip install {package} "
+            "(GPU only, not in requirements.txt), or use --fused_loss none"
+        ) from None
+    return fused_loss
+
+
+def library_linear_ce(
+    rows: torch.Tensor,
+    head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    fused_loss: str,
+    chunk_size: int,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each row's CE through the frozen head by Liger or CCE (unweighted, reduction="none"), its argmax hit,
+    and with top_k > 0 its top-K ids.
+
+    The multiplier is folded into the rows (z = (m * rows) @ W^T); the cap is the libraries' own softcap.
+    Liger returns its argmax (`return_predicted_tokens`); CCE returns none, so its hits, and either
+    library's top-K, take one more chunked pass of the head without gradient (`top_k_candidates`).
+
+    Args:
+        rows: [T, hidden], the drafter's hidden states at the valid label positions (bf16 or fp16 for cce).
+        head_weight: [vocab, hidden], the frozen LM head, detached.
+        targets: [T] int64.
+        fused_loss: "liger" or "cce".
+        chunk_size: rows per chunk of the extra pass.
+        multiplier, softcap: the logit scaling and cap, as `weighted_block_loss`'s.
+        top_k: K, or 0 for no top-K.
+    Returns:
+        loss [T] float32 (differentiable: weight it, sum it, backpropagate once), hits [T] bool, and
+        top_ids [T, K] int64 or None.
+    Raises:
+        ValueError: cce with float32 rows.
+    """
+    if fused_loss == "cce" and rows.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            "--fused_loss cce needs bf16 hidden states (its backward kernel takes no float32); use --dtype bfloat16, or --fused_loss liger"
+        )
+    scaled = rows * multiplier if multiplier != 1.0 else rows
+    softcap = softcap or None  # 0 means no cap here; the libraries take None
+    predicted = None
+    if fused_loss == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        output = LigerFusedLinearCrossEntropyLoss(reduction="none", softcap=softcap, return_predicted_tokens=True)(head_weight, scaled, targets)
+        row_loss, predicted = output.loss, output.predicted_tokens
+    else:
+        from cut_cross_entropy import linear_cross_entropy
+
+        row_loss = linear_cross_entropy(scaled, head_weight, targets, softcap=softcap, reduction="none")
+    top_ids = None
+    if top_k or predicted is None:  # CCE returns no argmax: its hits come from the top-1 of the extra pass
+        top_ids = top_k_candidates(rows.detach(), head_weight, max(top_k, 1), chunk_size)  # [T, max(K, 1)]
+    if predicted is None:
+        predicted = top_ids[:, 0]
+    return row_loss.float(), predicted == targets, top_ids if top_k else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -573,6 +711,8 @@ def weighted_block_loss(
     normalize: str = "weights",
     lk_eta: float = DEFAULT_LK_ETA,
     return_row_weights: bool = False,
+    fused_loss: str = "none",
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Position-weighted loss through the target's LM head, in chunks (arXiv 2602.06036): by default
     the paper's cross-entropy with exp(-(k-1)/gamma) weights.
@@ -631,6 +771,12 @@ def weighted_block_loss(
         lk_eta: eta of the LK hybrid, >= 0 (0 gives plain KL).
         return_row_weights: also return w_i, so that DFlash2's selector (`selector_objective`) is
             weighted exactly as the drafter's loss is.
+        fused_loss: "none" (the chunked kernels here), or "liger" / "cce": the head and the per-row CE
+            through that library (`library_linear_ce`; --loss ce only, weights applied afterwards). No
+            device check here: the trainer resolves the flag first (`resolve_fused_loss`).
+        top_k: K > 0 also returns each valid row's top-K ids (DFlash2's candidates), taken from the loss's
+            own logits chunks (`fused_linear_weighted_ce`), equal to `top_k_candidates`' second pass; with a
+            library, that second pass.
     Returns:
         loss: scalar float32 (0 with a graph, if nothing is valid). Backpropagate it once.
         accepted: [B-1] float32; at block position k = 1..B-1, the share of blocks with a label at k
@@ -639,13 +785,16 @@ def weighted_block_loss(
             and argmax only, whatever the loss.
         row_weights (only with return_row_weights): [T] float32, w_i of each valid position in
             `label_valid.nonzero()` order, detached.
+        top_ids (only with top_k > 0): [T, K] int64 in the same order, most likely first.
     Raises:
         ValueError: on an unknown loss, weighting or normaliser, a distribution loss without
-            target_hidden (or with the wrong shape), exp weighting without weights, lk_eta < 0, or
-            (with D-PACE, when a label is valid) dpace_alpha outside [0, 1].
+            target_hidden (or with the wrong shape), exp weighting without weights, lk_eta < 0,
+            (with D-PACE, when a label is valid) dpace_alpha outside [0, 1], or a fused_loss that
+            `check_fused_loss` refuses.
     """
     if loss not in LOSSES:
         raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    check_fused_loss(fused_loss, loss)
     if loss_weighting not in LOSS_WEIGHTINGS:
         raise ValueError(f"--loss_weighting must be one of {', '.join(LOSS_WEIGHTINGS)}, got {loss_weighting!r}")
     if normalize not in LOSS_NORMALIZERS:
@@ -671,20 +820,39 @@ def weighted_block_loss(
     targets = labels[b_index, n_index, k_index]  # [T]
     if rows.shape[0] == 0:
         nothing = (hidden.sum() * 0.0, torch.full((positions,), float("nan"), device=hidden.device))
-        return (*nothing, rows.new_zeros(0, dtype=torch.float32)) if return_row_weights else nothing
-    if loss == "ce" and loss_weighting == "exp":
+        nothing += (rows.new_zeros(0, dtype=torch.float32),) if return_row_weights else ()
+        return nothing + ((torch.zeros(0, top_k, dtype=torch.long, device=rows.device),) if top_k else ())
+    if loss == "ce" and loss_weighting == "exp" and fused_loss == "none":
         row_weights = weights.to(rows.device)[k_index]  # [T]
         ce_grad_chunk = compiled_ce_grad_chunk if compiled else weighted_ce_and_grad_chunk
-        weighted_ce, hit = fused_linear_weighted_ce(
-            rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk, output_multiplier, final_logit_softcapping
+        weighted_ce, hit, *found = fused_linear_weighted_ce(
+            rows, head_weight.detach(), targets, row_weights, chunk_size, ce_grad_chunk, output_multiplier, final_logit_softcapping, top_k
         )
+        top_ids = found[0] if top_k else None
         mean_loss = weighted_ce / (row_weights.sum() if normalize == "weights" else rows.shape[0])
     else:
-        target_rows = None if loss == "ce" else target_hidden.detach()[b_index, n_index, k_index]  # [T, hidden]
-        row_grad_chunk = compiled_row_loss_chunk if compiled else row_loss_and_grad_chunk
-        row_loss, confidence, hit = fused_linear_row_loss(
-            rows, head_weight.detach(), targets, target_rows, chunk_size, loss, row_grad_chunk, output_multiplier, final_logit_softcapping, lk_eta
-        )
+        if fused_loss != "none":
+            row_loss, hit, top_ids = library_linear_ce(
+                rows, head_weight.detach(), targets, fused_loss, chunk_size, output_multiplier, final_logit_softcapping, top_k
+            )
+            confidence = torch.exp(-row_loss.detach())  # the label's probability, as the ce row kernel's
+        else:
+            target_rows = None if loss == "ce" else target_hidden.detach()[b_index, n_index, k_index]  # [T, hidden]
+            row_grad_chunk = compiled_row_loss_chunk if compiled else row_loss_and_grad_chunk
+            row_loss, confidence, hit, *found = fused_linear_row_loss(
+                rows,
+                head_weight.detach(),
+                targets,
+                target_rows,
+                chunk_size,
+                loss,
+                row_grad_chunk,
+                output_multiplier,
+                final_logit_softcapping,
+                lk_eta,
+                top_k,
+            )
+            top_ids = found[0] if top_k else None
         if loss_weighting == "dpace":
             block_confidence = torch.zeros(label_valid.shape, dtype=torch.float32, device=rows.device)  # [batch, N, B-1]
             block_confidence[b_index, n_index, k_index] = confidence
@@ -698,7 +866,8 @@ def weighted_block_loss(
     correct[b_index, n_index, k_index] = hit
     accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [B-1]
     accepted = accepted / label_valid.sum(dim=(0, 1)).float()
-    return (mean_loss, accepted, row_weights.detach().float()) if return_row_weights else (mean_loss, accepted)
+    returned = (mean_loss, accepted) + ((row_weights.detach().float(),) if return_row_weights else ())
+    return returned + ((top_ids,) if top_k else ())
 
 
 def estimate_acceptance_length(accepted: torch.Tensor) -> float:
@@ -811,6 +980,7 @@ def selector_objective(
     final_logit_softcapping: float | None = None,
     valid_index: torch.Tensor | None = None,
     normalize: str = "weights",
+    candidate_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DFlash2's selector loss, to be added with weight 1.0 to the drafter's own loss (`weighted_block_loss`).
 
@@ -847,11 +1017,15 @@ def selector_objective(
         row_weights: [T] float32, the weight of each valid position in `label_valid.nonzero()` order:
             `weighted_block_loss`'s third output with return_row_weights=True (speculators, too, weights the
             selector as the drafter), or `loss_weights(B)[k]` of each row.
-        chunk_size: rows per chunk of the top-K head matmul (one extra matmul of the head, no backward).
+        chunk_size: rows per chunk of the top-K head matmul (one extra matmul of the head, no backward,
+            unless candidate_ids come with the call).
         output_multiplier, final_logit_softcapping: the drafter's logit scaling and cap, applied to
             the unary logits as the draft pass applies them (`dflash_model.scale_and_cap_logits`).
         valid_index: [T, 3] int64, `label_valid.nonzero()` found ahead, or None.
         normalize: "weights" or "count", as the drafter's loss (`selector_loss`).
+        candidate_ids: [T, K] int64, each valid row's top-K found ahead by the drafter's loss pass
+            (`weighted_block_loss(..., top_k=K)`, from the same logits); None: `top_k_candidates` runs
+            the head once more here.
     Returns:
         loss: scalar float32 (0 with a graph if nothing is valid).
         accepted: [B-1] float32, as `weighted_block_loss`'s, for the selector's path (a hit needs the label
@@ -868,7 +1042,9 @@ def selector_objective(
         return zero, torch.full((positions,), float("nan"), device=hidden.device)
     targets = labels[b_index, n_index, k_index]  # [T]
     head_weight = head_weight.detach()
-    candidate_ids, target_index, contains = selector_training_candidates(top_k_candidates(rows.detach(), head_weight, top_k, chunk_size), targets)
+    if candidate_ids is None:
+        candidate_ids = top_k_candidates(rows.detach(), head_weight, top_k, chunk_size)  # [T, K]
+    candidate_ids, target_index, contains = selector_training_candidates(candidate_ids, targets)
     unary = _CandidateLogits.apply(rows, head_weight, candidate_ids, chunk_size).float() * output_multiplier  # [T, K]
     if final_logit_softcapping:
         unary = torch.tanh(unary / final_logit_softcapping) * final_logit_softcapping

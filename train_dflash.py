@@ -104,9 +104,11 @@ from dflash_loss import (
     LOSS_WEIGHTINGS,
     LOSSES,
     block_target_hidden,
+    check_fused_loss,
     default_loss_gamma,
     dspark_loss,
     loss_weights,
+    resolve_fused_loss,
     selector_objective,
     weighted_block_loss,
 )
@@ -228,6 +230,7 @@ class TrainSettings:
     target_cuda_graphs: bool = field(default=False, metadata={"group": "speed", "help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
     cache_target_outputs: bool = field(default=False, metadata={"group": "speed", "help": "Keep each sample's context features (and target_argmax labels) on the device after the first epoch, so later epochs skip the target; colocated only; costs tokens x layers x hidden x 2 bytes (docs/training.md#where-the-time-goes-and-the-levers)"})
     loss_chunk_size: int = field(default=4096, metadata={"group": "speed", "help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
+    fused_loss: str = field(default="none", metadata={"group": "speed", "help": "LM head + CE through a library's fused kernel: none (the chunked kernels of dflash_loss.py), liger (Liger Kernel, pip install liger-kernel) or cce (Cut Cross-Entropy, pip install cut-cross-entropy; bf16 only); --loss ce only; CUDA only: elsewhere the reference runs, with one log line (docs/training.md#where-the-time-goes-and-the-levers)"})
     context_chunk_size: int = field(default=0, metadata={"group": "speed", "help": "Long samples: the context's projection and K/V in chunks of this many positions under activation checkpointing (0 = one piece); the same loss, less memory (docs/training.md#long-samples)"})
     checkpoint_drafter_layers: bool = field(default=False, metadata={"group": "speed", "help": "Long samples: activation checkpointing of the drafter's layers; the same loss, ~1-2 GB less per layer at Qwen3-8B shapes for ~17 per cent more drafter time (docs/training.md#long-samples)"})
     pad_to_multiple_of: int | None = field(default=None, metadata={"group": "speed", "help": "Pad sequence lengths to a multiple of this (default 128 with flex, so few shapes compile; 8 with sdpa)"})
@@ -372,6 +375,7 @@ class TrainSettings:
             raise ValueError(f"--dpace_alpha must be between 0 and 1, got {self.dpace_alpha}")
         if self.lk_eta < 0:
             raise ValueError(f"--lk_eta must be >= 0 (0 gives plain KL), got {self.lk_eta}")
+        check_fused_loss(self.fused_loss, self.loss, self.dtype)
         if not 0 <= self.max_dropped_fraction <= 1:
             raise ValueError(f"--max_dropped_fraction must be between 0 and 1, got {self.max_dropped_fraction}")
         # Checked here, not by AdamW after the target loaded (its message names no flag); nan fails every comparison.
@@ -557,6 +561,7 @@ class Compute:
     compile_target: bool
     dtype: torch.dtype  # target and drafter parameters
     on_cuda: bool
+    fused_loss: str = "none"  # --fused_loss as it runs on this device (`resolve_fused_loss`: "none" off CUDA)
 
 
 @dataclass
@@ -576,6 +581,11 @@ def resolve_compute(settings: TrainSettings, device: torch.device) -> Compute:
     backend = settings.attention_backend
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
+    fused_loss = resolve_fused_loss(settings.fused_loss, device)
+    if fused_loss != settings.fused_loss:
+        logger.info(
+            "--fused_loss %s runs on CUDA only: on %s the loss runs through the reference kernels (the same loss)", settings.fused_loss, device.type
+        )
     return Compute(
         backend=backend,
         # Sequence parallelism shards the padded length: a multiple of the group size.
@@ -584,6 +594,7 @@ def resolve_compute(settings: TrainSettings, device: torch.device) -> Compute:
         compile_target=settings.compile_target == "on" or (settings.compile_target == "auto" and backend == "flex"),
         dtype={"auto": torch.bfloat16 if on_cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype],
         on_cuda=on_cuda,
+        fused_loss=fused_loss,
     )
 
 
@@ -768,7 +779,7 @@ class MicroBatchLoss:
         predecessor_ids = selector_predecessor_ids(input_ids, anchors, config.block_size) if dflash2 else None
         # The target's distribution over label k of a block comes from its logits one position earlier.
         target_rows = block_target_hidden(target_hidden, anchors, config.block_size) if settings.loss != "ce" else None
-        loss, accepted, *row_weights = weighted_block_loss(
+        loss, accepted, *extra = weighted_block_loss(
             hidden[:, :, 1:],
             self.lm_head.weight,
             labels,
@@ -786,9 +797,12 @@ class MicroBatchLoss:
             normalize=settings.loss_normalize,
             lk_eta=settings.lk_eta,
             return_row_weights=dflash2 or sp is not None,
+            fused_loss=self.compute.fused_loss,
+            top_k=config.selector_top_k if dflash2 else 0,  # the selector's candidates, from the loss's own logits
         )
+        row_weights, candidate_ids = (extra + [None, None])[:2]  # [T] float32 (DFlash2 or SP), [T, K] int64 (DFlash2)
         if not dflash2:
-            return sequence_parallel_share(loss, accepted, row_weights[0], label_valid, settings.loss_normalize, sp) if sp else (loss, accepted)
+            return sequence_parallel_share(loss, accepted, row_weights, label_valid, settings.loss_normalize, sp) if sp else (loss, accepted)
         # DFlash2 drafts through its candidate selector: its K-way loss joins with weight 1.0, weighted
         # and normalised as the drafter's loss (D-PACE from the drafter's confidences, as speculators
         # does), and its path's hits are what the log's tau estimate counts.
@@ -801,15 +815,16 @@ class MicroBatchLoss:
             labels,
             label_valid,
             predecessor_ids,
-            row_weights[0],
+            row_weights,
             chunk_size=settings.loss_chunk_size,
             output_multiplier=config.output_multiplier,
             final_logit_softcapping=config.final_logit_softcapping,
             valid_index=valid_index,
             normalize=settings.loss_normalize,
+            candidate_ids=candidate_ids,
         )
         if sp is not None:  # both losses have the same normaliser
-            return sequence_parallel_share(loss + selector_loss, accepted, row_weights[0], label_valid, settings.loss_normalize, sp)
+            return sequence_parallel_share(loss + selector_loss, accepted, row_weights, label_valid, settings.loss_normalize, sp)
         return loss + selector_loss, accepted
 
     def dspark_objective(self, drafter, hidden, input_ids, loss_mask, anchors, anchor_valid, target_hidden) -> tuple[torch.Tensor, torch.Tensor]:
