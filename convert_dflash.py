@@ -1,4 +1,4 @@
-"""Convert a DFlash or DFlash2 drafter between this trainer's export and speculators' checkpoint layout.
+"""Convert a DFlash, DFlash2 or DSpark drafter between this trainer's export and speculators' checkpoint layout.
 
     # our export -> speculators' layout (its model classes; vLLM reads its config too)
     python convert_dflash.py outputs/qwen3-8b/final outputs/qwen3-8b/speculators --to speculators --target Qwen/Qwen3-8B
@@ -7,10 +7,23 @@
     python convert_dflash.py runs/speculators/checkpoint outputs/from-speculators --to zlab
 
 Both layouts hold the same draft body under the same weight names (layers.*, fc, hidden_norm, norm;
-DFlash2's attention_conv / mlp_conv and candidate_selector), and neither holds the embedding or the
-LM head: both borrow the target's. So the weights are copied unchanged and only config.json is
-rewritten. Four differences in meaning are checked, and a drafter that one side cannot express
-is refused with one line instead of converting into a drafter that drafts differently:
+DFlash2's attention_conv / mlp_conv and candidate_selector; DSpark's markov_head.markov_w{1,2} and
+confidence_head.proj), and for DFlash and DFlash2 neither holds the embedding or the LM head: both
+borrow the target's. So the weights are copied unchanged and only config.json is rewritten.
+
+A DSpark export is DeepSpec's layout (`dspark_model.save_dspark_export`), which holds copies of the
+target's `embed_tokens.weight` and `lm_head.weight` (SGLang requires them); speculators' `dspark`
+layout borrows the target's. So --to speculators checks that both equal the target's (--target)
+and leaves them out, and --to zlab reads them from the target, in the dtype of the drafter's own
+tensors (the trainer exports both in one dtype): a round trip gives back the same bytes. The
+config moves DeepSpec's keys to speculators' (`aux_hidden_state_layer_ids` = target_layer_ids + 1,
+`speculators_model_type` "dspark", the heads' four keys at the top level) and writes
+`sample_from_anchor: true` (gamma drafts from a block of gamma: llama.cpp's converter reads a
+speculators config without the key as false); `num_anchors`, which only DeepSpec's own loader
+reads, travels in `transformer_layer_config`.
+
+Four differences in meaning are checked, and a drafter that one side cannot express is refused
+with one line instead of converting into a drafter that drafts differently:
 
 1. The sliding window. z-lab's code, SGLang, vLLM and this trainer let a query at position q of a
    sliding layer see the keys with q - k < window; speculators lets every query of a block see the
@@ -30,12 +43,16 @@ is refused with one line instead of converting into a drafter that drafts differ
 4. What speculators' DFlash does not have: the target's embedding and logit scales
    (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`: Gemma, Granite
    targets), a causal full-attention layer, drafting from the anchor (`sample_from_anchor`) and
-   a reduced draft vocabulary (t2d / d2t).
+   a reduced draft vocabulary (t2d / d2t). And what ours does not have: a speculators DSpark
+   drafter with `sample_from_anchor` false (a bonus-anchor block), a reduced draft vocabulary, a
+   Markov head other than "vanilla", and (our side) a DSpark export whose embedding or LM head is
+   not the target's.
 
 The output folder is written to a temp folder and renamed into place; an existing one is replaced
 only with --overwrite. Checked against speculators 0.9.0: its `speculators convert` writes the same
 config for a DFlash export, and its model classes load what this writes and compute the same draft
-logits (tests/test_convert.py).
+logits (tests/test_convert.py); its `dspark` classes load a converted DSpark drafter
+(tests/test_convert_dspark.py).
 """
 
 import argparse
@@ -46,13 +63,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, Qwen3Config
 
 from dflash2_model import DFLASH2_FIELDS, DFlash2Config
 from dflash_model import DFlashConfig
-from dflash_target import resolve_target_path
+from dflash_target import load_target_embeddings, resolve_target_path
+from dspark_model import DSPARK_FIELDS, TOP_LEVEL_KEYS, DSparkConfig
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout this writes and reads
 SCALE_FIELDS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
@@ -61,6 +80,10 @@ SCALE_FIELDS = ("input_embedding_scale", "output_multiplier", "final_logit_softc
 DFLASH_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers", "logit_scale", "is_causal")
 # Weights a speculators checkpoint may hold that belong to the target (our export borrows them).
 TARGET_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+# The target's tables a DSpark export holds copies of (DeepSpec's layout; speculators borrows them).
+TARGET_TABLES = ("embed_tokens.weight", "lm_head.weight")
+CONFIG_CLASSES = {"dflash": DFlashConfig, "dflash2": DFlash2Config, "dspark": DSparkConfig}
+SPECULATORS_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
 
 
 logger = logging.getLogger("convert_dflash")
@@ -164,6 +187,50 @@ def target_config(name: str, where: str):
     return config, (config.get_text_config() if hasattr(config, "get_text_config") else config)
 
 
+def target_tables(target: str, config, dtype: torch.dtype, where: str) -> dict:
+    """The target's embedding and LM head as a DSpark export holds them: {name: [vocab, hidden] tensor in
+    `dtype` on the CPU} for TARGET_TABLES, the head a separate copy when the target ties it to the
+    embedding. Only the checkpoint shards that hold them are read (`dflash_target.load_target_embeddings`)."""
+    try:
+        embed_tokens, lm_head = load_target_embeddings(target, config, dtype=dtype, device="cpu")
+    except (OSError, ValueError) as error:
+        raise ConversionError(
+            f"{where}: could not read the target's embedding and LM head from {target!r} ({str(error).splitlines()[0]}); "
+            f"a DSpark drafter's export holds copies of them, so pass --target with the HF folder or hub id of its target"
+        ) from error
+    return {"embed_tokens.weight": embed_tokens.weight.detach().contiguous(), "lm_head.weight": lm_head.weight.detach().clone()}
+
+
+def drop_target_tables(weights: dict, target: str, config, where: str) -> None:
+    """Remove a DSpark export's copies of the target's embedding and LM head from `weights`, after
+    checking that they are the target's: speculators' layout borrows the target's, so other tables
+    would change the drafts.
+
+    Raises:
+        ConversionError: a table is missing, or differs from the target's.
+    """
+    missing = [name for name in TARGET_TABLES if name not in weights]
+    if missing:
+        raise ConversionError(f"{where}: model.safetensors has no {', '.join(missing)}; a DSpark export holds copies of the target's")
+    dtype, body = weights["embed_tokens.weight"].dtype, weights["fc.weight"].dtype
+    for name, table in target_tables(target, config, dtype, where).items():
+        ours = weights.pop(name)
+        if ours.shape != table.shape or not torch.equal(ours, table):
+            raise ConversionError(
+                f"{where}: its {name} {list(ours.shape)} is not the target's ({target!r}, {list(table.shape)}): speculators' "
+                f"layout holds no embedding or LM head and borrows the target's, which would change the drafts; pass "
+                f"--target with the target the drafter was trained on"
+            )
+    if body != dtype:
+        logger.warning(
+            "%s: the embedding and LM head are %s and the drafter's own tensors %s: converting back (--to zlab) writes the target's in %s",
+            where,
+            dtype,
+            body,
+            body,
+        )
+
+
 def write_folder(output: Path, config: dict, weights: dict) -> None:
     """config.json + model.safetensors into a temp folder, renamed into place."""
     tmp = output.with_name(f".tmp-{output.name}")
@@ -180,6 +247,9 @@ def write_folder(output: Path, config: dict, weights: dict) -> None:
 def to_speculators(source: Path, target: str | None, max_seq_len: int | None) -> tuple[dict, dict]:
     """(config, weights) of speculators' layout for our export in `source`.
 
+    A DSpark export's copies of the target's embedding and LM head are checked against the target's
+    and left out (`drop_target_tables`).
+
     Raises:
         ConversionError: for a folder that is not our export, or a drafter speculators cannot express
             (the module docstring's rules).
@@ -187,10 +257,12 @@ def to_speculators(source: Path, target: str | None, max_seq_len: int | None) ->
     raw = read_json(source / "config.json", "a DFlash drafter export (final/ of a training run)")
     if "speculators_model_type" in raw:
         raise ConversionError(f"{source} is already in speculators' layout; convert it with --to zlab")
-    if "dflash_config" not in raw:
+    architectures = raw.get("architectures") or []
+    kind = "dspark" if "Qwen3DSparkModel" in architectures else "dflash2" if "DFlash2DraftModel" in architectures else "dflash"
+    if "dflash_config" not in raw and kind != "dspark":  # DeepSpec's own DSpark config has none
         raise ConversionError(f"{source}: config.json has no dflash_config; pass the final/ folder of a DFlash drafter")
-    is_dflash2 = "DFlash2DraftModel" in (raw.get("architectures") or [])
-    config = (DFlash2Config if is_dflash2 else DFlashConfig).from_pretrained(source)
+    is_dflash2 = kind == "dflash2"
+    config = CONFIG_CLASSES[kind].from_pretrained(source)
     where = str(source)
     check_window(config, max_seq_len, where)
     scaled = [name for name in SCALE_FIELDS if config.dflash_config.get(name) not in (None, 1.0)]
@@ -221,26 +293,31 @@ def to_speculators(source: Path, target: str | None, max_seq_len: int | None) ->
             f"{text.num_hidden_layers}; pass the target it was trained on"
         )
     non_causal = speculators_non_causal(config, where)
+    weights = read_weights(source)
+    if kind == "dspark":
+        drop_target_tables(weights, target, verifier, where)
     ours = config.to_dict()
-    layers = Qwen3Config(**{k: v for k, v in ours.items() if k not in DFLASH_KEYS and k != "transformers_version"})
+    # DSpark's top-level keys move to speculators' top level; num_anchors stays with the layers' config.
+    moved = (*DFLASH_KEYS, "transformers_version", *((*TOP_LEVEL_KEYS, *DSPARK_FIELDS) if kind == "dspark" else ()))
+    layers = Qwen3Config(**{k: v for k, v in ours.items() if k not in moved})
+    # gamma drafts from a DSpark block of gamma (the anchor's slot predicts); B - 1 from a DFlash block of B.
+    drafts = config.block_size if kind == "dspark" else config.block_size - 1
     output = {
-        "architectures": ["DFlash2DraftModel" if is_dflash2 else "DFlashDraftModel"],
+        "architectures": [SPECULATORS_ARCHITECTURES[kind]],
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "block_size": config.block_size,
         "draft_vocab_size": config.vocab_size,
         "dtype": ours.get("dtype"),
         "mask_token_id": config.mask_token_id,
-        "sample_from_anchor": False,
+        "sample_from_anchor": kind == "dspark",
         "sliding_window_non_causal": non_causal,
         "speculators_config": {
-            "algorithm": "dflash2" if is_dflash2 else "dflash",
+            "algorithm": kind,
             "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": config.block_size - 1, "verifier_accept_k": 1}
-            ],
+            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": drafts, "verifier_accept_k": 1}],
             "verifier": {"architectures": list(getattr(verifier, "architectures", None) or []), "name_or_path": target},
         },
-        "speculators_model_type": "dflash2" if is_dflash2 else "dflash",
+        "speculators_model_type": kind,
         "speculators_version": SPECULATORS_VERSION,
         "target_hidden_size": None,
         "tie_word_embeddings": False,
@@ -250,25 +327,37 @@ def to_speculators(source: Path, target: str | None, max_seq_len: int | None) ->
     output["transformer_layer_config"].pop("transformers_version", None)
     if is_dflash2:
         output.update({name: getattr(config, name) for name in DFLASH2_FIELDS})
-    return output, read_weights(source)
+    if kind == "dspark":
+        output.update({name: getattr(config, name) for name in DSPARK_FIELDS})
+    return output, weights
 
 
 def to_zlab(source: Path, target: str | None, max_seq_len: int | None) -> tuple[dict, dict]:
-    """(config, weights) of our export (z-lab's layout) for a speculators checkpoint in `source`.
+    """(config, weights) of our export (z-lab's layout; DeepSpec's for DSpark) for a speculators checkpoint in `source`.
+
+    A DSpark drafter gets copies of the target's embedding and LM head (`target_tables`), in the
+    dtype of its own tensors.
 
     Raises:
-        ConversionError: for a folder that is not a speculators DFlash / DFlash2 checkpoint, or a
-            drafter our layout cannot express (the module docstring's rules).
+        ConversionError: for a folder that is not a speculators DFlash / DFlash2 / DSpark checkpoint,
+            or a drafter our layout cannot express (the module docstring's rules).
     """
     raw = read_json(source / "config.json", "a speculators DFlash checkpoint")
     kind = raw.get("speculators_model_type")
     where = str(source)
-    if kind is None and "dflash_config" in raw:
+    if kind is None and ("dflash_config" in raw or "Qwen3DSparkModel" in (raw.get("architectures") or [])):
         raise ConversionError(f"{source} is already our export (z-lab's layout); convert it with --to speculators")
-    if kind not in ("dflash", "dflash2"):
-        raise ConversionError(f"{where}: speculators_model_type is {kind!r}; only dflash and dflash2 drafters convert")
+    if kind not in CONFIG_CLASSES:
+        raise ConversionError(f"{where}: speculators_model_type is {kind!r}; only dflash, dflash2 and dspark drafters convert")
     layers = dict(raw["transformer_layer_config"])
-    if raw.get("sample_from_anchor"):
+    # speculators' default: true for dspark (DeepSpec's block), false for the others.
+    from_anchor = raw.get("sample_from_anchor", kind == "dspark")
+    if kind == "dspark" and not from_anchor:
+        raise ConversionError(
+            f"{where}: sample_from_anchor is false (its anchor is a bonus token and the mask slots predict), which "
+            f"DeepSpec's layout cannot express: there every slot of a DSpark block, the anchor's included, predicts"
+        )
+    if kind != "dspark" and from_anchor:
         raise ConversionError(f"{where}: sample_from_anchor is true (it drafts from the anchor too), which z-lab's layout cannot express")
     if raw.get("draft_vocab_size", layers.get("vocab_size")) != layers.get("vocab_size"):
         raise ConversionError(
@@ -282,7 +371,7 @@ def to_zlab(source: Path, target: str | None, max_seq_len: int | None) -> tuple[
         target = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         if target is None:
             raise ConversionError(f"{where}: its config names no verifier; pass --target (HF folder or hub id)")
-    _, text = target_config(target, where)
+    verifier, text = target_config(target, where)
     sliding = "sliding_attention" in (layers.get("layer_types") or [])
     non_causal = raw.get("sliding_window_non_causal", kind == "dflash2")
     dflash_config = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": [i - 1 for i in aux]}
@@ -297,14 +386,18 @@ def to_zlab(source: Path, target: str | None, max_seq_len: int | None) -> tuple[
     )
     if kind == "dflash2":
         fields.update({name: raw[name] for name in DFLASH2_FIELDS if name in raw})
+    if kind == "dspark":
+        fields.update({name: raw[name] for name in DSPARK_FIELDS if name in raw})
     try:
-        config = (DFlash2Config if kind == "dflash2" else DFlashConfig)(**fields)
+        config = CONFIG_CLASSES[kind](**fields)
     except (TypeError, ValueError) as error:
-        raise ConversionError(f"{where}: its config does not make a DFlash drafter config: {error}") from error
+        raise ConversionError(f"{where}: its config does not make a {kind} drafter config: {error}") from error
     check_window(config, max_seq_len, where)
     if kind == "dflash":
-        config.architectures = ["DFlashDraftModel"]  # DFlash2Config sets its own
+        config.architectures = ["DFlashDraftModel"]  # DFlash2Config and DSparkConfig set their own
     weights = {k: v for k, v in read_weights(source).items() if k not in TARGET_WEIGHTS and k not in ("t2d", "d2t")}
+    if kind == "dspark":
+        weights.update(target_tables(target, verifier, weights["fc.weight"].dtype, where))
     return json.loads(config.to_json_string()), weights  # what config.save_pretrained writes
 
 
@@ -320,7 +413,8 @@ def main(argv: list[str] | None = None) -> Path:
         "--to",
         required=True,
         choices=("speculators", "zlab"),
-        help="speculators: speculators' layout; zlab: our export, the layout z-lab's code, SGLang and vLLM load",
+        help="speculators: speculators' layout; zlab: our export, the layout z-lab's code, SGLang and vLLM load "
+        "(DeepSpec's layout for a DSpark drafter)",
     )
     parser.add_argument(
         "--target",

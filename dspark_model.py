@@ -43,6 +43,8 @@ MARKOV_HEAD_TYPES = ("vanilla",)  # the only head the engines serve (llama.cpp's
 
 # Keys DeepSpec's layout has at the top level; this config keeps the first two in dflash_config as DFlash's does.
 TOP_LEVEL_KEYS = ("mask_token_id", "target_layer_ids", "sample_from_anchor")
+# The heads' keys, top-level in DeepSpec's layout and in speculators' `dspark` one alike.
+DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
 @strict
@@ -328,10 +330,13 @@ class DSparkDraftModel(DFlashDraftModel):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The tensors of the DeepSpec-native checkpoint: the drafter's state_dict plus copies of the
         target's `embed_tokens.weight` and `lm_head.weight` (SGLang refuses a DSpark checkpoint
-        without them; DeepSpec loads them; vLLM and llama.cpp accept them). CPU, contiguous."""
+        without them; DeepSpec loads them; vLLM and llama.cpp accept them). CPU, contiguous, no two
+        sharing memory (a tied target's head is a copy of its embedding: safetensors refuses shared tensors)."""
         weights = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
-        weights["embed_tokens.weight"] = self.target_embed_tokens.weight.detach().cpu().contiguous()
-        weights["lm_head.weight"] = self.target_lm_head.weight.detach().cpu().contiguous()
+        embed = weights["embed_tokens.weight"] = self.target_embed_tokens.weight.detach().cpu().contiguous()
+        lm_head = self.target_lm_head.weight.detach().cpu().contiguous()
+        shared = lm_head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
+        weights["lm_head.weight"] = lm_head.clone() if shared else lm_head
         return weights
 
 

