@@ -24,6 +24,7 @@ Notation used in every shape comment (dflash_model.py's, and):
 """
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -43,6 +44,9 @@ MARKOV_HEAD_TYPES = ("vanilla",)  # the only head the engines serve (llama.cpp's
 
 # Keys DeepSpec's layout has at the top level; this config keeps the first two in dflash_config as DFlash's does.
 TOP_LEVEL_KEYS = ("mask_token_id", "target_layer_ids", "sample_from_anchor")
+
+# Copies of the target's tables in the export (`export_weights`); a loaded drafter attaches the target's own instead.
+TARGET_TABLES = ("embed_tokens.weight", "lm_head.weight")
 
 
 @strict
@@ -201,6 +205,7 @@ class DSparkDraftModel(DFlashDraftModel):
     """
 
     config_class = DSparkConfig
+    _keys_to_ignore_on_load_unexpected = [f"^{re.escape(name)}$" for name in TARGET_TABLES]  # from_pretrained: no load report for them
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
@@ -332,6 +337,8 @@ class DSparkDraftModel(DFlashDraftModel):
         weights = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
         weights["embed_tokens.weight"] = self.target_embed_tokens.weight.detach().cpu().contiguous()
         weights["lm_head.weight"] = self.target_lm_head.weight.detach().cpu().contiguous()
+        if weights["lm_head.weight"].data_ptr() == weights["embed_tokens.weight"].data_ptr():
+            weights["lm_head.weight"] = weights["lm_head.weight"].clone()  # a tied target: safetensors refuses shared tensors
         return weights
 
 
