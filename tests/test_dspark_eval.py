@@ -331,3 +331,28 @@ def test_cli_refuses_the_confidence_gate_without_a_dspark_confidence_head(dspark
         eval_dflash.main(base + ["--draft_model", str(dflash_dir), "--confidence_threshold", "0.5"])
     with pytest.raises(ValueError, match=r"--confidence_threshold must be in \[0, 1\]"):
         eval_dflash.main(base + ["--draft_model", str(dflash_dir), "--confidence_threshold", "-1"])
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_dflash.py --drafter dspark
+
+
+def test_bench_times_a_dspark_training_step(monkeypatch, capsys):
+    """bench_dflash.py --drafter dspark in its tiny CPU mode: a DSpark drafter of gamma 15 (DFlash's B = 16
+    drafts per verify) trained through dspark_loss at both headline shapes; a DFlash loss lever is refused."""
+    import bench_dflash
+
+    calls = []
+    original = bench_dflash.dspark_loss
+    monkeypatch.setattr(bench_dflash, "dspark_loss", lambda *args, **kwargs: calls.append(args[0].shape) or original(*args, **kwargs))
+    argv = ["--device", "cpu", "--tiny", "--quick", "--drafter_only", "--drafter", "dspark", "--steps", "1", "--warmup", "0", "--no_append"]
+    threads = torch.get_num_threads()  # bench_dflash.main sets 1 on a CPU
+    bench_dflash.main(argv)
+    torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| baseline |")]
+    assert [row.split(" | ")[1:4] for row in rows] == [["8", "64", "2"], ["16", "128", "1"]], out
+    assert all(float(row.split(" | ")[4]) > 0 for row in rows)  # ms/step: the step ran
+    assert "(2 layers, block 15)" in out and {shape[2] for shape in calls} == {15}  # [batch, N, gamma, V] logits, gamma 15
+    with pytest.raises(ValueError, match="--drafter dspark trains with dspark_loss only"):
+        bench_dflash.main(argv + ["--variant", "fused_ce"])
