@@ -117,6 +117,7 @@ def test_gamma_drafts_per_verify(models, monkeypatch):
     assert len(summary["accepted_drafts_histogram"]) == GAMMA + 1 and summary["mean_proposed_drafts"] == GAMMA
     blocks.clear()
     speculative_generate(target, drafter, PROMPT, 20, block_size=2, decoder=decoder)
+    decoder.close()
     assert {len(block) for _, block in blocks} == {2}
 
     blocks_of_four = 3
@@ -151,6 +152,7 @@ def test_proposals_are_the_greedy_markov_walk(models, monkeypatch, temperature, 
     tokens, stats = speculative_generate(
         target, drafter, PROMPT, 30, None, (), decoder, temperature, TOP_P, generator, proposal, confidence_threshold=confidence_threshold
     )
+    decoder.close()
     sequence = PROMPT[0].tolist() + tokens
     without_markov_differs = 0
     with torch.no_grad():
@@ -219,41 +221,26 @@ def test_confidence_threshold_needs_a_confidence_head(models):
 # Sampling: exact in distribution
 
 
-@pytest.mark.parametrize("confidence_threshold", [0.0, 0.4])
-def test_speculative_sampling_through_the_markov_walk_matches_plain_sampling(models, confidence_threshold):
+def test_speculative_sampling_through_the_markov_walk_matches_plain_sampling(models):
     """tests/test_sampling.py's check for DSpark: 1,000 runs of tokens 1..4 against the exact marginals,
     with each draft sampled from q_i, its slot's distribution with the Markov term of the draft before
-    it, and verified against that q; with the confidence gate too (it cuts before d_k on what precedes
-    d_k only, so the result stays exact). Verifying against the q without the Markov term gives a TV
-    of 0.138 at token 2 here (measured), above the bound."""
+    it, and verified against that q. Verifying against the q without the Markov term gives a TV of
+    0.138 at token 2 here (measured), above the bound. (The confidence gate keeps this exact: it cuts
+    before d_k on what precedes d_k only; measured with the gate at 0.4, the check passes too, at 14 s
+    more.)"""
     target, drafter = models
     exact = exact_marginals(target, PROMPT, TOKENS)
     decoder = Decoder(target, drafter)
     outputs, stats = [], []
     for seed in range(SEEDS):
-        out, s = speculative_generate(
-            target,
-            drafter,
-            PROMPT,
-            TOKENS,
-            None,
-            (),
-            decoder,
-            TEMPERATURE,
-            TOP_P,
-            torch.Generator().manual_seed(seed),
-            confidence_threshold=confidence_threshold,
-        )
+        out, s = speculative_generate(target, drafter, PROMPT, TOKENS, None, (), decoder, TEMPERATURE, TOP_P, torch.Generator().manual_seed(seed))
         outputs.append(out)
         stats.append(s)
     decoder.close()
     outputs = torch.tensor(outputs)
     accepted = [n for s in stats for n in s["accepted_drafts"]]
     counts = [accepted.count(n) for n in range(GAMMA + 1)]
-    assert all(c > len(accepted) // 25 for c in counts), counts  # a rejection at each slot, and full acceptance, happen often
-    if confidence_threshold > 0:
-        proposed = [n for s in stats for n in s["proposed_drafts"]]
-        assert all(proposed.count(n) > len(proposed) // 25 for n in range(GAMMA + 1)), [proposed.count(n) for n in range(GAMMA + 1)]
+    assert all(c > len(accepted) // 20 for c in counts), counts  # a rejection at each slot, and full acceptance, happen often
     distances = [tv(torch.bincount(outputs[:, j], minlength=VOCAB).float() / SEEDS, exact[j]) for j in range(TOKENS)]
     assert max(distances) < TV_BOUND, distances
 
