@@ -8,6 +8,7 @@
     python bench_dflash.py --quick --drafter_only --layer_types last_full --sliding_window 2048   # (a) only
     python bench_dflash.py --quick --drafter_only --objectives --budget_s 540   # every loss objective vs CE (< 10 min)
     python bench_dflash.py --quick --drafter_only --drafter dflash2              # a DFlash2 drafter's step (its selector's loss included)
+    python bench_dflash.py --quick --drafter_only --drafter dspark               # a DSpark drafter's step (gamma 15, dspark_loss)
     python bench_dflash.py --long --rows long_rows.jsonl   # long samples: 3,072 .. 64k tokens, 5 full and 4 sliding + 1 full (tools/gpu/long_samples.sh)
     python bench_dflash.py --long --device cpu --tiny --no_append   # its CPU smoke test (< 60 s)
 
@@ -122,10 +123,20 @@ from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor
 from dflash_bench_training import MasterWeightAdamW, make_batch
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
 from dflash_flops import drafter_step_flops, target_forward_flops
-from dflash_loss import LOSSES, block_target_hidden, check_fused_loss, loss_weights, resolve_fused_loss, selector_objective, weighted_block_loss
+from dflash_loss import (
+    LOSSES,
+    block_target_hidden,
+    check_fused_loss,
+    dspark_loss,
+    loss_weights,
+    resolve_fused_loss,
+    selector_objective,
+    weighted_block_loss,
+)
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_target import TargetFeatureExtractor, drafter_config_for_target
+from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, markov_predecessor_ids
 
 REPO_DIR = Path(__file__).resolve().parent
 H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 datasheet figure (H100/H200 SXM)
@@ -164,9 +175,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--drafter",
         default="dflash",
-        choices=("dflash", "dflash2"),
+        choices=("dflash", "dflash2", "dspark"),
         help="the drafter: dflash, or dflash2 (its convolutions and candidate selector, and the selector's loss in each "
-        "step as train_dflash.py adds it; the useful-FLOP count stays DFlash's, without them)",
+        "step as train_dflash.py adds it; the useful-FLOP count stays DFlash's, without them), or dspark (gamma = B - 1, "
+        "the drafts per verify of DFlash's block B; Markov rank 256 and the confidence head; train_dflash.py's dspark_loss "
+        "on all gamma slots' logits and the target's; the useful-FLOP count is DFlash's with the target's logits, without "
+        "the Markov head's W2, r / hidden of the LM head's work)",
     )
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
     p.add_argument("--layer_types", default=None, help="drafter layer layout as train_dflash.py's --layer_types (all_full, last_full, ...)")
@@ -225,6 +239,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.objectives:
         base = args.variant[0] if args.variant else ("baseline" if args.tiny else "compile_layers+fused_ce_compiled")
         args.variants = [base] + [f"{base}+{lever}" for lever in OBJECTIVE_LEVERS]
+    if args.drafter == "dspark":  # its loss is dspark_loss: the loss levers do not apply
+        args.variants = args.variant or ["baseline" if args.tiny else "compile_layers"]
+        for name in args.variants:
+            variant = parse_variant(name)
+            if (variant.loss, variant.objective, variant.weighting, variant.chunk_size, variant.fused_loss) != (
+                "chunked",
+                "ce",
+                "exp",
+                4096,
+                "none",
+            ) or args.objectives:
+                raise ValueError(
+                    f"--drafter dspark trains with dspark_loss only: --variant {name!r} or --objectives sets a loss lever; "
+                    f"use baseline, compile_layers or checkpoint_layers"
+                )
     for name in args.variants:
         parse_variant(name)  # fail early on a typo
     return args
@@ -264,6 +293,12 @@ def shapes(args) -> dict:
     grid = headline + [(n, s, b) for n in (256, 512) for s in (768, 3072) for b in (1, 2, 4) if (n, s, b) not in headline]
     target_shapes = [(16, 1024)] + sorted({(b, s) for _, s, b in (headline if args.quick else grid)})
     return dict(target=target, draft_layers=5, mask_token_id=QWEN3_MASK_TOKEN_ID, headline=headline, grid=grid, target_shapes=target_shapes)
+
+
+def block_size_of(drafter: str) -> int:
+    """The drafter's block size: B = 16 (the paper's); DSpark's gamma = 15, the same 15 drafts per verify
+    (its anchor's slot predicts too)."""
+    return 15 if drafter == "dspark" else 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -439,39 +474,47 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
     hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend=backend)  # [batch, N, B, hidden]
     clock.mark()
-    labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)
-    objective = dict(loss=variant.objective, loss_weighting=variant.weighting, fused_loss=resolve_fused_loss(variant.fused_loss, hidden.device))
-    if variant.objective != "ce":
-        objective["target_hidden"] = block_target_hidden(target_hidden, anchors, block_size)  # [batch, N, B-1, hidden]
-    dflash2 = isinstance(drafter.config, DFlash2Config)
-    top_k = drafter.config.selector_top_k if dflash2 else 0  # the selector's candidates from the loss's logits, as in training
-    loss, _, *row_weights = loss_fn(variant)(
-        hidden[:, :, 1:],
-        head_weight,
-        labels,
-        label_valid,
-        weights,
-        chunk_size=variant.chunk_size,
-        return_row_weights=dflash2,
-        top_k=top_k,
-        **objective,
-    )
-    if dflash2:  # the selector's loss beside the drafter's, with its weights, as train_dflash.py adds it
-        loss = (
-            loss
-            + selector_objective(
-                drafter.candidate_selector,
-                drafter.config.selector_top_k,
-                hidden[:, :, 1:],
-                head_weight,
-                labels,
-                label_valid,
-                selector_predecessor_ids(input_ids, anchors, block_size),
-                row_weights[0],
-                chunk_size=variant.chunk_size,
-                candidate_ids=row_weights[1],
-            )[0]
+    if isinstance(drafter.config, DSparkConfig):  # train_dflash.py's dspark_objective: every slot predicts, gamma = B
+        labels, label_valid = dspark_block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)  # [batch, N, gamma]
+        predecessors = markov_predecessor_ids(input_ids, anchors, block_size)  # [batch, N, gamma]
+        with torch.no_grad():  # slot k's p: the target's logits at a + k
+            target_logits = drafter.compute_logits(block_target_hidden(target_hidden, anchors, block_size + 1))  # [batch, N, gamma, V]
+        confidence = drafter.confidence_logits(hidden, predecessors) if drafter.confidence_head is not None else None
+        loss, _ = dspark_loss(drafter.block_logits(hidden, predecessors), confidence, labels, label_valid, target_logits)
+    else:
+        labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)
+        objective = dict(loss=variant.objective, loss_weighting=variant.weighting, fused_loss=resolve_fused_loss(variant.fused_loss, hidden.device))
+        if variant.objective != "ce":
+            objective["target_hidden"] = block_target_hidden(target_hidden, anchors, block_size)  # [batch, N, B-1, hidden]
+        dflash2 = isinstance(drafter.config, DFlash2Config)
+        top_k = drafter.config.selector_top_k if dflash2 else 0  # the selector's candidates from the loss's logits, as in training
+        loss, _, *row_weights = loss_fn(variant)(
+            hidden[:, :, 1:],
+            head_weight,
+            labels,
+            label_valid,
+            weights,
+            chunk_size=variant.chunk_size,
+            return_row_weights=dflash2,
+            top_k=top_k,
+            **objective,
         )
+        if dflash2:  # the selector's loss beside the drafter's, with its weights, as train_dflash.py adds it
+            loss = (
+                loss
+                + selector_objective(
+                    drafter.candidate_selector,
+                    drafter.config.selector_top_k,
+                    hidden[:, :, 1:],
+                    head_weight,
+                    labels,
+                    label_valid,
+                    selector_predecessor_ids(input_ids, anchors, block_size),
+                    row_weights[0],
+                    chunk_size=variant.chunk_size,
+                    candidate_ids=row_weights[1],
+                )[0]
+            )
     clock.mark()
     loss.backward()
     clock.mark()
@@ -538,7 +581,13 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
         torch.cuda.reset_peak_memory_stats(device)
     try:
         batch_tensors = make_batch(
-            batch, seq_len, config, device, dtype, with_features=extractor is None, with_target_hidden=variant.objective != "ce"
+            batch,
+            seq_len,
+            config,
+            device,
+            dtype,
+            with_features=extractor is None,
+            with_target_hidden=variant.objective != "ce" or isinstance(config, DSparkConfig),
         )
         generator = torch.Generator().manual_seed(0)
         start = time.perf_counter()
@@ -582,7 +631,8 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
             sync(device)
             step_ms.append((time.perf_counter() - t0) * 1e3)
             phases.append(clock.phase_ms())
-            parts = drafter_step_flops(config, seq_len, anchors, anchor_valid, label_valid, distribution_loss=variant.objective != "ce")
+            distribution_loss = variant.objective != "ce" or isinstance(config, DSparkConfig)  # DSpark's L1 reads the target's logits
+            parts = drafter_step_flops(config, seq_len, anchors, anchor_valid, label_valid, distribution_loss=distribution_loss)
             flops.append(sum(f + b for f, b in parts.values()))
         row["ms_step"] = statistics.median(step_ms)
         row["phases_ms"] = [statistics.median(p) for p in zip(*phases)]
@@ -788,6 +838,7 @@ def run_long(args, s: dict, device, dtype, progress) -> tuple[list, str]:
             layer_types=layout,
             sliding_window=window,
             drafter=args.drafter,
+            block_size=block_size_of(args.drafter),
         )
         ctx = drafter_context(args, config, device, dtype, progress)
         for name, seq_len in todo:
@@ -894,7 +945,9 @@ def drafter_context(args: argparse.Namespace, config: DFlashConfig, device: torc
     """The drafter and its optimizer, with standalone (frozen) embedding and head at the target's shapes:
     everything `bench_drafter_config` reads, as one dict."""
     with device:
-        drafter = (DFlash2DraftModel if isinstance(config, DFlash2Config) else DFlashDraftModel)(config)
+        drafter = (
+            DSparkDraftModel if isinstance(config, DSparkConfig) else DFlash2DraftModel if isinstance(config, DFlash2Config) else DFlashDraftModel
+        )(config)
         for param in drafter.parameters():  # params only, like DeepSpeed's bf16 cast: RoPE's inv_freq buffer stays fp32
             param.data = param.data.to(dtype)
         embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype).requires_grad_(False)
@@ -1050,6 +1103,7 @@ def main(argv: list[str]) -> None:
         layer_types=args.layer_types,
         sliding_window=args.sliding_window,
         drafter=args.drafter,
+        block_size=block_size_of(args.drafter),
     )
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     progress(

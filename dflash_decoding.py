@@ -52,7 +52,12 @@ other drafts), the target accepts draft i with probability min(1, p_i / q_i) and
 rejected one with a sample from the normalised residual max(0, p_i - q_i), or adds a bonus token
 sampled from p after a fully accepted block (`rejection_sample`). A DFlash2 drafter samples its
 drafts left to right along its candidate selector's walk, each q_i over the selector's K candidates
-given d_{i-1}, and verification takes q_i in that candidate-index form. The output is then
+given d_{i-1}, and verification takes q_i in that candidate-index form. A DSpark drafter
+(dspark_model.py) drafts gamma tokens per pass, its anchor's slot included, so gamma + 1 tokens are
+verified; it walks its block left to right through its Markov head (greedy at temperature 0, and
+under --proposal argmax), and at T > 0 samples d_i from q_i = the slot's distribution with the
+Markov term of d_{i-1}, the q that verification then takes. Its confidence head can cut a proposal
+short (`confidence_threshold`, off by default). The output is then
 distributed exactly as plain sampling from the target, which tests/test_sampling.py checks
 statistically. tau and acceptance by position are counted as above. Targets with linear-attention
 layers (Qwen3.5, Qwen3-Next) decode with a dynamic cache whose recurrent state is restored and re-run
@@ -76,6 +81,7 @@ from transformers.generation.streamers import BaseStreamer
 from dflash2_model import DFlash2DraftModel
 from dflash_compile import CUDAGraphCall
 from dflash_model import DFlashDraftModel, sampling_probs
+from dspark_model import TARGET_TABLES, DSparkConfig, DSparkDraftModel
 
 logger = logging.getLogger(__name__)
 PROPOSALS = ("sample", "argmax")  # what a drafter proposes at temperature > 0 (speculative_generate)
@@ -171,16 +177,25 @@ def target_fingerprint_warning(target, config) -> str | None:
     )
 
 
-def resolve_block_size(drafter, block_size: int | None) -> int:
-    """The verified block size: default the drafter's; smaller drafts fewer tokens, larger is refused.
+def drafts_per_pass(drafter) -> int:
+    """Tokens one draft pass drafts: B - 1 for a DFlash or DFlash2 block of B (its anchor's slot
+    predicts nothing), gamma = `block_size` for DSpark (its anchor's slot is the first prediction).
     `drafter` may be the drafter or its config."""
-    trained = getattr(drafter, "config", drafter).block_size
+    config = getattr(drafter, "config", drafter)
+    return config.block_size if isinstance(config, DSparkConfig) else config.block_size - 1
+
+
+def resolve_block_size(drafter, block_size: int | None) -> int:
+    """The verified block size, tokens per verify forward with the anchor: default every draft of a
+    pass plus the anchor (DFlash: the drafter's B; DSpark: gamma + 1); smaller verifies the first
+    block_size - 1 drafts, larger is refused. `drafter` may be the drafter or its config."""
+    largest = drafts_per_pass(drafter) + 1
     if block_size is None:
-        return trained
-    if not 2 <= block_size <= trained:
+        return largest
+    if not 2 <= block_size <= largest:
         raise ValueError(
-            f"--block_size {block_size} must be between 2 and the drafter's trained block size {trained}: the drafter "
-            f"drafts at most {trained - 1} tokens per pass (smaller blocks use the first block_size - 1 of them)."
+            f"--block_size {block_size} must be between 2 and {largest}: the drafter drafts {largest - 1} tokens per "
+            f"pass, verified with the anchor (smaller blocks use the first block_size - 1 of them)."
         )
     return block_size
 
@@ -202,18 +217,20 @@ def encode_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict | 
 
 
 def load_drafter(path: str, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
-    """Load a DFlash or DFlash2 drafter checkpoint (by its config's `architectures`), refusing folders
-    that are not one (`drafter_class`)."""
+    """Load a DFlash, DFlash2 or DSpark drafter checkpoint (by its config's `architectures`), refusing
+    folders that are not one (`drafter_class`)."""
     return drafter_class(path).from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def drafter_class(path: str) -> type:
-    """DFlashDraftModel or DFlash2DraftModel for the checkpoint folder `path`, by its config's
-    `architectures`; nothing but config.json and the weights' header is read.
+    """DFlashDraftModel, DFlash2DraftModel or DSparkDraftModel (`architectures` Qwen3DSparkModel) for
+    the checkpoint folder `path`, by its config's `architectures`; nothing but config.json and the
+    weights' header is read.
 
     Raises:
         ValueError: for a folder without config.json, a speculators checkpoint, a config without
-            dflash_config, or weights that do not fit the config (`check_weights_fit_config`).
+            dflash_config (a DSpark config may have its two keys at the top level instead, as
+            DeepSpec writes it), or weights that do not fit the config (`check_weights_fit_config`).
     """
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
@@ -225,12 +242,14 @@ def drafter_class(path: str) -> type:
             f"--draft_model {path!r} is a speculators checkpoint; convert it to our export first: "
             f"python convert_dflash.py {path} {path.rstrip('/')}-zlab --to zlab"
         )
-    if "dflash_config" not in config:
+    architectures = config.get("architectures") or []
+    dspark = "Qwen3DSparkModel" in architectures
+    if "dflash_config" not in config and not (dspark and {"mask_token_id", "target_layer_ids"} <= config.keys()):
         raise ValueError(
             f"--draft_model {path!r} is not a DFlash drafter: its config.json has no 'dflash_config' "
             f"(mask_token_id, target_layer_ids). Pass a checkpoint written by train_dflash.py or a released DFlash drafter."
         )
-    model_class = DFlash2DraftModel if "DFlash2DraftModel" in (config.get("architectures") or []) else DFlashDraftModel
+    model_class = DSparkDraftModel if dspark else DFlash2DraftModel if "DFlash2DraftModel" in architectures else DFlashDraftModel
     check_weights_fit_config(path, model_class)
     return model_class
 
@@ -257,15 +276,19 @@ def check_weights_fit_config(path: str, model_class) -> None:
                 in_file.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
         except Exception as error:  # a damaged header, named in one line
             raise ValueError(f"--draft_model {path!r}: {weights_file} does not open ({type(error).__name__}: {error})") from None
+    config = model_class.config_class.from_pretrained(path)
     with torch.device("meta"):
-        expected = {name: list(t.shape) for name, t in model_class(model_class.config_class.from_pretrained(path)).state_dict().items()}
+        expected = {name: list(t.shape) for name, t in model_class(config).state_dict().items()}
+    optional = {}
+    if model_class is DSparkDraftModel:  # copies of the target's tables: DeepSpec's layout has them, speculators' not
+        optional = {name: [config.vocab_size, config.hidden_size] for name in TARGET_TABLES}
     problems = [
         f"{name} is {in_file[name]} in the file, {shape} by config.json"
-        for name, shape in expected.items()
+        for name, shape in {**expected, **optional}.items()
         if name in in_file and in_file[name] != shape
     ]
     problems += [f"{name} is missing from the file" for name in expected if name not in in_file]
-    problems += [f"{name} is in the file but not in a drafter of this config" for name in in_file if name not in expected]
+    problems += [f"{name} is in the file but not in a drafter of this config" for name in in_file if name not in expected and name not in optional]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ValueError(
@@ -654,8 +677,8 @@ class Drafting:
     kv_cache "dynamic": `DFlashContextCache`, grown by concatenation. "static":
     `DFlashStaticContextCache` of `max_length` positions; with `cuda_graphs` the draft pass is
     captured once and replayed (one graph for greedy drafts, one per sampling setting).
-    `drafter` is a `DFlashDraftModel` or `DFlash2DraftModel` (or, with "dynamic", any object with
-    `extend_context` and `draft_block`, and `draft_probs` or `draft_sample` for sampling).
+    `drafter` is a `DFlashDraftModel`, `DFlash2DraftModel` or `DSparkDraftModel` (or, with "dynamic",
+    any object with `extend_context` and `draft_block`, and `draft_probs` or `draft_sample` for sampling).
     """
 
     def __init__(self, drafter, kv_cache: str = "dynamic", max_length: int | None = None, cuda_graphs: bool = False):
@@ -668,6 +691,7 @@ class Drafting:
         self.graphed = CUDAGraphCall(lambda anchor: self.drafter.draft_block(self.cache, anchor)) if self.cuda_graphs else None
         self.graphed_probs: dict[tuple[float, float], CUDAGraphCall] = {}
         self.graphed_samples: dict[tuple[float, float], CUDAGraphCall] = {}
+        self.graphed_walks: dict[tuple[float, float, bool], CUDAGraphCall] = {}
 
     @property
     def length(self) -> int:
@@ -711,6 +735,31 @@ class Drafting:
             self.graphed_samples[key] = CUDAGraphCall(lambda a, u: self.drafter.draft_sample(self.cache, a, temperature, top_p, u))
         return self.graphed_samples[key](anchor, uniform)
 
+    def markov_walk(self, anchor: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor | None, confidence: bool):
+        """A DSpark drafter's block (`DSparkDraftModel.markov_walk` on one draft pass): greedy at
+        temperature 0, else sampled with `uniform`, and with `confidence` its confidence logits.
+
+        Args:
+            anchor: [1] int64; uniform: [1, gamma] draws in [0, 1), None at temperature 0.
+        Returns:
+            tokens [1, gamma] int64; q [1, gamma, vocab] float32, the distribution each was drawn
+            from given the one before it (one-hot at temperature 0); confidence logits [1, gamma]
+            float32 (`DSparkDraftModel.draft_confidence`), or None. No host sync, no random state.
+        """
+
+        def walk(a, u=None):
+            hidden = self.drafter.draft_hidden(self.cache, a)  # [1, gamma, hidden]
+            tokens, _, q = self.drafter.markov_walk(hidden, a, temperature, top_p, u)
+            return tokens, q, self.drafter.draft_confidence(hidden, a, tokens) if confidence else None
+
+        inputs = (anchor,) if uniform is None else (anchor, uniform)
+        if not self.cuda_graphs:
+            return walk(*inputs)
+        key = (temperature, top_p, confidence)
+        if key not in self.graphed_walks:
+            self.graphed_walks[key] = CUDAGraphCall(walk)
+        return self.graphed_walks[key](*inputs)
+
 
 def resolve_kv_cache(kv_cache: str, cuda_graphs: str, device: torch.device, target=None) -> tuple[str, bool]:
     """(kv_cache, cuda_graphs) for `--kv_cache auto|static|dynamic` and `--cuda_graphs auto|on|off`:
@@ -737,11 +786,11 @@ class Decoder:
 
     Args:
         target: the full HF causal LM (verification needs its logits).
-        drafter: a `DFlashDraftModel` / `DFlash2DraftModel` in the target's dtype with `attach_target` done, or None
-            (plain greedy decoding only).
+        drafter: a `DFlashDraftModel` / `DFlash2DraftModel` / `DSparkDraftModel` in the target's dtype with
+            `attach_target` done, or None (plain greedy decoding only).
         kv_cache: "dynamic" or "static" (see `resolve_kv_cache`).
         max_length: with "static", the most positions one prompt plus its generation needs
-            (prompt + max_new_tokens + block size).
+            (prompt + max_new_tokens + the drafter's block size).
         cuda_graphs: replay forwards from CUDA graphs ("static" on CUDA only).
     """
 
@@ -829,6 +878,7 @@ def speculative_generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     proposal: str = "sample",
+    confidence_threshold: float = 0.0,
 ) -> tuple[list[int], dict]:
     """DFlash speculative decoding, batch size 1. Lossless: greedy returns plain greedy decoding's
     tokens; sampling returns tokens distributed as plain sampling from the target.
@@ -842,7 +892,11 @@ def speculative_generate(
          temperature 0, else (proposal "sample") samples from its distribution q, or (proposal
          "argmax") proposes the argmax with a one-hot q. A DFlash2 drafter drafts along its
          selector's walk: its argmax path (one-hot q under "argmax"), or a sampled path with q rows
-         over its candidates;
+         over its candidates. A DSpark drafter's pass drafts gamma tokens (its anchor's slot
+         predicts too, so b = gamma + 1 by default) along its Markov walk: the greedy walk at
+         temperature 0 and under "argmax" (one-hot q), else each d_i sampled from q_i given d_{i-1};
+         with `confidence_threshold` the proposal ends before its first slot whose predicted
+         acceptance is below the threshold (d_1..d_{b-1} then stand for the drafts kept);
       2. the target runs `[anchor, d_1..d_{b-1}]` at positions L..L+b-1 in one cached forward;
       3. greedy: n = longest prefix with d_i == the target's argmax after block[:i], and the
          target's argmax after the n accepted drafts is the bonus token. Sampling:
@@ -854,13 +908,14 @@ def speculative_generate(
 
     Args:
         target: HF causal LM (full, not truncated: verification needs its logits).
-        drafter: `DFlashDraftModel` or `DFlash2DraftModel` in the target's dtype with `attach_target`
-            done (or any object with `config.block_size`, `config.target_layer_ids`, `extend_context`,
-            `draft_block`, and for sampling `draft_probs`, or `draft_sample` for a selector walk).
+        drafter: `DFlashDraftModel`, `DFlash2DraftModel` or `DSparkDraftModel` in the target's dtype
+            with `attach_target` done (or any object with `config.block_size`, `config.target_layer_ids`,
+            `extend_context`, `draft_block`, and for sampling `draft_probs`, or `draft_sample` for a
+            selector walk).
         input_ids: [1, P] int64 prompt on the target's device.
         max_new_tokens: most tokens generated, the prefill token included.
-        block_size: tokens per verify forward, anchor included (2..drafter block size); default
-            the drafter's.
+        block_size: tokens per verify forward, anchor included (2..`drafts_per_pass` + 1); default
+            all of a pass's drafts (`resolve_block_size`).
         eos_token_ids: stop after the first of these (included in the output, nothing after it).
         decoder: a `Decoder(target, drafter, ...)` to reuse across prompts (static caches, CUDA
             graphs); default a dynamic cache made for this call.
@@ -871,11 +926,20 @@ def speculative_generate(
             from p_i without d_i). Both are exact. A DFlash drafter samples its positions
             independently given the context, so sampled drafts stop agreeing with one another
             down the block; the argmax path keeps them one consistent continuation.
+        confidence_threshold: DSpark drafters with a confidence head only: > 0 cuts each proposal
+            before its first slot k whose predicted acceptance sigmoid(c_k) is below it (DeepSpec's
+            gate); 0 (the default) verifies every draft. Exact at T > 0 too: c_k reads h_k and
+            d_{k-1}, never d_k, so whether d_k is verified is settled before d_k is drawn.
     Returns:
         tokens: the generated ids.
         stats: {"prompt_tokens", "generated_tokens", "verify_forwards", "committed" (tokens per
             verify forward, list), "accepted_drafts" (accepted drafts n per verify forward, before
-            EOS / length truncation, list), "block_size"}.
+            EOS / length truncation, list), "proposed_drafts" (drafts verified per verify forward,
+            block_size - 1 unless the confidence gate cut them, list), "block_size"}.
+    Raises:
+        ValueError: on a batch of several prompts, max_new_tokens < 1, an unknown proposal, a block
+            size the drafter cannot fill, or a confidence threshold outside [0, 1] or without a
+            DSpark confidence head.
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one prompt at a time; got a batch of {input_ids.shape[0]}")
@@ -884,10 +948,15 @@ def speculative_generate(
     if proposal not in PROPOSALS:
         raise ValueError(f"proposal must be one of {', '.join(PROPOSALS)}, got {proposal!r}")
     block_size = resolve_block_size(drafter, block_size)
-    selector_walk = hasattr(drafter, "draft_sample")  # DFlash2: drafts and q come from the selector's walk
+    dspark = isinstance(drafter, DSparkDraftModel)  # drafts and q come from the Markov walk
+    selector_walk = not dspark and hasattr(drafter, "draft_sample")  # DFlash2: drafts and q come from the selector's walk
+    if not 0 <= confidence_threshold <= 1:
+        raise ValueError(f"--confidence_threshold must be in [0, 1] (0: off), got {confidence_threshold}")
+    if confidence_threshold > 0 and getattr(drafter, "confidence_head", None) is None:
+        raise ValueError("--confidence_threshold needs a DSpark drafter with a confidence head (enable_confidence_head); leave it at 0")
     eos = set(eos_token_ids)
     device = input_ids.device
-    committed, accepted_drafts = [], []
+    committed, accepted_drafts, proposed_drafts = [], [], []
     own = decoder is None
     decoder = decoder or Decoder(target, drafter)
     runner, drafting = decoder.target, decoder.drafting
@@ -903,7 +972,15 @@ def speculative_generate(
             while tokens[-1] not in eos and len(tokens) < max_new_tokens:
                 anchor = torch.tensor([tokens[-1]], device=device)  # [1]
                 candidates = None
-                if temperature == 0 or proposal == "argmax":
+                if dspark:  # q_i given d_{i-1}: the Markov term of the draft before; one-hot on the greedy walk
+                    walk_temperature = temperature if proposal == "sample" else 0.0
+                    uniform = torch.rand(1, drafter.config.block_size, generator=generator, device=device) if walk_temperature > 0 else None
+                    drafts, q, confidence = drafting.markov_walk(anchor, walk_temperature, top_p, uniform, confidence_threshold > 0)
+                    count = block_size - 1
+                    if confidence is not None:  # keep the slots before the first one predicted below the threshold
+                        count = int((torch.sigmoid(confidence[0, :count]) >= confidence_threshold).long().cumprod(dim=0).sum())
+                    drafts, q = drafts[:, :count], q[0, :count]  # [1, c], [c, vocab]
+                elif temperature == 0 or proposal == "argmax":
                     drafts = drafting.draft(anchor)[:, : block_size - 1].to(device)  # [1, b-1]
                     if temperature > 0:  # one-hot q_i on d_i: the candidate form with one candidate each
                         candidates, q = drafts[0, :, None], torch.ones(block_size - 1, 1, device=device)  # [b-1, 1]
@@ -914,6 +991,7 @@ def speculative_generate(
                 else:
                     q = drafting.draft_probs(anchor, temperature, top_p)[0, : block_size - 1].to(device)  # [b-1, vocab]
                     drafts = torch.multinomial(q, 1, generator=generator).T  # [1, b-1], d_i ~ q_i
+                proposed_drafts.append(drafts.shape[1])
                 block = torch.cat([anchor[:, None], drafts], dim=1)  # [1, b] at positions L..L+b-1
                 logits, _ = runner.verify(block)  # [1, b, vocab]
                 if temperature == 0:
@@ -948,6 +1026,7 @@ def speculative_generate(
         "verify_forwards": len(committed),
         "committed": committed,
         "accepted_drafts": accepted_drafts,
+        "proposed_drafts": proposed_drafts,
         "block_size": block_size,
     }
     return tokens, stats
@@ -1096,6 +1175,8 @@ def summarize_speculative(stats_list: list[dict], block_size: int) -> dict:
 
     tau = all verify-committed tokens / all verify forwards (a mean over steps, not over prompts).
     acceptance_rate_by_position[k-1] = fraction of verify forwards with >= k accepted drafts.
+    mean_proposed_drafts = drafts verified per verify forward (block_size - 1 unless a confidence
+    gate cut proposals short).
     """
     forwards = sum(s["verify_forwards"] for s in stats_list)
     committed = sum(sum(s["committed"]) for s in stats_list)
@@ -1109,6 +1190,7 @@ def summarize_speculative(stats_list: list[dict], block_size: int) -> dict:
         "acceptance_rate_by_position": rates,
         "accepted_drafts_histogram": histogram,  # verify forwards that accepted 0, 1, ..., B-1 drafts
         "mean_accepted_drafts": sum(accepted) / forwards if forwards else None,
+        "mean_proposed_drafts": sum(sum(s["proposed_drafts"]) for s in stats_list) / forwards if forwards else None,
         "num_prompts": len(stats_list),
         "generated_tokens": sum(s["generated_tokens"] for s in stats_list),
         "verify_forwards": forwards,

@@ -24,6 +24,7 @@ Notation used in every shape comment (dflash_model.py's, and):
 """
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,9 @@ MARKOV_HEAD_TYPES = ("vanilla",)  # the only head the engines serve (llama.cpp's
 TOP_LEVEL_KEYS = ("mask_token_id", "target_layer_ids", "sample_from_anchor")
 # The heads' keys, top-level in DeepSpec's layout and in speculators' `dspark` one alike.
 DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+# Copies of the target's tables in the export (`export_weights`); a loaded drafter attaches the target's own instead.
+TARGET_TABLES = ("embed_tokens.weight", "lm_head.weight")
 
 
 @strict
@@ -203,6 +207,7 @@ class DSparkDraftModel(DFlashDraftModel):
     """
 
     config_class = DSparkConfig
+    _keys_to_ignore_on_load_unexpected = [f"^{re.escape(name)}$" for name in TARGET_TABLES]  # from_pretrained: no load report for them
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)

