@@ -20,6 +20,7 @@
 #   FP32_RUNS="muon"          also evaluate these at T=0 in float32 (OUT/RUN/eval_fp32_t0.json): the strict lossless check
 #   AT_ONCE=2                 at most this many runs at a time, started in RUNS order (default: all at once; an
 #                             H100's 80 GB holds speculators' row, ~39 GB, beside one of ours, ~23 GB)
+#   EVAL_PROMPTS=50           evaluate on the first 50 held-out questions (default 100), every run alike
 #   TINY=1 ...                the CPU trial (speculators_compare.sh's TINY settings)
 # A 135M target leaves the GPU mostly idle, so runs share it; the replies are regenerated first when missing. Rerun the same command to finish what a lost machine left:
 # each step skips what exists. OUT/table.md gathers every run's numbers (tools/gpu/ablation_table.py).
@@ -57,7 +58,7 @@ fi
 
 # 2. Every run side by side; a run's extra evaluations follow its own training.
 MAX_NEW=$([[ $TINY == 1 ]] && echo 24 || echo 256)
-PROMPTS=$([[ $TINY == 1 ]] && echo 2 || echo 100)
+PROMPTS=$([[ $TINY == 1 ]] && echo 2 || echo "${EVAL_PROMPTS:-100}")  # speculators_compare.sh reads EVAL_PROMPTS too
 HELDOUT=$([[ $TINY == 1 ]] && echo data/demo_heldout_prompts.jsonl || echo "$RECIPE/data/heldout_questions.jsonl")
 extra_eval() {  # run, name, eval_dflash.py flags...
   local run=$1 name=$2 drafter
