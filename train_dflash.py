@@ -96,7 +96,7 @@ from dflash_checkpoint import (
 from dflash_cli import HelpFormatter, SettingsParser, check_yaml_values, did_you_mean, yaml_error_line
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
-from dflash_decoding import evaluate_acceptance
+from dflash_decoding import evaluate_acceptance, resolve_block_size
 from dflash_features import FeatureSettings, FeatureSupply, to_device
 from dflash_loss import (
     DEFAULT_LOSS_GAMMA,
@@ -424,7 +424,6 @@ class TrainSettings:
             (self.loss_normalize != "weights", f"--loss_normalize {self.loss_normalize}; each term is divided by its sum of weights"),
             (self.label_source != "data", f"--label_source {self.label_source}; its cross-entropy is on the data's tokens"),
             (self.optimizer != "adamw", f"--optimizer {self.optimizer}; use adamw (DeepSpec's; Muon would take the Markov head's matrices)"),
-            (self.eval_data is not None, "held-out tau (--eval_data) yet; leave it out and measure the export with eval_dflash.py"),
         )
         for refuse, what in refused:
             if refuse:
@@ -1067,7 +1066,9 @@ def held_out_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, 
     """tau on the held-out prompts (and prompt lookup's, with --eval_prompt_lookup), for the lead
     (the other drafter ranks wait at the next barrier): colocated on the lead itself, with a bar over
     the prompts on a terminal (a minute or so of decoding), in split mode on the first target group,
-    which receives the weights."""
+    which receives the weights. Verify blocks are every draft of a pass plus the anchor (DFlash: the
+    drafter's B; DSpark: gamma + 1), as eval_dflash.py's default; the row records that size."""
+    block_size = resolve_block_size(drafter, None)
     if layout.split:
         broadcast_drafter_weights(drafter, layout.eval_group, src=layout.rank)
         values = broadcast_scalars(None, len(EVAL_RESULTS), layout.eval_group, layout.target_groups[0][0], device)
@@ -1079,11 +1080,12 @@ def held_out_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, 
             tokenizer,
             data.eval_prompts,
             settings.eval_max_new_tokens,
+            block_size,
             chat_template_kwargs=data.chat_kwargs,
             prompt_lookup=settings.eval_prompt_lookup,
             progress=layout.is_lead and sys.stderr.isatty(),
         )
-    scalars = {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"]}
+    scalars = {"eval_tau": result["acceptance_length"], "eval_tokens_per_s": result["speculative_tokens_per_s"], "eval_block_size": block_size}
     if settings.eval_prompt_lookup:
         scalars["eval_prompt_lookup_tau"] = result["prompt_lookup_acceptance_length"]
     return scalars

@@ -1,19 +1,23 @@
 """Training a DSpark drafter through train_dflash.py (`--drafter dspark`, colocated, CPU): a run on a
-repeated tiny batch whose loss falls and whose export `DSparkDraftModel` reloads in DeepSpec's layout,
-the trainer's micro-batch loss against `dspark_loss` computed by hand, and the one-line refusals of
-what DSpark does not train with yet."""
+repeated tiny batch whose loss falls, whose held-out tau (gamma + 1 tokens verified) is eval_dflash.py's
+on its export, and whose export `DSparkDraftModel` reloads in DeepSpec's layout, the trainer's
+micro-batch loss against `dspark_loss` computed by hand, and the one-line refusals of what DSpark does
+not train with yet."""
 
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import eval_dflash
 from dflash_loss import dspark_loss
 from dspark_model import DSparkConfig, DSparkDraftModel
 from train_dflash import Compute, MicroBatchLoss, TrainSettings, parse_settings
@@ -56,12 +60,15 @@ def dspark_args(target_dir, output_dir, **overrides) -> list[str]:
 def test_a_dspark_run_lowers_its_loss_and_exports_a_drafter_that_reloads(trainable_qwen3_target, train_env, tmp_path):
     """15 steps on one repeated batch of 2: the logged DSpark loss (0.1 CE + 0.9 L1 + 1.0 BCE) falls at
     every log line (measured 3.30, 3.11, 3.04 at steps 5, 10, 15; the L1 to a peaked target through
-    one drafter layer falls slowly), and final/
-    is DeepSpec's layout (Qwen3DSparkModel, the heads' tensors, copies of the target's embedding and
-    LM head) that `DSparkDraftModel` loads strictly, with the settings saved beside it."""
+    one drafter layer falls slowly), held-out tau is measured at step 10 (--eval_steps) and at the end
+    with verify blocks of gamma + 1 = 5 (1.0 both times: 15 steps teach the drafter no draft the target
+    accepts; the next test checks the value), and final/ is DeepSpec's layout (Qwen3DSparkModel, the
+    heads' tensors, copies of the target's embedding and LM head) that `DSparkDraftModel` loads strictly,
+    with the settings saved beside it."""
     out = tmp_path / "run"
+    held_out = dict(eval_data=REPO / "data" / "demo_heldout_prompts.jsonl", eval_num_prompts=2, eval_max_new_tokens=24, eval_steps=10)
     result = subprocess.run(
-        [sys.executable, "train_dflash.py", *dspark_args(trainable_qwen3_target, out)],
+        [sys.executable, "train_dflash.py", *dspark_args(trainable_qwen3_target, out, **held_out)],
         cwd=REPO,
         env=train_env,
         capture_output=True,
@@ -70,8 +77,14 @@ def test_a_dspark_run_lowers_its_loss_and_exports_a_drafter_that_reloads(trainab
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "DSpark: block size 4 = drafts per block" in result.stderr
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    log = [row for row in rows if "loss" in row]
     assert [row["step"] for row in log] == [5, 10, 15]
+    evaluated = [row for row in rows if "eval_tau" in row]
+    print("held-out", [(row["step"], row["eval_tau"]) for row in evaluated])
+    assert [(row["step"], row["eval_block_size"]) for row in evaluated] == [(10, 5), (15, 5)]
+    assert all(1.0 <= row["eval_tau"] <= 5.0 for row in evaluated)
+    assert "Held-out tau at step 15: " in result.stderr
     losses = [row["loss"] for row in log]
     print("losses", losses)
     assert all(math.isfinite(x) for x in losses)
@@ -99,6 +112,68 @@ def test_a_dspark_run_lowers_its_loss_and_exports_a_drafter_that_reloads(trainab
     drafter = DSparkDraftModel(DSparkConfig.from_pretrained(final))
     drafter.load_state_dict({k: v for k, v in weights.items() if k not in ("embed_tokens.weight", "lm_head.weight")}, strict=True)
     assert drafter.config.block_size == 4 and drafter.markov_head.markov_w1.weight.abs().sum() > 0
+
+
+def test_held_out_tau_of_a_dspark_drafter_is_eval_dflash_on_its_export(qwen3_tokenizer, tmp_path):
+    """`held_out_tau`, the trainer's periodic and final evaluation, on a DSpark drafter of gamma 4:
+    verify blocks of gamma + 1 = 5 and eval_dflash.py's tau on the drafter's export (the same 2
+    held-out prompts, 32 new tokens, greedy, fp32). The target is a bigram model (its layers add
+    nothing to the residual stream: the logits after token v are lm_head(norm(embed[v])), of rank 16),
+    and the drafter's rank-16 Markov head holds 10 x those logits, so its walk is often accepted, not
+    always (measured 3.44 at blocks of 5, 2.82 at blocks of gamma = 4)."""
+    from dflash_data import load_prompts
+    from dflash_decoding import evaluate_acceptance
+    from dflash_target import drafter_config_for_target
+    from dspark_model import save_dspark_export
+    from train_dflash import TrainData, held_out_tau
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        vocab_size=151936,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        tie_word_embeddings=False,
+        eos_token_id=qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    target = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    target.save_pretrained(tmp_path / "target")
+    qwen3_tokenizer.save_pretrained(tmp_path / "target")
+    draft_config = drafter_config_for_target(
+        target.config, mask_token_id=151669, num_draft_layers=1, block_size=4, target_layer_ids=[0, 1], drafter="dspark", markov_rank=16
+    )
+    torch.manual_seed(1)
+    drafter = DSparkDraftModel(draft_config).eval()
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.copy_(10 * target.model.norm(target.model.embed_tokens.weight))  # [V, 16]
+        drafter.markov_head.markov_w2.weight.copy_(target.lm_head.weight)  # W2(W1[v]) = 10 x the target's logits after v
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    save_dspark_export(drafter, tmp_path / "dspark")
+
+    prompts_file = REPO / "data" / "demo_heldout_prompts.jsonl"
+    prompts = load_prompts(str(prompts_file), qwen3_tokenizer, num_prompts=2)
+    data = TrainData(dataset=None, lengths=[], eval_prompts=prompts, chat_kwargs=None)
+    settings, _ = parse_settings(["--target_model", "x", "--train_data", "a", "--drafter", "dspark", "--eval_max_new_tokens", "32"])
+    lead = SimpleNamespace(split=False, is_lead=True)
+    scalars = held_out_tau(drafter, target, qwen3_tokenizer, data, settings, lead, torch.device("cpu"))
+
+    base = ["--target_model", str(tmp_path / "target"), "--draft_model", str(tmp_path / "dspark"), "--data", str(prompts_file)]
+    base += ["--num_prompts", "2", "--max_new_tokens", "32", "--device", "cpu", "--dtype", "float32", "--baseline", "none"]
+    results = eval_dflash.main([*base, "--output", str(tmp_path / "eval.json")])
+    gamma_blocks = evaluate_acceptance(target, drafter, qwen3_tokenizer, prompts, 32, block_size=4)["acceptance_length"]
+    print(f"held-out tau {scalars['eval_tau']:.4f}, eval_dflash.py {results['acceptance_length']:.4f}, blocks of gamma {gamma_blocks:.4f}")
+    assert scalars["eval_block_size"] == 5 and results["settings"]["block_size"] == 5 and results["lossless"] is True
+    assert scalars["eval_tau"] == pytest.approx(results["acceptance_length"], abs=1e-9)
+    assert 1.5 < scalars["eval_tau"] < 5 and abs(scalars["eval_tau"] - gamma_blocks) > 0.3  # the check can tell the block sizes apart
 
 
 def test_the_trainer_loss_is_dspark_loss_on_the_blocks_of_its_anchors():
@@ -189,7 +264,6 @@ def test_the_trainer_loss_is_dspark_loss_on_the_blocks_of_its_anchors():
         ("--context_chunk_size 64", "--drafter dspark does not train with --context_chunk_size 64"),
         ("--label_source target_argmax", "--drafter dspark does not train with --label_source target_argmax"),
         ("--optimizer muon --max_grad_norm 0", "--drafter dspark does not train with --optimizer muon"),
-        ("--eval_data data/demo_conversations.jsonl", "--drafter dspark does not train with held-out tau (--eval_data)"),
         ("--markov_rank -1", "--markov_rank must be >= 0"),
         ("--markov_rank 0", "--enable_confidence_head true reads the Markov features"),
         ("--dspark_ce_weight 0 --dspark_l1_weight 0", "--dspark_ce_weight 0.0, --dspark_l1_weight 0.0"),

@@ -372,6 +372,7 @@ def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int,
     """(per prompt: prompt ids, greedy tokens, speculative tokens, stats, drafted blocks; eos ids and block size)."""
     import torch
 
+    from dflash2_model import DFlash2Config
     from dflash_data import load_prompts
     from dflash_decoding import (
         Decoder,
@@ -405,7 +406,8 @@ def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int,
         tokens, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, eos_token_ids=eos, decoder=decoder)
         decoder.close()
         rows.append({"prompt_ids": input_ids[0].tolist(), "greedy": reference, "speculative": tokens, "stats": stats, "blocks": blocks})
-    return rows, {"eos": eos, "block_size": drafter.config.block_size, "dflash2": hasattr(drafter, "draft_sample")}
+    # By the config's type: a DSpark drafter has draft_sample too, and its own path (`our_dspark_decoding`).
+    return rows, {"eos": eos, "block_size": drafter.config.block_size, "dflash2": isinstance(drafter.config, DFlash2Config)}
 
 
 def load_dspark_drafter(draft_model: str, target):
