@@ -121,11 +121,12 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
 from dflash_bench_training import MasterWeightAdamW, make_batch
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
+from dflash_features import TargetFeatureExtractor
 from dflash_flops import drafter_step_flops, target_forward_flops
 from dflash_loss import LOSSES, block_target_hidden, check_fused_loss, loss_weights, resolve_fused_loss, selector_objective, weighted_block_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel
-from dflash_target import TargetFeatureExtractor, drafter_config_for_target
+from dflash_target import drafter_config_for_target
 
 REPO_DIR = Path(__file__).resolve().parent
 H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 datasheet figure (H100/H200 SXM)

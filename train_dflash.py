@@ -97,7 +97,7 @@ from dflash_cli import HelpFormatter, SettingsParser, check_yaml_values, did_you
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
 from dflash_decoding import evaluate_acceptance
-from dflash_features import FeatureSettings, FeatureSupply, to_device
+from dflash_features import FeatureSettings, FeatureSupply, TargetFeatureExtractor, to_device
 from dflash_loss import (
     DEFAULT_LOSS_GAMMA,
     LOSS_NORMALIZERS,
@@ -130,7 +130,7 @@ from dflash_progress import (
 )
 from dflash_schedule import ResumePoint, Schedule, ScheduleSettings, epoch_batches, is_eval_step, is_save_step, make_schedule, real_micro_batches
 from dflash_split import DrafterGroupMPU, broadcast_drafter_weights, broadcast_scalars
-from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, drafter_config_for_target, load_target_config, resolve_mask_token_id
+from dflash_target import SMOLLM2_PACKAGE, drafter_config_for_target, load_target_config, resolve_mask_token_id
 from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
