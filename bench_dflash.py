@@ -123,7 +123,8 @@ from dflash_bench_training import MasterWeightAdamW, make_batch
 from dflash_compile import get_compiled_flex_attention, setup_compile_cache, warm_up_flex_attention
 from dflash_features import TargetFeatureExtractor
 from dflash_flops import drafter_step_flops, target_forward_flops
-from dflash_loss import LOSSES, block_target_hidden, check_fused_loss, loss_weights, resolve_fused_loss, selector_objective, weighted_block_loss
+from dflash_loss import block_target_hidden, loss_weights, selector_objective, weighted_block_loss
+from dflash_loss_kernels import LOSSES, check_fused_loss, resolve_fused_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_target import drafter_config_for_target

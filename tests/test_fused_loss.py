@@ -18,7 +18,8 @@ from transformers import Qwen3Config
 
 import dflash_loss
 from dflash2_model import DFlash2DraftModel
-from dflash_loss import check_fused_loss, loss_weights, resolve_fused_loss, selector_objective, top_k_candidates, weighted_block_loss
+from dflash_loss import loss_weights, selector_objective, weighted_block_loss
+from dflash_loss_kernels import check_fused_loss, resolve_fused_loss, top_k_candidates
 from dflash_target import drafter_config_for_target
 
 REPO = Path(__file__).resolve().parents[1]
