@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config
 
-from bench_dflash import fused_dflash_loss
+from dflash_bench_training import fused_dflash_loss
 from dflash_features import TargetFeatureExtractor
 from dflash_flops import drafter_step_flops, target_forward_flops, visible_pairs
 from dflash_loss import loss_weights, weighted_block_loss

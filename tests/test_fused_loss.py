@@ -302,7 +302,7 @@ def test_the_loss_function_refuses_what_the_flag_refuses(monkeypatch):
 
 
 def test_the_benchmark_times_the_libraries_as_levers():
-    from bench_dflash import parse_variant
+    from dflash_bench_training import parse_variant
 
     assert parse_variant("compile_layers+fused_ce_compiled+fused_loss_liger").fused_loss == "liger"
     assert parse_variant("baseline+dpace+fused_loss_cce").fused_loss == "cce" and parse_variant("baseline").fused_loss == "none"
