@@ -2,11 +2,30 @@
 rows (`make_batch`) and AdamW on fp32 master weights (`MasterWeightAdamW`, DeepSpeed's bf16 scheme
 on one rank, unsharded). bench_dflash.py times its steps with them, and
 tools/gpu/drafter_rank_memory.py measures a drafter rank's memory.
+
+Also what bench_dflash.py times: a step's levers (`Variant`, read from a name by `parse_variant`:
+compiled layers, the loss's form and chunk size, the objective, the memory levers, --fused_loss),
+the step as train_dflash.py runs it (`drafter_step`), one variant at one shape warmed up and timed
+(`bench_drafter_config`), and the target's feature forward timed (`bench_target`).
 """
 
-import torch
+import gc
+import statistics
+import time
+from dataclasses import dataclass
 
-from dflash_model import DFlashConfig
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
+from dflash_compile import get_compiled_flex_attention, warm_up_flex_attention
+from dflash_flops import drafter_step_flops, target_forward_flops
+from dflash_loss import block_target_hidden, dspark_loss, loss_weights, selector_objective, weighted_block_loss
+from dflash_loss_kernels import LOSSES, check_fused_loss, resolve_fused_loss
+from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
+from dflash_model import DFlashConfig, DFlashDraftModel
+from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, markov_predecessor_ids
 
 
 def make_batch(batch: int, seq_len: int, config: DFlashConfig, device, dtype, with_features: bool = True, with_target_hidden: bool = False):
@@ -57,3 +76,419 @@ class MasterWeightAdamW:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants: the levers of a drafter step
+
+
+def fused_dflash_loss(hidden, head_weight, labels, label_valid, weights, chunk_size=4096, compiled=False, **objective):
+    """`dflash_loss.weighted_block_loss` (the fused form, gradient in the forward), optionally with the
+    per-chunk elementwise work compiled (`dflash_loss_kernels.compiled_ce_grad_chunk`, as in training).
+    objective: weighted_block_loss's loss / target_hidden / loss_weighting keywords."""
+    return weighted_block_loss(hidden, head_weight, labels, label_valid, weights, chunk_size, compiled=compiled, **objective)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The levers one benchmarked drafter step runs with; `parse_variant` reads them from a name."""
+
+    name: str
+    compile_layers: bool = False
+    loss: str = "chunked"  # chunked (weighted_block_loss) | fused | fused_compiled
+    chunk_size: int = 4096
+    objective: str = "ce"  # weighted_block_loss's loss: ce | kl | tv | nla | lk
+    weighting: str = "exp"  # weighted_block_loss's loss_weighting: exp | dpace
+    context_chunk: int = 0  # DFlashDraftModel.chunk_context (0: the context path in one piece)
+    checkpoint_layers: bool = False  # DFlashDraftModel.checkpoint_layers
+    fused_loss: str = "none"  # weighted_block_loss's fused_loss: none | liger | cce
+
+
+def parse_variant(name: str) -> Variant:
+    """'compile_layers+fused_ce_compiled' -> Variant(...). Levers: baseline, compile_layers, loss_chunk_N, fused_ce,
+    fused_ce_compiled, loss_<one of dflash_loss_kernels.LOSSES>, dpace."""
+    fields = {
+        "compile_layers": False,
+        "loss": "chunked",
+        "chunk_size": 4096,
+        "objective": "ce",
+        "weighting": "exp",
+        "context_chunk": 0,
+        "checkpoint_layers": False,
+        "fused_loss": "none",
+    }
+    for lever in name.split("+"):
+        if lever == "baseline":
+            continue
+        elif lever.startswith("loss_") and lever[len("loss_") :] in LOSSES:
+            fields["objective"] = lever[len("loss_") :]
+        elif lever == "dpace":
+            fields["weighting"] = "dpace"
+        elif lever.startswith("fused_loss_"):  # the name is checked below
+            fields["fused_loss"] = lever[len("fused_loss_") :]
+        elif lever == "compile_layers":
+            fields["compile_layers"] = True
+        elif lever.startswith("loss_chunk_") and lever[len("loss_chunk_") :].isdigit():
+            fields["chunk_size"] = int(lever[len("loss_chunk_") :])
+        elif lever.startswith("context_chunk_") and lever[len("context_chunk_") :].isdigit():
+            fields["context_chunk"] = int(lever[len("context_chunk_") :])
+        elif lever == "checkpoint_layers":
+            fields["checkpoint_layers"] = True
+        elif lever == "fused_ce":
+            fields["loss"] = "fused"
+        elif lever == "fused_ce_compiled":
+            fields["loss"] = "fused_compiled"
+        else:
+            raise ValueError(
+                f"--variant {name!r}: unknown lever {lever!r}; use baseline, compile_layers, loss_chunk_N, fused_ce, "
+                f"fused_ce_compiled, {', '.join('loss_' + loss for loss in LOSSES)}, dpace, context_chunk_N, checkpoint_layers, "
+                f"fused_loss_liger, fused_loss_cce, joined by '+'"
+            )
+    check_fused_loss(fields["fused_loss"], fields["objective"])
+    return Variant(name=name, **fields)
+
+
+def loss_fn(variant: Variant):
+    """The variant's loss: (hidden, head_weight, labels, label_valid, weights, chunk_size=, **objective) -> (loss, accepted)."""
+    if variant.loss == "chunked":
+        return weighted_block_loss
+    return lambda *a, chunk_size, **objective: fused_dflash_loss(*a, chunk_size=chunk_size, compiled=variant.loss == "fused_compiled", **objective)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing helpers
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PhaseClock:
+    """Marks phase boundaries inside a step: CUDA events on GPU (no sync), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phase_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (call after a sync)."""
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def measured_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, reps: int) -> float:
+    """Median TFLOP/s of [size, size] @ [size, size] matmuls in `dtype`."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    times = []
+    for i in range(reps + 3):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:  # warm-up: cuBLAS heuristics, clocks
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The measured matmul rate (the MFU denominator) in TFLOP/s, and a line that says how it was measured."""
+    if device.type == "cuda":
+        tflops = measured_matmul_tflops(device, torch.bfloat16, 8192, reps=10)
+        return tflops, f"bf16 8192^3 matmul, median of 10: {tflops:.1f} TFLOP/s"
+    tflops = measured_matmul_tflops(device, dtype, 256, reps=5)
+    return tflops, f"fp32 256^3 matmul on CPU, median of 5: {tflops:.3f} TFLOP/s"
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    """The device's peak allocated memory in GB since its last reset; None on a CPU."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def free_memory(device: torch.device, params=()) -> None:
+    """Drop the gradients of `params` and give the freed memory back (garbage collection, CUDA's cache)."""
+    for p in params:
+        p.grad = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def median_ms(fn, device: torch.device, reps: int = 3) -> float:
+    """Median milliseconds of `reps` calls of `fn`, each between two device syncs."""
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------
+# The drafter's train step, timed
+
+
+def drafter_context(config: DFlashConfig, device: torch.device, dtype: torch.dtype, progress, backend: str, steps: int, warmup: int) -> dict:
+    """The drafter and its optimizer, with standalone (frozen) embedding and head at the target's shapes:
+    everything `bench_drafter_config` reads, as one dict. progress: a callable taking a log line;
+    backend: flex or sdpa; steps, warmup: timed and warm-up steps per (variant, shape)."""
+    with device:
+        drafter = (
+            DSparkDraftModel if isinstance(config, DSparkConfig) else DFlash2DraftModel if isinstance(config, DFlash2Config) else DFlashDraftModel
+        )(config)
+        for param in drafter.parameters():  # params only, like DeepSpeed's bf16 cast: RoPE's inv_freq buffer stays fp32
+            param.data = param.data.to(dtype)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype).requires_grad_(False)
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype).requires_grad_(False)
+    drafter.train()
+    drafter.attach_target(embed, head)
+    optimizer = MasterWeightAdamW(drafter.parameters(), lr=1e-5, max_grad_norm=1.0, fused=device.type == "cuda")
+    trainable = sum(p.numel() for p in optimizer.params)
+    progress(f"drafter: {trainable / 1e6:.1f} M trainable params ({config.num_hidden_layers} layers, block {config.block_size})")
+    return dict(
+        device=device,
+        config=config,
+        dtype=dtype,
+        drafter=drafter,
+        optimizer=optimizer,
+        trainable=trainable,
+        head_weight=head.weight,
+        weights=loss_weights(config.block_size, device=device),
+        backend=backend,
+        steps=steps,
+        warmup=warmup,
+    )
+
+
+def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensors, num_anchors, backend, generator, clock, extractor=None):
+    """One training step as train_dflash.py runs it; returns (anchors, anchor_valid, label_valid) for the FLOP count.
+
+    With `extractor`, the target forward runs first (colocated mode) and produces the features.
+    """
+    input_ids, loss_mask, features, target_hidden = batch_tensors
+    block_size = drafter.config.block_size
+    clock.mark()
+    if extractor is not None:
+        features = extractor(input_ids, torch.ones_like(input_ids))  # [batch, S, 5*hidden]
+        clock.mark()
+    anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
+    hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend=backend)  # [batch, N, B, hidden]
+    clock.mark()
+    if isinstance(drafter.config, DSparkConfig):  # train_dflash.py's dspark_objective: every slot predicts, gamma = B
+        labels, label_valid = dspark_block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)  # [batch, N, gamma]
+        predecessors = markov_predecessor_ids(input_ids, anchors, block_size)  # [batch, N, gamma]
+        with torch.no_grad():  # slot k's p: the target's logits at a + k
+            target_logits = drafter.compute_logits(block_target_hidden(target_hidden, anchors, block_size + 1))  # [batch, N, gamma, V]
+        confidence = drafter.confidence_logits(hidden, predecessors) if drafter.confidence_head is not None else None
+        loss, _ = dspark_loss(drafter.block_logits(hidden, predecessors), confidence, labels, label_valid, target_logits)
+    else:
+        labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)
+        objective = dict(loss=variant.objective, loss_weighting=variant.weighting, fused_loss=resolve_fused_loss(variant.fused_loss, hidden.device))
+        if variant.objective != "ce":
+            objective["target_hidden"] = block_target_hidden(target_hidden, anchors, block_size)  # [batch, N, B-1, hidden]
+        dflash2 = isinstance(drafter.config, DFlash2Config)
+        top_k = drafter.config.selector_top_k if dflash2 else 0  # the selector's candidates from the loss's logits, as in training
+        loss, _, *row_weights = loss_fn(variant)(
+            hidden[:, :, 1:],
+            head_weight,
+            labels,
+            label_valid,
+            weights,
+            chunk_size=variant.chunk_size,
+            return_row_weights=dflash2,
+            top_k=top_k,
+            **objective,
+        )
+        if dflash2:  # the selector's loss beside the drafter's, with its weights, as train_dflash.py adds it
+            loss = (
+                loss
+                + selector_objective(
+                    drafter.candidate_selector,
+                    drafter.config.selector_top_k,
+                    hidden[:, :, 1:],
+                    head_weight,
+                    labels,
+                    label_valid,
+                    selector_predecessor_ids(input_ids, anchors, block_size),
+                    row_weights[0],
+                    chunk_size=variant.chunk_size,
+                    candidate_ids=row_weights[1],
+                )[0]
+            )
+    clock.mark()
+    loss.backward()
+    clock.mark()
+    optimizer.step()
+    clock.mark()
+    return anchors, anchor_valid, label_valid
+
+
+def set_drafter_levers(ctx, variant: Variant) -> None:
+    """Train through compiled drafter layers or eager ones (`DFlashDraftModel.compile_layers`, as in training), and
+    with the variant's memory levers (`chunk_context`, `checkpoint_layers`)."""
+    ctx["drafter"].compile_layers(variant.compile_layers)
+    ctx["drafter"].chunk_context(variant.context_chunk)
+    ctx["drafter"].checkpoint_layers(variant.checkpoint_layers)
+
+
+def time_mask_and_attention(ctx, loss_mask, num_anchors: int, seq_len: int, generator) -> tuple[float, float]:
+    """(ms of the eager BlockMask builds, ms of compiled flex forward+backward for all L layers), alone.
+
+    flex gets inputs laid out as in the drafter (the same shape key as warm_up_flex_attention, so
+    nothing compiles here) and the real mask of sampled anchors.
+    """
+    device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
+    anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
+    rules = [config.attention_rule(i) for i in range(config.num_hidden_layers)]
+    batch, q_len = anchors.shape[0], num_anchors * config.block_size
+    q = torch.randn(batch, q_len, config.num_attention_heads, config.head_dim, device=device, dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, config.num_key_value_heads, seq_len + q_len, config.head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    flex = get_compiled_flex_attention(device)
+    mask_ms = attention_ms = 0.0
+    for rule in dict.fromkeys(rules):  # one mask per distinct layer rule, as training builds them
+        mask_ms += median_ms(lambda: create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size, *rule), device)
+        block_mask = create_anchor_block_mask(anchors, anchor_valid, seq_len, config.block_size, *rule)
+
+        def forward_backward():
+            out = flex(q, k, v, block_mask)  # [batch, heads, Q, head_dim]
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+        attention_ms += rules.count(rule) * median_ms(forward_backward, device)
+    return mask_ms, attention_ms
+
+
+def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, batch: int, extractor=None) -> dict:
+    """Warm up and time one (variant, shape); returns a result row (status 'ok', 'OOM' or 'error: ...')."""
+    device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
+    row = dict(variant=variant.name, anchors=num_anchors, seq=seq_len, batch=batch, status="ok")
+    set_drafter_levers(ctx, variant)
+    free_memory(device, ctx["optimizer"].params)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        batch_tensors = make_batch(
+            batch,
+            seq_len,
+            config,
+            device,
+            dtype,
+            with_features=extractor is None,
+            with_target_hidden=variant.objective != "ce" or isinstance(config, DSparkConfig),
+        )
+        generator = torch.Generator().manual_seed(0)
+        start = time.perf_counter()
+        if ctx["backend"] == "flex":
+            warm_up_flex_attention(
+                device,
+                create_anchor_block_mask,
+                batch=batch,
+                heads=config.num_attention_heads,
+                kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                context_len=seq_len,
+                num_anchors=num_anchors,
+                block_size=config.block_size,
+                dtype=dtype,
+                rules=tuple(config.attention_rule(i) for i in range(config.num_hidden_layers)),
+            )
+        step = lambda clock: drafter_step(  # noqa: E731 - one call site per phase below
+            ctx["drafter"],
+            ctx["optimizer"],
+            ctx["head_weight"],
+            ctx["weights"],
+            variant,
+            batch_tensors,
+            num_anchors,
+            ctx["backend"],
+            generator,
+            clock,
+            extractor,
+        )
+        for _ in range(ctx["warmup"]):
+            step(PhaseClock(device))
+        sync(device)
+        row["warmup_s"] = time.perf_counter() - start
+        step_ms, phases, flops = [], [], []
+        for _ in range(ctx["steps"]):
+            clock = PhaseClock(device)
+            sync(device)
+            t0 = time.perf_counter()
+            anchors, anchor_valid, label_valid = step(clock)
+            sync(device)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            phases.append(clock.phase_ms())
+            distribution_loss = variant.objective != "ce" or isinstance(config, DSparkConfig)  # DSpark's L1 reads the target's logits
+            parts = drafter_step_flops(config, seq_len, anchors, anchor_valid, label_valid, distribution_loss=distribution_loss)
+            flops.append(sum(f + b for f, b in parts.values()))
+        row["ms_step"] = statistics.median(step_ms)
+        row["phases_ms"] = [statistics.median(p) for p in zip(*phases)]
+        row["flops_sample"] = statistics.mean(flops) / batch
+        row["peak_gb"] = peak_memory_gb(device)
+        if extractor is None and ctx["backend"] == "flex":
+            row["mask_ms"], row["attn_ms"] = time_mask_and_attention(ctx, batch_tensors[1], num_anchors, seq_len, generator)
+    except torch.cuda.OutOfMemoryError:
+        row["status"] = "OOM"
+    except Exception as e:  # a variant that fails (e.g. a compile error) is reported, the run goes on
+        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        import traceback
+
+        traceback.print_exc()
+    free_memory(device, ctx["optimizer"].params)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# The target's forward, timed
+
+
+def build_target(target_config: Qwen3Config, device, dtype):
+    """A target of `target_config` with random weights, on `device` in `dtype`, frozen and in eval mode (SDPA)."""
+    with device:  # allocate on the device directly
+        target = AutoModelForCausalLM.from_config(target_config, dtype=dtype, attn_implementation="sdpa")
+    target.requires_grad_(False)
+    return target.eval()
+
+
+def bench_target(extractor, target_config, num_layers, device, batch, seq_len, steps, warmup) -> dict:
+    """Tokens/s of the truncated target forward with feature capture at [batch, seq_len]."""
+    row = dict(batch=batch, seq=seq_len, status="ok")
+    free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        input_ids = torch.randint(0, target_config.vocab_size, (batch, seq_len), device=device)
+        attention_mask = torch.ones_like(input_ids)
+        times = []
+        for i in range(warmup + steps):
+            sync(device)
+            t0 = time.perf_counter()
+            features = extractor(input_ids, attention_mask)
+            sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            del features
+        seconds = statistics.median(times)
+        row["ms_call"] = seconds * 1e3
+        row["tokens_s"] = batch * seq_len / seconds
+        row["tflops"] = target_forward_flops(target_config, num_layers, batch, seq_len) / seconds / 1e12
+        row["peak_gb"] = peak_memory_gb(device)
+    except torch.cuda.OutOfMemoryError:
+        row["status"] = "OOM"
+    free_memory(device)
+    return row

@@ -30,7 +30,7 @@ The rules of this module:
 `CUDAGraphCall`, the other way this project makes a hot function fast (batch-1 decoding, batched
 regeneration, the target's feature forward), lives here too.
 
-This module imports nothing of the project: `dflash_model` and `dflash_target` import it.
+This module imports nothing of the project: `dflash_model` and `dflash_features` import it.
 """
 
 import contextlib

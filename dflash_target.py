@@ -1,27 +1,20 @@
-"""The target side of DFlash training: load the frozen target LLM and pull context features out of it.
+"""The target side of DFlash training: load the frozen target LLM, size the drafter after it, and
+choose the mask token.
 
-    from dflash_target import load_target, TargetFeatureExtractor, resolve_mask_token_id
+    from dflash_target import load_target, resolve_mask_token_id
 
     target, tokenizer = load_target("Qwen/Qwen3-8B")                      # hub id or local dir
     target, tokenizer = load_target(*find_smollm2_gguf()[:1], gguf_file=find_smollm2_gguf()[1])
-    extractor = TargetFeatureExtractor(target, target_layer_ids=[1, 9, 17, 25, 33])
-    context_features = extractor(input_ids, attention_mask)  # [batch, S, 5 * hidden]
-    mask_token_id = resolve_mask_token_id(tokenizer, extractor.vocab_size)
+    mask_token_id = resolve_mask_token_id(tokenizer, target.get_input_embeddings().num_embeddings)
 
     # A drafter rank: the target's embedding and LM head alone, read from its safetensors shards.
     embed_tokens, lm_head = load_target_embeddings("Qwen/Qwen3-32B", config)
     # A target rank of a tensor-parallel group (DeepSpeed AutoTP over `group`, K ranks of one node).
     target = load_target_model("Qwen/Qwen3-32B", config, tp_group=group)
 
-The drafter is conditioned on the outputs of target decoder layers
-`target_layer_ids` (0-based, i.e. HF `output_hidden_states[id + 1]`), concatenated in list
-order. We capture them with forward hooks on the decoder layers, never from
-`hidden_states[-1]`: transformers overwrites that entry with the final-norm output, which
-serving engines never hand to the drafter. The forward stops after the deepest captured
-layer (later layers are dropped, or skipped when the target is kept whole for evaluation; the LM
-head is never called), and the drafter borrows the target's embedding and LM head by reference.
+The context features come out of the loaded target in dflash_features.py (`TargetFeatureExtractor`).
 
-The drafter's config is sized after the target here too (`drafter_config_for_target`: sizes, RoPE,
+The drafter's config is sized after the target here (`drafter_config_for_target`: sizes, RoPE,
 the embedding and logit scaling that the engines will apply), because that is knowledge of target
 families, not of the drafter.
 
@@ -46,7 +39,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash2_model import DFLASH2_FIELDS, DFlash2Config
-from dflash_compile import CUDAGraphCall, compile_once_locked, running_compiled
 from dflash_model import DFlashConfig, default_target_layer_ids, resolve_layer_types
 from dspark_model import DSparkConfig
 
@@ -200,6 +192,20 @@ def load_target_model(
     target.requires_grad_(False)
     target.eval()
     return target
+
+
+def decoder_and_layers(target: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleList]:
+    """The base decoder module (no LM head), the name of its layer list, and the list itself."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
+    for name in ("layers", "h", "blocks"):  # Qwen3/Llama/Mistral use `layers`; GPT-2-style `h`
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return decoder, name, layers
+    raise ValueError(
+        f"Could not find the decoder layer list of {type(target).__name__} (looked for "
+        f"{type(decoder).__name__}.layers / .h / .blocks). Pass a decoder-only causal LM such as Qwen3, "
+        f"Llama or Mistral with --target_model."
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -834,230 +840,6 @@ def target_fingerprint(embedding: torch.Tensor, num_layers: int) -> dict:
     signs = (embedding.detach()[index] > 0).to(torch.uint8).cpu()  # [FINGERPRINT_ROWS, hidden]
     digest = hashlib.sha256(signs.numpy().tobytes()).hexdigest()[:16]
     return {"embedding_shape": [rows, hidden], "num_layers": int(num_layers), "embedding_signs_sha256": digest}
-
-
-# -----------------------------------------------------------------------------
-# Context features
-
-
-def decoder_and_layers(target: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleList]:
-    """The base decoder module (no LM head), the name of its layer list, and the list itself."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
-    for name in ("layers", "h", "blocks"):  # Qwen3/Llama/Mistral use `layers`; GPT-2-style `h`
-        layers = getattr(decoder, name, None)
-        if isinstance(layers, nn.ModuleList):
-            return decoder, name, layers
-    raise ValueError(
-        f"Could not find the decoder layer list of {type(target).__name__} (looked for "
-        f"{type(decoder).__name__}.layers / .h / .blocks). Pass a decoder-only causal LM such as Qwen3, "
-        f"Llama or Mistral with --target_model."
-    )
-
-
-class TargetFeatureExtractor:
-    """Runs the frozen target and returns the outputs of decoder layers `target_layer_ids`.
-
-    target_layer_ids: 0-based decoder-layer indices; layer `i`'s output is HF
-        `output_hidden_states[i + 1]`, captured by forward hooks (not from `hidden_states[-1]`,
-        which transformers replaces with the final-norm output).
-    truncate: drop the decoder layers after `max(target_layer_ids)` from the target IN PLACE
-        (their memory is freed); the target can no longer produce logits afterwards. The LM head
-        is kept (the drafter uses it). Truncated or not, the forward of `__call__` stops after the
-        deepest captured layer, unless `predict_next`.
-    predict_next: also return the target's greedy next token at every position (argmax of its
-        logits): the forward runs every layer, the final norm and the LM head. Needs truncate=False.
-    last_hidden: also return the target's last hidden state (the final-norm output, the LM head's
-        input) at every position, from which a drafter rank recomputes the target's distribution
-        with the head it holds (the distribution losses of dflash_loss.py): the forward runs every
-        layer and the final norm. Needs truncate=False.
-
-    Attributes the drafter borrows by reference: `embed_tokens` (input embedding, [vocab_size,
-    hidden]) and `lm_head` (output head; the same weight as `embed_tokens` for tied targets
-    like SmolLM2). Sizes: `hidden_size`, `num_target_layers` (the untruncated layer count,
-    written into the drafter's config), `vocab_size` (rows of the embedding).
-    """
-
-    def __init__(
-        self, target: PreTrainedModel, target_layer_ids: list[int], truncate: bool = True, predict_next: bool = False, last_hidden: bool = False
-    ):
-        if truncate and (predict_next or last_hidden):
-            raise ValueError("TargetFeatureExtractor(predict_next=True or last_hidden=True) needs the whole target: pass truncate=False")
-        decoder, layers_name, layers = decoder_and_layers(target)
-        # The untruncated count (the drafter config needs it). The config keeps it even when an
-        # earlier extractor already truncated this target's layer list.
-        self.num_target_layers = getattr(target.config.get_text_config(), "num_hidden_layers", None) or len(layers)
-        target_layer_ids = [int(i) for i in target_layer_ids]
-        if not target_layer_ids:
-            raise ValueError("target_layer_ids is empty: give at least one target decoder layer index.")
-        bad = [i for i in target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {target_layer_ids} has {bad} outside [0, {self.num_target_layers - 1}]: the target "
-                f"has {self.num_target_layers} decoder layers and the ids are 0-based (id i = hidden_states[i + 1])."
-            )
-        if max(target_layer_ids) >= len(layers):
-            raise ValueError(
-                f"target_layer_ids {target_layer_ids} needs layer {max(target_layer_ids)}, but this target was already "
-                f"truncated to {len(layers)} layers by an earlier TargetFeatureExtractor; load the target again."
-            )
-        if len(set(target_layer_ids)) != len(target_layer_ids):
-            raise ValueError(f"target_layer_ids {target_layer_ids} contains duplicates; each layer may appear once.")
-        self.target_layer_ids = target_layer_ids
-
-        # Keep references before truncating: the head sits outside the decoder, the embedding inside it.
-        self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
-        self.hidden_size = target.config.get_text_config().hidden_size
-        self.vocab_size = self.embed_tokens.weight.shape[0]
-        self.dtype = self.embed_tokens.weight.dtype
-
-        if truncate:
-            layers = nn.ModuleList(layers[: max(target_layer_ids) + 1])
-            setattr(decoder, layers_name, layers)  # the dropped layers lose their last reference here
-        self.decoder, self.layers_name = decoder, layers_name  # called without the LM head
-        self.layers, self.truncated, self.predict_next, self.last_hidden = layers, truncate, predict_next, last_hidden
-
-        self._captured: dict[int, torch.Tensor] | None = None  # only filled during __call__
-        self._graphed = None  # a CUDAGraphCall of the forward, after use_cuda_graphs()
-        self.additive_mask = getattr(target.config, "_attn_implementation", None) == "eager"
-        self._hook_handles = [layers[i].register_forward_hook(self._make_hook(i)) for i in target_layer_ids]
-
-    def _make_hook(self, layer_id: int):
-        def hook(module, args, output):
-            if self._captured is not None:
-                # Decoder layers return a tensor in transformers 5; older / remote-code ones a tuple.
-                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    @torch.no_grad()  # not inference_mode: the drafter's autograd must be able to save these tensors
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """input_ids [batch, S] long, attention_mask [batch, S] (1 = real token, right padding)
-        -> context_features [batch, S, len(target_layer_ids) * hidden] in the target dtype,
-        layer outputs concatenated in `target_layer_ids` order. With `predict_next` and/or
-        `last_hidden` a tuple, in this order: (context_features, next_ids [batch, S] int64 (next_ids[:, t]
-        the target's argmax after position t), last_hidden [batch, S, hidden] in the target dtype)."""
-        if self._graphed is not None and input_ids.is_cuda:
-            # A copy: the graph's output buffers are overwritten by the next replay, while the drafter's
-            # autograd (and in split mode the sender thread) may still hold these tensors.
-            output = self._graphed(input_ids, attention_mask)
-            return tuple(t.clone() for t in output) if isinstance(output, tuple) else output.clone()
-        return self._features(input_ids, attention_mask, explicit_mask=False)
-
-    def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, explicit_mask: bool):
-        """The forward behind `__call__`. explicit_mask: pass the decoder a ready 4D mask (causal and
-        padding, [batch, 1, S, S]) instead of the 2D one, so that transformers builds nothing from
-        the data (its mask code may check the padding on the host, which a CUDA graph cannot hold)."""
-        mask = attention_mask
-        if explicit_mask:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            mask = (positions[None, :] <= positions[:, None])[None, None] & attention_mask.bool()[:, None, None, :]  # [batch, 1, S, S]
-            if self.additive_mask:
-                mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(~mask, torch.finfo(self.dtype).min)
-        self._captured = {}
-        # A target kept whole (for evaluation) runs only the layers up to the deepest captured one
-        # here too: the decoder iterates a prefix of its layer list for the duration of this call.
-        full = None if self.truncated or self.predict_next or self.last_hidden else getattr(self.decoder, self.layers_name)
-        if full is not None:
-            setattr(self.decoder, self.layers_name, nn.ModuleList(full[: max(self.target_layer_ids) + 1]))
-        try:
-            output = self.decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
-            features = [self._captured[i] for i in self.target_layer_ids]  # each [batch, S, hidden]
-        finally:
-            self._captured = None
-            if full is not None:
-                setattr(self.decoder, self.layers_name, full)
-        features = torch.cat(features, dim=-1)  # [batch, S, len(ids) * hidden]
-        if not (self.predict_next or self.last_hidden):
-            return features
-        last = output[0]  # the final-norm hidden states [batch, S, hidden] (a ModelOutput or a tuple)
-        return (features, *([self._greedy_next(last)] if self.predict_next else []), *([last] if self.last_hidden else []))
-
-    def _greedy_next(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Argmax of the LM head over the final-norm hidden states [batch, S, hidden] -> [batch, S]
-        int64, in chunks of positions that bound the logits to ~2**28 elements (a 150k vocabulary
-        at batch 8 x 4096 would otherwise take 10 GB in bf16). Logit scaling and soft-capping are
-        monotone, so the raw head's argmax is the target's."""
-        batch, seq_len, _ = hidden.shape
-        chunk = max(1, 2**28 // (batch * self.vocab_size))
-        return torch.cat([self.lm_head(hidden[:, i : i + chunk]).argmax(-1) for i in range(0, seq_len, chunk)], dim=1)
-
-    def use_cuda_graphs(self) -> None:
-        """Replay the feature forward from CUDA graphs, one per input shape (`CUDAGraphCall`, one
-        memory pool for all), on CUDA inputs: the whole truncated target forward then costs one
-        launch instead of one per kernel, which is most of its time for a small target at a small
-        batch. Training pads lengths to a fixed multiple and fills short batches up, so few shapes
-        occur. Compiled layers (`compile_layers`) compile in the warm-up before the capture.
-
-        Raises:
-            ValueError: if the target's attention takes no 4D mask (flash attention, flex).
-        """
-
-        implementation = getattr(self.decoder.config, "_attn_implementation", None)
-        if implementation not in ("sdpa", "eager"):
-            raise ValueError(f"CUDA graphs for the target need sdpa or eager attention; this target uses {implementation!r}")
-        self.additive_mask = implementation == "eager"
-        self._graphed = CUDAGraphCall(lambda input_ids, attention_mask: self._features(input_ids, attention_mask, explicit_mask=True))
-
-    def compile_layers(self) -> None:
-        """torch.compile the forward of each decoder layer that runs (dynamic=False, no grad), for the
-        feature forward of `__call__` only.
-
-        Fuses the norms, RoPE, SwiGLU and residual adds around the matmuls (measured at Qwen3-8B
-        shapes on an H200 in BENCHMARKS.md). Layers of one architecture share one graph per shape;
-        the first call at each new shape (per layer) compiles under the compile lock, like the
-        drafter's (`dflash_compile.compile_once_locked`). The capture hooks stay eager around it.
-        A target kept whole also verifies drafts with a growing KV cache (evaluation), whose every
-        new length would compile a graph: outside the feature forward its layers run eagerly.
-        """
-        for index, layer in enumerate(self.layers):
-            # A layer compiled for an earlier extractor of this target keeps its graphs, now switched by this one.
-            eager = getattr(layer.forward, "eager_forward", layer.forward)
-            compiled = getattr(layer.forward, "compiled_forward", None) or _locked_compiled_forward(torch.compile(eager, dynamic=False), index)
-            layer.forward = self._features_only(eager, compiled)
-
-    def _features_only(self, eager, compiled):
-        """A layer forward that runs `compiled` inside this extractor's feature forward (while it
-        captures) and `eager` anywhere else."""
-
-        def forward(*args, **kwargs):
-            return (eager if self._captured is None else compiled)(*args, **kwargs)
-
-        forward.eager_forward, forward.compiled_forward = eager, compiled
-        return forward
-
-    def remove_hooks(self) -> None:
-        """Detach the capture hooks from the target's layers."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-
-
-def _signature(value):
-    """What dynamo specialises a static graph on: shapes and dtypes of tensors, None-ness, plain values."""
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype)
-    if isinstance(value, (tuple, list)):
-        return tuple(_signature(v) for v in value)
-    return value if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__
-
-
-def _locked_compiled_forward(compiled, index: int):
-    """A decoder layer's compiled forward whose first call at each new input signature runs under
-    the compile lock (it is the compile)."""
-
-    def forward(*args, **kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        key = ("target_layer", index, str(hidden.device), _signature(args), _signature(sorted(kwargs.items())))
-        result = []
-        what = f"target layer {index} forward on {hidden.device}, {hidden.dtype}, hidden {list(hidden.shape)}"
-        compile_once_locked(key, what, lambda: result.append(compiled(*args, **kwargs)), hidden.device)
-        if result:
-            return result[0]
-        with running_compiled():
-            return compiled(*args, **kwargs)
-
-    return forward
 
 
 # -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from dflash_compile import setup_compile_cache
 from dflash_data import collate_batch
 from dflash_decoding import evaluate_acceptance
-from dflash_features import FeatureSettings, serve_context_features, target_features
+from dflash_features import FeatureSettings, TargetFeatureExtractor, serve_context_features, target_features
 from dflash_liveness import Liveness, start_liveness
 from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
 from dflash_progress import debug_log, setup_logging, weights_digest
@@ -41,15 +41,7 @@ from dflash_split import (
     node_ranks,
     strip_target_layers,
 )
-from dflash_target import (
-    TargetFeatureExtractor,
-    check_target_fits,
-    check_target_scaling,
-    estimate_target_bytes,
-    load_target_embeddings,
-    load_target_model,
-    parameter_bytes,
-)
+from dflash_target import check_target_fits, check_target_scaling, estimate_target_bytes, load_target_embeddings, load_target_model, parameter_bytes
 
 logger = logging.getLogger("train_dflash")  # a training run's log lines all read `train_dflash:`
 

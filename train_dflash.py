@@ -33,8 +33,9 @@ docs/topology.md): on every node, local ranks [0, N) only run the target (alone,
 of them sharing one copy) and send the features to the node's other ranks, which train the drafter
 under ZeRO-2 on their own process group and never load a target layer.
 
-Where the rest lives: the drafter in dflash_model.py, the objective (position weights, the fused
-loss, the tau estimate) in dflash_loss.py, what each rank loads and does in dflash_topology.py (its
+Where the rest lives: the drafter in dflash_model.py, the objective (position weights, the DFlash
+loss, the tau estimate) in dflash_loss.py and its chunked LM head + loss kernels in
+dflash_loss_kernels.py, what each rank loads and does in dflash_topology.py (its
 plumbing in dflash_split.py), the context features a drafter rank trains on in dflash_features.py,
 the run's order of micro-batches in dflash_schedule.py, checkpoints, resume, the export and the Hub
 in dflash_checkpoint.py, what a run reports in dflash_progress.py, the target side in
@@ -97,21 +98,19 @@ from dflash_cli import HelpFormatter, SettingsParser, check_yaml_values, did_you
 from dflash_compile import warm_up_flex_attention
 from dflash_data import build_train_dataset, load_prompts
 from dflash_decoding import evaluate_acceptance, resolve_block_size
-from dflash_features import FeatureSettings, FeatureSupply, to_device
+from dflash_features import FeatureSettings, FeatureSupply, TargetFeatureExtractor, to_device
 from dflash_loss import (
     DEFAULT_LOSS_GAMMA,
     LOSS_NORMALIZERS,
     LOSS_WEIGHTINGS,
-    LOSSES,
     block_target_hidden,
-    check_fused_loss,
     default_loss_gamma,
     dspark_loss,
     loss_weights,
-    resolve_fused_loss,
     selector_objective,
     weighted_block_loss,
 )
+from dflash_loss_kernels import LOSSES, check_fused_loss, resolve_fused_loss
 from dflash_masks import anchor_slots, block_label_valid, block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
 from dflash_progress import (
@@ -130,7 +129,7 @@ from dflash_progress import (
 )
 from dflash_schedule import ResumePoint, Schedule, ScheduleSettings, epoch_batches, is_eval_step, is_save_step, make_schedule, real_micro_batches
 from dflash_split import DrafterGroupMPU, broadcast_drafter_weights, broadcast_scalars
-from dflash_target import SMOLLM2_PACKAGE, TargetFeatureExtractor, drafter_config_for_target, load_target_config, resolve_mask_token_id
+from dflash_target import SMOLLM2_PACKAGE, drafter_config_for_target, load_target_config, resolve_mask_token_id
 from dflash_topology import (
     EVAL_RESULTS,
     TargetParts,
@@ -230,7 +229,7 @@ class TrainSettings:
     target_cuda_graphs: bool = field(default=False, metadata={"group": "speed", "help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
     cache_target_outputs: bool = field(default=False, metadata={"group": "speed", "help": "Keep each sample's context features (and target_argmax labels) on the device after the first epoch, so later epochs skip the target; colocated only; costs tokens x layers x hidden x 2 bytes (docs/training.md#where-the-time-goes-and-the-levers)"})
     loss_chunk_size: int = field(default=4096, metadata={"group": "speed", "help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
-    fused_loss: str = field(default="none", metadata={"group": "speed", "help": "LM head + CE through a library's fused kernel: none (the chunked kernels of dflash_loss.py), liger (Liger Kernel, pip install liger-kernel) or cce (Cut Cross-Entropy, pip install cut-cross-entropy; bf16 only); --loss ce only; CUDA only: elsewhere the reference runs, with one log line (docs/training.md#where-the-time-goes-and-the-levers)"})
+    fused_loss: str = field(default="none", metadata={"group": "speed", "help": "LM head + CE through a library's fused kernel: none (the chunked kernels of dflash_loss_kernels.py), liger (Liger Kernel, pip install liger-kernel) or cce (Cut Cross-Entropy, pip install cut-cross-entropy; bf16 only); --loss ce only; CUDA only: elsewhere the reference runs, with one log line (docs/training.md#where-the-time-goes-and-the-levers)"})
     context_chunk_size: int = field(default=0, metadata={"group": "speed", "help": "Long samples: the context's projection and K/V in chunks of this many positions under activation checkpointing (0 = one piece); the same loss, less memory (docs/training.md#long-samples)"})
     checkpoint_drafter_layers: bool = field(default=False, metadata={"group": "speed", "help": "Long samples: activation checkpointing of the drafter's layers; the same loss, ~1-2 GB less per layer at Qwen3-8B shapes for ~17 per cent more drafter time (docs/training.md#long-samples)"})
     pad_to_multiple_of: int | None = field(default=None, metadata={"group": "speed", "help": "Pad sequence lengths to a multiple of this (default 128 with flex, so few shapes compile; 8 with sdpa)"})

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from dflash_decoding import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem
+from dflash_features import TargetFeatureExtractor
 from dflash_loss import loss_weights, weighted_block_loss
 from dflash_masks import block_labels, sample_anchors
 from dflash_model import DFlashDraftModel
-from dflash_target import TargetFeatureExtractor, check_target_scaling, drafter_config_for_target
+from dflash_target import check_target_scaling, drafter_config_for_target
 
 VOCAB = 96
 MASK_ID = VOCAB - 1

@@ -15,12 +15,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config
 
-from bench_dflash import fused_dflash_loss
+from dflash_bench_training import fused_dflash_loss
+from dflash_features import TargetFeatureExtractor
 from dflash_flops import drafter_step_flops, target_forward_flops, visible_pairs
-from dflash_loss import loss_weights, weighted_block_loss, weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
+from dflash_loss import loss_weights, weighted_block_loss
+from dflash_loss_kernels import weighted_ce_and_grad_chunk, weighted_ce_and_grad_chunk_functional
 from dflash_masks import block_labels, dense_anchor_block_mask, sample_anchors
 from dflash_model import DFlashDraftModel
-from dflash_target import TargetFeatureExtractor, drafter_config_for_target
+from dflash_target import drafter_config_for_target
 
 VOCAB = 128
 HIDDEN = 32

@@ -18,7 +18,8 @@ from transformers import Qwen3Config
 
 import dflash_loss
 from dflash2_model import DFlash2DraftModel
-from dflash_loss import check_fused_loss, loss_weights, resolve_fused_loss, selector_objective, top_k_candidates, weighted_block_loss
+from dflash_loss import loss_weights, selector_objective, weighted_block_loss
+from dflash_loss_kernels import check_fused_loss, resolve_fused_loss, top_k_candidates
 from dflash_target import drafter_config_for_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,7 +302,7 @@ def test_the_loss_function_refuses_what_the_flag_refuses(monkeypatch):
 
 
 def test_the_benchmark_times_the_libraries_as_levers():
-    from bench_dflash import parse_variant
+    from dflash_bench_training import parse_variant
 
     assert parse_variant("compile_layers+fused_ce_compiled+fused_loss_liger").fused_loss == "liger"
     assert parse_variant("baseline+dpace+fused_loss_cce").fused_loss == "cce" and parse_variant("baseline").fused_loss == "none"

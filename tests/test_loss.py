@@ -9,17 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_loss import (
+from dflash_loss import block_target_hidden, dpace_weights, loss_weights, weighted_block_loss
+from dflash_loss_kernels import (
     LOSSES,
     NLA_EPS,
-    block_target_hidden,
-    dpace_weights,
     fused_linear_row_loss,
     fused_linear_weighted_ce,
-    loss_weights,
     row_loss_and_grad_chunk,
     row_loss_and_grad_chunk_functional,
-    weighted_block_loss,
 )
 from dflash_model import scale_and_cap_logits
 

@@ -39,7 +39,8 @@ def _conversations(path, n=5):
 def test_hidden_state_files_match_the_target(tiny_qwen3_target, tmp_path):
     """Slots 0..n-1 are HF hidden_states[id + 1]; slot n is the last decoder layer's output before the
     final norm (speculators applies the target's norm and head to it); token_ids are the row's tokens."""
-    from dflash_target import TargetFeatureExtractor, load_target
+    from dflash_features import TargetFeatureExtractor
+    from dflash_target import load_target
 
     target, _ = load_target(str(tiny_qwen3_target), device="cpu")
     layer_ids = [0, 2]

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 from transformers import AutoTokenizer
 
-from dflash_target import TargetFeatureExtractor, convert_to_hf_folder, load_target, resolve_mask_token_id
+from dflash_features import TargetFeatureExtractor
+from dflash_target import convert_to_hf_folder, load_target, resolve_mask_token_id
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -245,7 +246,7 @@ def test_compiled_target_layers_equal_eager_and_compile_once_per_shape(tiny_qwen
     batches); each new input signature compiles once, under the compile lock; a repeat compiles nothing."""
     import dflash_compile as dc
     from dflash_compile import COMPILE_LOCK_DIR_ENV
-    from dflash_target import TargetFeatureExtractor, load_target
+    from dflash_target import load_target
 
     monkeypatch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path))
     target, _ = load_target(str(tiny_qwen3_target), device="cpu")
@@ -275,7 +276,7 @@ def test_whole_target_compiles_its_feature_forward_only(tiny_qwen3_target, monke
     extractor on the same target (split mode truncates after timing) reuses the graphs."""
     import dflash_compile as dc
     from dflash_compile import COMPILE_LOCK_DIR_ENV
-    from dflash_target import TargetFeatureExtractor, load_target
+    from dflash_target import load_target
 
     monkeypatch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path))
     target, _ = load_target(str(tiny_qwen3_target), device="cpu")

@@ -230,7 +230,8 @@ def test_a_target_that_does_not_fit_names_the_flags(monkeypatch):
 
 
 def test_an_untruncated_target_stops_after_the_deepest_captured_layer(tiny_qwen3_target):
-    from dflash_target import TargetFeatureExtractor, load_target
+    from dflash_features import TargetFeatureExtractor
+    from dflash_target import load_target
 
     target, _ = load_target(str(tiny_qwen3_target), device="cpu")
     calls = []

@@ -119,7 +119,8 @@ def features_main(args: argparse.Namespace) -> None:
     import datasets
 
     from dflash_data import build_train_dataset
-    from dflash_target import TargetFeatureExtractor, load_target_config, load_target_model
+    from dflash_features import TargetFeatureExtractor
+    from dflash_target import load_target_config, load_target_model
 
     out = Path(args.output)
     if (out / "meta.json").is_file():

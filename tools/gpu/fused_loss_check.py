@@ -1,5 +1,5 @@
 """Check train_dflash.py's --fused_loss libraries (Liger Kernel, Cut Cross-Entropy) against the reference
-kernels of dflash_loss.py: the DFlash loss and its gradient with respect to the drafter's hidden states (the
+kernels of dflash_loss_kernels.py: the DFlash loss and its gradient with respect to the drafter's hidden states (the
 LM head is the target's, frozen: no weight gradient), at SmolLM2-135M and Qwen3-8B shapes, in bf16.
 
     python tools/gpu/fused_loss_check.py                  # GPU: both shapes, every path (~1 min on an H100)
@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dflash_loss import FUSED_LOSSES, loss_weights, resolve_fused_loss, top_k_candidates, weighted_block_loss  # noqa: E402  (the repository root, on the path above)
+from dflash_loss import loss_weights, weighted_block_loss  # noqa: E402  (the repository root, on the path above)
+from dflash_loss_kernels import FUSED_LOSSES, resolve_fused_loss, top_k_candidates  # noqa: E402
 
 # name -> (hidden, vocab, anchors, block size, rows per loss chunk). 512 anchors x 15 positions = 7,680 label rows.
 SHAPES = {
