@@ -328,10 +328,11 @@ def test_bench_times_a_dspark_training_step(monkeypatch, capsys):
     """bench_dflash.py --drafter dspark in its tiny CPU mode: a DSpark drafter of gamma 15 (DFlash's B = 16
     drafts per verify) trained through dspark_loss at both headline shapes; a DFlash loss lever is refused."""
     import bench_dflash
+    import dflash_bench_training
 
     calls = []
-    original = bench_dflash.dspark_loss
-    monkeypatch.setattr(bench_dflash, "dspark_loss", lambda *args, **kwargs: calls.append(args[0].shape) or original(*args, **kwargs))
+    original = dflash_bench_training.dspark_loss
+    monkeypatch.setattr(dflash_bench_training, "dspark_loss", lambda *args, **kwargs: calls.append(args[0].shape) or original(*args, **kwargs))
     argv = ["--device", "cpu", "--tiny", "--quick", "--drafter_only", "--drafter", "dspark", "--steps", "1", "--warmup", "0", "--no_append"]
     threads = torch.get_num_threads()  # bench_dflash.main sets 1 on a CPU
     bench_dflash.main(argv)
