@@ -190,7 +190,7 @@ class StaticBatchDecoder:
     attention.
 
     Raises:
-        ValueError: for targets that cannot decode from a static cache (`dflash_decoding.static_cache_problem`:
+        ValueError: for targets that cannot decode from a static cache (`dflash_runners.static_cache_problem`:
             attention without a 4D mask, sliding-window or linear-attention layers); use --kv_cache dynamic.
     """
 
@@ -200,7 +200,7 @@ class StaticBatchDecoder:
     def __init__(self, model, batch_size: int, prompt_width: int, max_new_tokens: int, cuda_graphs: bool, compile_step: bool = False):
         from transformers import AttentionInterface, StaticCache
 
-        from dflash_decoding import cache_argument_name, static_cache_problem
+        from dflash_runners import cache_argument_name, static_cache_problem
 
         problem = static_cache_problem(model)
         if problem is not None:

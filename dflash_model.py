@@ -799,7 +799,7 @@ class DFlashDraftModel(PreTrainedModel):
         """Append new context positions to the drafter's cache.
 
         Args:
-            cache: a `DFlashContextCache` (grown by concatenation), dflash_decoding.py's static cache
+            cache: a `DFlashContextCache` (grown by concatenation), dflash_runners.py's static cache
                 (written in place), or None to start a `DFlashContextCache`.
             context_features: [batch, s_new, len(target_layer_ids) * hidden], the target's layer
                 outputs for the next s_new positions (cache.length .. cache.length + s_new - 1).
@@ -826,7 +826,7 @@ class DFlashDraftModel(PreTrainedModel):
         (context keys 0..S-1, block S..S+B-1), as in training. The cache is not written, so it
         stays cut back to the context.
 
-        With dflash_decoding.py's static cache the pass attends over all `max_length` cached positions
+        With dflash_runners.py's static cache the pass attends over all `max_length` cached positions
         with the stale ones masked out, and takes the context length from a device tensor, so it
         can be captured once as a CUDA graph and replayed at every length (no host sync).
 

@@ -26,11 +26,11 @@ T > 0 (and --top_p P) both sides sample and the drafts are verified by rejection
 output is distributed exactly as plain sampling from the target, which tests/test_sampling.py
 checks statistically; there is no per-prompt check, and "lossless" is null in results.json.
 
-The decoding itself is dflash_decoding.py, and its docstring says how it works: static KV caches
-and CUDA graphs on a GPU (`--kv_cache`, `--cuda_graphs`), how tau and the acceptance rate by
-position are counted (for DFlash and prompt lookup alike), rejection sampling, and targets with
-linear-attention layers. This file is the command line around it: the flags and their checks, the
-run's set-up, the per-prompt loop, results.json and the plot.
+The decoding itself is dflash_decoding.py, and its docstring says how it works: how tau and the
+acceptance rate by position are counted (for DFlash and prompt lookup alike), rejection sampling,
+and targets with linear-attention layers; dflash_runners.py's says why a GPU decodes from static KV
+caches and CUDA graphs (`--kv_cache`, `--cuda_graphs`). This file is the command line around it: the
+flags and their checks, the run's set-up, the per-prompt loop, results.json and the plot.
 """
 
 import gc
@@ -53,7 +53,6 @@ from dflash_data import check_prompts_fit_context, load_prompts, target_context_
 from dflash_decoding import (
     NEAR_TIE_RULE,
     PROPOSALS,
-    Decoder,
     check_config_matches_target,
     check_drafter_matches_target,
     drafter_class,
@@ -67,13 +66,13 @@ from dflash_decoding import (
     prompt_lookup_generate,
     prompt_lookup_tau,
     resolve_block_size,
-    resolve_kv_cache,
     speculative_generate,
     summarize_speculative,
     synchronize,
     target_fingerprint_warning,
 )
 from dflash_model import DFlashDraftModel
+from dflash_runners import Decoder, resolve_kv_cache
 from dspark_model import DSparkConfig
 
 logger = logging.getLogger(__name__)

@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
         model, _ = load_target(target_path, gguf_file=gguf_file, dtype=dtype, device=device)
         static = args.kv_cache == "static" or (args.kv_cache == "auto" and device.type == "cuda")
         if static and args.kv_cache == "auto":
-            from dflash_decoding import static_cache_problem
+            from dflash_runners import static_cache_problem
 
             problem = static_cache_problem(model)
             if problem is not None:

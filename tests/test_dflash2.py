@@ -28,11 +28,13 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash_decoding
+import dflash_runners
 from dflash2_model import DFlash2Config, DFlash2DraftModel, GroupedDynamicCausalConv, selector_predecessor_ids
-from dflash_decoding import Decoder, greedy_generate, speculative_generate
+from dflash_decoding import greedy_generate, speculative_generate
 from dflash_loss import dpace_weights, loss_weights, selector_loss, selector_objective, selector_training_candidates, weighted_block_loss
 from dflash_masks import block_labels, dense_anchor_block_mask, position_rule, sample_anchors
 from dflash_model import DFlashDraftModel, sample_index, sampling_probs
+from dflash_runners import Decoder
 from dflash_target import drafter_config_for_target
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -185,7 +187,7 @@ def test_training_forward_equals_draft_pass_at_every_anchor():
     input_ids, _ = _batch(seq_len=seq_len, batch=1)
     features = torch.randn(1, seq_len, 2 * HIDDEN)
     anchors = torch.arange(1, seq_len)[None]  # every anchor with some context: overlapping blocks throughout
-    static = dflash_decoding.DFlashStaticContextCache(drafter.config, 1, seq_len + 4, torch.float32, "cpu")
+    static = dflash_runners.DFlashStaticContextCache(drafter.config, 1, seq_len + 4, torch.float32, "cpu")
     with torch.no_grad():
         hidden = drafter(features, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))  # [1, N, B, hidden]
         drafter.extend_context(static, torch.randn(1, seq_len + 4, 2 * HIDDEN))  # stale values everywhere

@@ -17,17 +17,10 @@ from test_eval import tiny_drafter, tiny_target
 from test_sampling import PROMPT, SEEDS, TEMPERATURE, TOKENS, TOP_P, TV_BOUND, VOCAB, exact_marginals, tv
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-import dflash_decoding
+import dflash_runners
 import eval_dflash
-from dflash_decoding import (
-    Decoder,
-    LayerOutputCapture,
-    greedy_generate,
-    load_drafter,
-    resolve_block_size,
-    speculative_generate,
-    summarize_speculative,
-)
+from dflash_decoding import greedy_generate, load_drafter, resolve_block_size, speculative_generate, summarize_speculative
+from dflash_runners import Decoder, LayerOutputCapture
 from dflash_target import drafter_config_for_target
 from dspark_model import DSparkDraftModel, save_dspark_export
 
@@ -86,13 +79,13 @@ def record_verify_blocks(monkeypatch) -> list:
     """Every verify forward's (cache length L before it, block tokens), in order, from now on (make the
     `Decoder` first: its start-up check runs a verify forward of its own)."""
     blocks = []
-    original = dflash_decoding.TargetRunner.verify
+    original = dflash_runners.TargetRunner.verify
 
     def verify(self, block):
         blocks.append((self.length, block[0].tolist()))
         return original(self, block)
 
-    monkeypatch.setattr(dflash_decoding.TargetRunner, "verify", verify)
+    monkeypatch.setattr(dflash_runners.TargetRunner, "verify", verify)
     return blocks
 
 
@@ -129,7 +122,7 @@ def test_gamma_drafts_per_verify(models, monkeypatch):
         drafts = torch.tensor([sequence[start : start + GAMMA]])  # [1, gamma]
         return drafts, torch.nn.functional.one_hot(drafts, VOCAB).float(), None
 
-    monkeypatch.setattr(dflash_decoding.Drafting, "markov_walk", oracle_walk)
+    monkeypatch.setattr(dflash_runners.Drafting, "markov_walk", oracle_walk)
     tokens, stats = speculative_generate(target, drafter, PROMPT, max_new_tokens)
     assert tokens == sequence[PROMPT.shape[1] : PROMPT.shape[1] + max_new_tokens]
     assert stats["committed"] == [GAMMA + 1] * blocks_of_four and stats["accepted_drafts"] == [GAMMA] * blocks_of_four

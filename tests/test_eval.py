@@ -11,7 +11,6 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
 from dflash_decoding import (
-    DFlashStaticContextCache,
     check_drafter_matches_target,
     evaluate_acceptance,
     greedy_generate,
@@ -20,6 +19,7 @@ from dflash_decoding import (
     summarize_speculative,
 )
 from dflash_model import DFlashDraftModel
+from dflash_runners import DFlashStaticContextCache
 from dflash_target import drafter_config_for_target
 
 VOCAB = 256
@@ -427,7 +427,7 @@ def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path, monkeypatch):
 def test_static_cache_decodes_like_the_dynamic_one(attention):
     """One static `Decoder` reused over many prompts gives the dynamic path's tokens and tau exactly:
     the stale positions past each crop are masked, in the target's and the drafter's cache."""
-    from dflash_decoding import Decoder
+    from dflash_runners import Decoder
 
     target = tiny_target(seed=11, attn_implementation=attention)
     drafter = tiny_drafter(target, seed=12)
@@ -474,7 +474,7 @@ def test_static_drafter_cache_drafts_like_the_growing_one(target, drafter):
 
 
 def test_kv_cache_settings():
-    from dflash_decoding import resolve_kv_cache
+    from dflash_runners import resolve_kv_cache
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_kv_cache("auto", "auto", cpu) == ("dynamic", False)

@@ -14,11 +14,12 @@ import transformers
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from dflash_decoding import TargetRunner, greedy_generate, resolve_kv_cache, speculative_generate, static_cache_problem
+from dflash_decoding import greedy_generate, speculative_generate
 from dflash_features import TargetFeatureExtractor
 from dflash_loss import loss_weights, weighted_block_loss
 from dflash_masks import block_labels, sample_anchors
 from dflash_model import DFlashDraftModel
+from dflash_runners import TargetRunner, resolve_kv_cache, static_cache_problem
 from dflash_target import check_target_scaling, drafter_config_for_target
 
 VOCAB = 96
@@ -301,16 +302,16 @@ def test_verify_keep_check_catches_a_cache_that_is_not_cut_back(family, monkeypa
     """The start-up check passes on the installed transformers, and fails in one error naming its
     version when the rollback leaves state behind: a restore that restores nothing (linear-attention
     targets) or a crop that crops nothing (attention-only targets)."""
-    import dflash_decoding
+    import dflash_runners
 
     target = tiny_target(family)
-    dflash_decoding.check_verify_keep(target)
+    dflash_runners.check_verify_keep(target)
     if family in HYBRID:
-        monkeypatch.setattr(dflash_decoding, "_cache_restore", lambda cache, snapshot: None)
+        monkeypatch.setattr(dflash_runners, "_cache_restore", lambda cache, snapshot: None)
     else:
-        monkeypatch.setattr(dflash_decoding.DynamicCache, "crop", lambda self, n: None)
+        monkeypatch.setattr(dflash_runners.DynamicCache, "crop", lambda self, n: None)
     with pytest.raises(ValueError, match=f"transformers {transformers.__version__}.*not be lossless"):
-        dflash_decoding.check_verify_keep(target)
+        dflash_runners.check_verify_keep(target)
     drafter = drafter_for(target)
     with pytest.raises(ValueError, match="verify-then-keep"):  # decoding refuses to start
         speculative_generate(target, drafter, torch.randint(0, MASK_ID, (1, 9)), 8)
@@ -320,14 +321,14 @@ def test_hybrid_detection_never_falls_back_silently(monkeypatch):
     """Without transformers' linear-attention cache layers, a target whose config names
     linear-attention layers is refused (naming the transformers version); an attention-only one
     still decodes with cropping."""
-    import dflash_decoding
+    import dflash_runners
 
     hybrid, attention_only = tiny_target("qwen3_next"), tiny_target("qwen3")
-    assert dflash_decoding._needs_rollback_cache(hybrid) and not dflash_decoding._needs_rollback_cache(attention_only)
+    assert dflash_runners._needs_rollback_cache(hybrid) and not dflash_runners._needs_rollback_cache(attention_only)
     monkeypatch.delattr(transformers.cache_utils, "LinearAttentionCacheLayerMixin")
     with pytest.raises(ValueError, match=f"linear_attention layers, but transformers {transformers.__version__}"):
-        dflash_decoding._needs_rollback_cache(hybrid)
-    assert not dflash_decoding._needs_rollback_cache(attention_only)
+        dflash_runners._needs_rollback_cache(hybrid)
+    assert not dflash_runners._needs_rollback_cache(attention_only)
 
 
 def reference_draft_logits(drafter: DFlashDraftModel, features: torch.Tensor, anchor: int, embed: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig, Qwen3Config
 
-from dflash_decoding import DFlashStaticContextCache  # the static cache lives where it is used
 from dflash_loss import default_loss_gamma, estimate_acceptance_length, loss_weights, weighted_block_loss
 from dflash_masks import (
     anchor_slots,
@@ -23,6 +22,7 @@ from dflash_masks import (
     sample_anchors,
 )
 from dflash_model import DFlashConfig, DFlashDraftModel, default_target_layer_ids, resolve_layer_types, scale_and_cap_logits
+from dflash_runners import DFlashStaticContextCache  # the static cache lives where it is used
 from dflash_target import drafter_config_for_target
 
 VOCAB = 64

@@ -8,8 +8,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash_decoding
-from dflash_decoding import Decoder, plain_generate, rejection_sample, speculative_generate
+import dflash_runners
+from dflash_decoding import plain_generate, rejection_sample, speculative_generate
 from dflash_model import DFlashDraftModel, sampling_probs
+from dflash_runners import Decoder
 from dflash_target import drafter_config_for_target
 
 VOCAB = 16
@@ -130,7 +132,7 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(proposal, m
         # proposal fixed by the context is exact under a one-hot q, so propose the most likely token of each
         # position instead: accepted often, rejected often.
         likely = torch.stack([x.argmax() for x in exact[1:]])[None]  # [1, BLOCK - 1]
-        monkeypatch.setattr(dflash_decoding.Drafting, "draft", lambda self, anchor: likely)
+        monkeypatch.setattr(dflash_runners.Drafting, "draft", lambda self, anchor: likely)
     samples, stats = speculative_samples(target, drafter, SEEDS, TOKENS, proposal)
     accepted = [n for s in stats for n in s["accepted_drafts"]]
     # Every outcome of a verify step happens often: a rejection at each position, and full acceptance.

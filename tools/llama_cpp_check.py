@@ -374,15 +374,8 @@ def our_decoding(target_dir: str, draft_model: str, data: str, num_prompts: int,
 
     from dflash2_model import DFlash2Config
     from dflash_data import load_prompts
-    from dflash_decoding import (
-        Decoder,
-        check_drafter_matches_target,
-        encode_prompt,
-        eos_token_ids_of,
-        greedy_generate,
-        load_drafter,
-        speculative_generate,
-    )
+    from dflash_decoding import check_drafter_matches_target, encode_prompt, eos_token_ids_of, greedy_generate, load_drafter, speculative_generate
+    from dflash_runners import Decoder
     from dflash_target import load_target
 
     drafter = load_drafter(draft_model, torch.float32, torch.device("cpu"))
