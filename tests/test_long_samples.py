@@ -279,7 +279,11 @@ def tool(path: str):
 
 def test_long_prompts_fill_each_length_and_the_table_splits_tau_by_length(tiny_qwen3_target, tmp_path, capsys):
     import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    import matplotlib.image
     from transformers import AutoTokenizer
 
     replies = tmp_path / "greedy.jsonl"
@@ -350,12 +354,30 @@ def test_long_prompts_fill_each_length_and_the_table_splits_tau_by_length(tiny_q
     ]
     (tmp_path / "eval_recipe.json").write_text(json.dumps({"per_prompt": per_prompt}))
     (tmp_path / "eval_recipe_t0.8.json").write_text(json.dumps({"per_prompt": per_prompt[:2]}))
+    (tmp_path / "eval_recipe_dflash2.json").write_text(json.dumps({"per_prompt": [{**row, "acceptance_length": 3.0} for row in per_prompt]}))
     capsys.readouterr()
-    tau_by_length.main(out / "eval.jsonl", tmp_path)
+    figure = tau_by_length.main(out / "eval.jsonl", tmp_path)
     table = capsys.readouterr().out
     assert "| run | temperature | tau at ~75 tokens | tau at ~175 tokens | tau at ~275 tokens | longest - shortest |" in table
     assert "| recipe | 0 | 2.50 | 2.50 | 1.75 | -0.75 |" in table
     assert "| recipe | 0.8 | 2.50 | - | - | - |" in table
+    assert "| recipe_dflash2 | 0 | 3.00 | 3.00 | 3.00 | +0.00 |" in table
+
+    # the plot: a line per run and temperature, tau against the lengths' mean tokens, a colour per run,
+    # solid at T=0 and dashed at T=0.8
+    png = (tmp_path / "tau_by_length.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and matplotlib.image.imread(tmp_path / "tau_by_length.png").shape == (400, 650, 4)
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert sorted(lines) == ["recipe, T=0", "recipe, T=0.8", "recipe_dflash2, T=0"]
+    assert list(lines["recipe, T=0"].get_xdata()) == [75, 175, 275] and list(lines["recipe, T=0"].get_ydata()) == [2.5, 2.5, 1.75]
+    assert list(lines["recipe, T=0.8"].get_xdata()) == [75] and list(lines["recipe, T=0.8"].get_ydata()) == [2.5]
+    assert [lines[k].get_linestyle() for k in sorted(lines)] == ["-", "--", "-"]
+    assert lines["recipe, T=0"].get_color() == lines["recipe, T=0.8"].get_color() != lines["recipe_dflash2, T=0"].get_color()
+    # --plot writes it where asked (folders made), and the command line prints the same table
+    elsewhere = tmp_path / "results" / "smollm2" / "tau_by_length.png"
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "tau_by_length.py"
+    printed = subprocess.run([sys.executable, script, out / "eval.jsonl", tmp_path, "--plot", elsewhere], capture_output=True, text=True, check=True)
+    assert printed.stdout == table and elsewhere.read_bytes().startswith(b"\x89PNG")
 
 
 def test_long_sample_settings_parse_and_are_checked():
