@@ -187,8 +187,9 @@ def load_target_model(
         with device:  # allocate on the device directly: an 8B model never sits in host RAM
             target = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        # device_map loads the weights straight onto the device: no full host-RAM copy per rank.
-        target = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, device_map=device, **load_kwargs)
+        # device_map loads the weights straight onto the device: no full host-RAM copy per rank. The config
+        # given, not read again: for a GGUF every read parses its whole header (~7 s for SmolLM2-135M).
+        target = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=config, dtype=dtype, device_map=device, **load_kwargs)
     target.requires_grad_(False)
     target.eval()
     return target

@@ -55,11 +55,11 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, HfArgumentParser, LogitsProcessorList
+from transformers import GenerationConfig, HfArgumentParser, LogitsProcessorList
 
 from dflash_batch_decoding import SeededSampling, StaticBatchDecoder, reply_seed
 from dflash_data import check_prompts_fit_context, load_prompts, prompt_hash, require_chat_template, target_context_length
-from dflash_target import load_target, resolve_target_path
+from dflash_target import load_target_config, load_target_model, resolve_target_path
 
 logger = logging.getLogger(__name__)
 
@@ -420,13 +420,12 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the regeneration; returns the summary counts (also printed)."""
     args, chat_template_kwargs = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = target_path = gguf_file = None
+    config = tokenizer = target_path = gguf_file = None
     if args.server_url is None:
         target_path, gguf_file = resolve_target_path(args.target_model, args.target_gguf_file)
-        tokenizer = AutoTokenizer.from_pretrained(target_path, gguf_file=gguf_file)  # prompts are checked before the model loads
+        # Config and tokenizer (with a pad token) once, without the weights: prompts are checked before the model loads.
+        config, tokenizer = load_target_config(target_path, gguf_file=gguf_file)
         require_chat_template(tokenizer)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"  # generate() continues every row from the same last column
     all_prompts, locations = load_prompts(args.prompts, tokenizer, return_locations=True)  # the output is checked against the whole file
     prompts = all_prompts[: args.num_prompts] if args.num_prompts is not None else all_prompts
@@ -437,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
     if tokenizer is not None:  # the prompts still to answer against the target's context, before its weights load
         pending = sorted({i for i, _ in todo})
         lengths = [len(tokenizer(prompt_text(tokenizer, prompts[i], chat_template_kwargs), add_special_tokens=False)["input_ids"]) for i in pending]
-        context = target_context_length(AutoConfig.from_pretrained(target_path, gguf_file=gguf_file))
+        context = target_context_length(config)
         check_prompts_fit_context(lengths, [locations[i] for i in pending], context, args.max_new_tokens, f"--max_new_tokens {args.max_new_tokens}")
     print(
         f"{len(prompts)} prompts x {samples} {'reply' if samples == 1 else 'replies'}, {len(done)} already in {args.output}, "
@@ -458,7 +457,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.server_url is None:
         dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-        model, _ = load_target(target_path, gguf_file=gguf_file, dtype=dtype, device=device)
+        model = load_target_model(target_path, config, gguf_file=gguf_file, dtype=dtype, device=device)
         static = args.kv_cache == "static" or (args.kv_cache == "auto" and device.type == "cuda")
         if static and args.kv_cache == "auto":
             from dflash_runners import static_cache_problem

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import dflash_batch_decoding
 import regenerate_data
@@ -130,7 +130,7 @@ def test_resume_after_partial_run_and_crash(tmp_path, tiny_target, prompts_file)
     assert len(read_output(resumed)) == NUM_PROMPTS
 
     # The output trains directly.
-    dataset = build_train_dataset([str(resumed)], regenerate_data.AutoTokenizer.from_pretrained(tiny_target), max_seq_length=64)
+    dataset = build_train_dataset([str(resumed)], AutoTokenizer.from_pretrained(tiny_target), max_seq_length=64)
     assert len(dataset) == NUM_PROMPTS
 
 
@@ -424,8 +424,6 @@ def test_static_decoder_writes_what_generate_writes(tmp_path, tiny_target, promp
 @pytest.fixture(scope="module")
 def tiny_model_and_prompts(tiny_target):
     """The tiny target in float32 and 10 chat prompts of varied lengths as token ids."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)
     model = Qwen3ForCausalLM.from_pretrained(tiny_target, dtype=torch.float32, attn_implementation="sdpa").eval()
     messages = [[{"role": "user", "content": f"Question {i}: " + "why " * (i % 3) + "is the sky blue?"}] for i in range(NUM_PROMPTS)]
