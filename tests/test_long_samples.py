@@ -249,7 +249,7 @@ def test_regenerate_names_a_prompt_longer_than_the_targets_context_before_the_ta
     def no_weights(*args, **kwargs):
         raise AssertionError("the target's weights loaded before the prompts were checked")
 
-    monkeypatch.setattr(regenerate_data, "load_target", no_weights)
+    monkeypatch.setattr(regenerate_data, "load_target_model", no_weights)
     prompts = long_prompt_file(tmp_path / "long.jsonl", 480)  # ~490 tokens: fits 512 alone, not with 64 new ones
     argv = ["--target_model", tiny_target, "--prompts", str(prompts), "--output", str(tmp_path / "out.jsonl"), "--temperature", "0"]
     with pytest.raises(

@@ -1284,6 +1284,6 @@ def test_help_renders_every_flag_in_its_group_with_its_default():
     result = subprocess.run([sys.executable, "eval_dflash.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     flat = " ".join(result.stdout.split())
-    assert "Evaluate a DFlash drafter by real speculative decoding on the target" in flat and "(default: None)" not in flat
+    assert "Evaluate a DFlash, DFlash2 or DSpark drafter by real speculative decoding on the target" in flat and "(default: None)" not in flat
     assert "--num_prompts NUM_PROMPTS Use only the first N prompts of --data (default: every prompt)." in flat
     assert "--num-prompts" not in flat
