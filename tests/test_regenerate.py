@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_qwen3_tokenizer
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import dflash_batch_decoding
@@ -38,7 +39,7 @@ def tiny_target(tmp_path_factory, qwen3_tokenizer) -> str:
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(path)
-    qwen3_tokenizer.save_pretrained(path)
+    write_qwen3_tokenizer(path)
     return str(path)
 
 
@@ -55,7 +56,7 @@ def peaked_target(tmp_path_factory, tiny_target, qwen3_tokenizer) -> str:
         model.lm_head.weight.mul_(5.0 / model(ids).logits[0, -1].std())
     path = tmp_path_factory.mktemp("peaked_qwen3")
     model.save_pretrained(path)
-    qwen3_tokenizer.save_pretrained(path)
+    write_qwen3_tokenizer(path)
     return str(path)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, TINY_QWEN3, free_port, launch_ranks
+from conftest import REPO_ROOT, TINY_QWEN3, free_port, launch_ranks, write_qwen3_tokenizer
 from conftest import run_args as tiny_run_args
 from safetensors.torch import load_file
 
@@ -102,7 +102,7 @@ def save_target(path, tokenizer, **config):
         Qwen3Config(**{**TINY_QWEN3, "initializer_range": 0.25, **config}, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
     )
     model.save_pretrained(path, max_shard_size="20MB")  # embedding, head and layers in shards of their own
-    tokenizer.save_pretrained(path)
+    write_qwen3_tokenizer(path)
     return model
 
 

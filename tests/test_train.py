@@ -388,14 +388,14 @@ def test_the_readme_launches_both_train(tiny_qwen3_target, train_env, tmp_path):
     assert (tmp_path / "accelerate" / "train_log.jsonl").read_text() == log
 
 
-def weightless_target(path, tokenizer, **config) -> Path:
-    """A target directory whose config and tokenizer load but whose weights file is garbage: a run
-    that gets as far as loading the weights fails on them."""
-    from conftest import TINY_QWEN3
+def weightless_target(path, **config) -> Path:
+    """A target directory whose config and tokenizer (Qwen3's) load but whose weights file is garbage:
+    a run that gets as far as loading the weights fails on them."""
+    from conftest import TINY_QWEN3, write_qwen3_tokenizer
     from transformers import Qwen3Config
 
     Qwen3Config(**{**TINY_QWEN3, **config}).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    write_qwen3_tokenizer(path)
     (path / "model.safetensors").write_bytes(b"not a safetensors file")
     return path
 
@@ -409,10 +409,10 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
     data = tmp_path / "chats.jsonl"
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}]}
     data.write_text(json.dumps(good) + "\n" + '{"messages": [ oops\n')
-    target = weightless_target(tmp_path / "target", qwen3_tokenizer)
+    target = weightless_target(tmp_path / "target")
     # Qwen3's tokenizer fills all 151,669 rows: no <|MASK|>, no spare row, and no --mask_token_id.
-    full = weightless_target(tmp_path / "full", qwen3_tokenizer, vocab_size=len(qwen3_tokenizer))
-    cut = weightless_target(tmp_path / "cut", qwen3_tokenizer)
+    full = weightless_target(tmp_path / "full", vocab_size=len(qwen3_tokenizer))
+    cut = weightless_target(tmp_path / "cut")
     text = (cut / "config.json").read_text()
     (cut / "config.json").write_text(text[: len(text) // 2])
     commands = {
@@ -839,13 +839,13 @@ def fake_hub():
     server.shutdown()
 
 
-def test_push_to_hub_checks_access_at_the_start_in_one_line(fake_hub, qwen3_tokenizer, train_env, tmp_path, monkeypatch):
+def test_push_to_hub_checks_access_at_the_start_in_one_line(fake_hub, train_env, tmp_path, monkeypatch):
     """No network (a port nothing listens on) and a token the Hub rejects each stop the run in one
     line before the target's weights are read; a good token writes only to its own namespaces."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    target = weightless_target(tmp_path / "target", qwen3_tokenizer)
+    target = weightless_target(tmp_path / "target")
     args = tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out", push_to_hub="true", hub_model_id="me/tiny-dflash")
     cases = {"offline": (closed, "hf_test_token"), "bad token": (fake_hub, "hf_not_a_token")}
     procs = {
