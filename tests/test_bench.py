@@ -25,6 +25,7 @@ MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear
 
 def table_rows(text: str, heading: str) -> list[list[str]]:
     """The cells of the markdown table after `heading` in `text` (header and separator left out)."""
+    assert heading in text, f"no {heading!r} in:\n{text}"
     lines = text.split(heading, 1)[1].strip().splitlines()
     rows = []
     for line in lines[2:]:
