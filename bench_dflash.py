@@ -1,4 +1,4 @@
-"""Benchmark DFlash training at Qwen3-8B shapes on one GPU, with random weights.
+"""Benchmark DFlash training at Qwen3-8B (or SmolLM2-135M) shapes on one GPU, with random weights.
 
     python bench_dflash.py --quick                     # headline shapes, main variants (< 6 min on an H200, cold compile)
     python bench_dflash.py                             # + the whole (anchors x seq x batch) grid for baseline (< 10 min)
@@ -9,17 +9,25 @@
     python bench_dflash.py --quick --drafter_only --objectives --budget_s 540   # every loss objective vs CE (< 10 min)
     python bench_dflash.py --quick --drafter_only --drafter dflash2              # a DFlash2 drafter's step (its selector's loss included)
     python bench_dflash.py --quick --drafter_only --drafter dspark               # a DSpark drafter's step (gamma 15, dspark_loss)
+    python bench_dflash.py --quick --drafter_only --shapes smollm2              # at SmolLM2-135M's shapes (the GSM8K recipe's drafter)
+    python bench_dflash.py --quick --drafter_only --profile prof/               # + prof/ops.md and prof/trace.json.gz of the first variant
     python bench_dflash.py --long --rows long_rows.jsonl   # long samples: 3,072 .. 64k tokens, 5 full and 4 sliding + 1 full (tools/gpu/long_samples.sh)
     python bench_dflash.py --long --device cpu --tiny --no_append   # its CPU smoke test (< 60 s)
 
 On a machine whose working tree does not come back (the device tool), append to a copy:
     cp BENCHMARKS.md $OUT/ && python bench_dflash.py --quick --record-to $OUT/BENCHMARKS.md 2>&1 | tee $OUT/bench.log
 
-Shapes: target Qwen3-8B (hidden 4096, 36 layers, 32 heads / 8 KV heads, head_dim 128,
-intermediate 12288, vocab 151,936, untied head); drafter 5 layers reading target layers
-[1, 9, 17, 25, 33], block B = 16. Every sequence is full length (no padding); its first seq/8
-tokens are prompt (loss mask off), the rest response. Weights, tokens and context features are
-random: speed does not depend on them.
+Shapes (--shapes): qwen3-8b (the default): target Qwen3-8B (hidden 4096, 36 layers, 32 heads / 8 KV heads,
+head_dim 128, intermediate 12288, vocab 151,936, untied head); drafter 5 layers reading target layers
+[1, 9, 17, 25, 33], block B = 16, mask token 151669. smollm2: target SmolLM2-135M-Instruct (hidden 576,
+30 layers, 9 heads / 3 KV heads, head_dim 64, intermediate 1536, vocab 49,152, head tied to the embedding,
+RoPE theta 100,000), as a Qwen3Config; the drafter of configs/smollm2-gsm8k-gpu.yaml: 8 layers reading target
+layers [1, 8, 14, 20, 27], block B = 16, mask token 16, at 128 anchors, seq 512 (its pad_to_multiple_of) and
+batch 64 (its per_device_batch_size), and at batch 16. There the LM head is 49,152 x 576, 85 vocabulary rows per
+hidden unit: 35% of the step's useful FLOPs against the 8 layers' MLPs' 43% (Qwen3-8B: 28% and 55%), and its loss
+reads 49,152 logits per label row for a hidden state of 576. Every sequence is full length (no padding); its first
+seq/8 tokens are prompt (loss mask off), the rest response. Weights, tokens (any id but the mask token) and context
+features are random: speed does not depend on them.
 
 What it measures, in one run:
   (a) drafter train step, exactly as train_dflash.py does it (sample_anchors -> drafter forward
@@ -31,10 +39,15 @@ What it measures, in one run:
       per-phase medians (forward incl. mask build, loss, backward, optimizer), plus the eager
       BlockMask build and compiled flex forward+backward timed alone. Every variant runs at the
       headline shapes (256 anchors, seq 768, batch 2) and (512, 3072, 1); without --quick the first
-      variant also runs the whole grid num_anchors {256, 512} x seq {768, 3072} x batch {1, 2, 4}.
+      variant also runs the whole grid num_anchors {256, 512} x seq {768, 3072} x batch {1, 2, 4}
+      (SmolLM2: (128, 512, 64) and (128, 512, 16), its whole grid).
       An OOM is reported as such. Medians of timed steps after warm_up_flex_attention and 3 warm-up steps.
-  (b) target supply: tokens/s of the truncated (34-layer) target forward with hook capture
-      (TargetFeatureExtractor), at batch 16 x 1024 and at the training shapes; with
+      With --profile DIR, the first variant at the first headline shape then runs 1 + 3 more steps
+      under torch.profiler, each phase a record_function range: DIR/trace.json.gz (chrome trace),
+      DIR/ops.md (ms per step of each phase, the top 30 ops by self device time with calls and share
+      of the step, torch.profiler's table by input shapes); the report gets the phase and ops tables.
+  (b) target supply: tokens/s of the truncated (34-layer; SmolLM2: 28-layer) target forward with hook capture
+      (TargetFeatureExtractor), at batch 16 x 1024 (Qwen3-8B) and at the training shapes; with
       --compile_target also with the target's decoder layers compiled (as train_dflash.py's
       --compile_target). Prediction: +10-15% tokens/s (the eager forward runs at ~452 of ~740
       TFLOP/s; its fp32 RMSNorms, RoPE, SwiGLU and residual adds are separate memory-bound passes).
@@ -127,6 +140,7 @@ from dflash_target import drafter_config_for_target
 REPO_DIR = Path(__file__).resolve().parent
 H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 datasheet figure (H100/H200 SXM)
 QWEN3_MASK_TOKEN_ID = 151669  # Qwen3's first spare embedding row (<|MASK|>)
+SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>: SmolLM2 has no spare row (configs/smollm2-gsm8k-gpu.yaml)
 OBJECTIVE_LEVERS = ("dpace", "loss_kl", "loss_tv", "loss_nla", "loss_lk")  # what --objectives adds to the first variant
 
 # ----------------------------------------------------------------------------------------------
@@ -135,8 +149,19 @@ OBJECTIVE_LEVERS = ("dpace", "loss_kl", "loss_tv", "loss_nla", "loss_lk")  # wha
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="headline shapes only: (256 anchors, seq 768, batch 2) and (512, 3072, 1)")
-    p.add_argument("--tiny", action="store_true", help="tiny random config (hidden 64) for smoke tests; implies small grids")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="headline shapes only: (256 anchors, seq 768, batch 2) and (512, 3072, 1); SmolLM2's headline is its grid",
+    )
+    p.add_argument(
+        "--shapes",
+        default="qwen3-8b",
+        choices=("qwen3-8b", "smollm2"),
+        help="the target and drafter: qwen3-8b (5 drafter layers), or smollm2: SmolLM2-135M-Instruct (tied head, vocab 49,152) "
+        "and configs/smollm2-gsm8k-gpu.yaml's drafter (8 layers), at (128 anchors, seq 512, batch 64) and (128, 512, 16)",
+    )
+    p.add_argument("--tiny", action="store_true", help="tiny random config (hidden 64) for smoke tests, whatever --shapes says; implies small grids")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu")
     p.add_argument("--variant", action="append", default=None, help="variant name(s), levers joined by '+' (see the docstring); repeatable")
     p.add_argument(
@@ -190,13 +215,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "cp BENCHMARKS.md $OUT/ first, then --record-to $OUT/BENCHMARKS.md)",
     )
     p.add_argument("--no_append", action="store_true", help="print the tables only")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after (a)'s timed steps of the first variant at the first headline shape, profile 3 more steps (torch.profiler, "
+        "after 1 warm-up) and write DIR/trace.json.gz (chrome trace) and DIR/ops.md (top ops by self device time, time per "
+        "phase); the report gets the ops table too",
+    )
     args = p.parse_args(argv)
     if args.device not in ("cuda", "cpu"):
         raise ValueError(f"--device must be cuda or cpu, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch sees no GPU; use --device cpu --tiny for a smoke run")
     if args.device == "cpu" and not args.tiny:
-        raise ValueError("--device cpu runs only with --tiny (Qwen3-8B shapes on CPU take hours)")
+        raise ValueError("--device cpu runs only with --tiny (Qwen3-8B or SmolLM2 shapes on CPU take hours)")
     args.backend = args.attention_backend or ("flex" if args.device == "cuda" else "sdpa")
     if args.backend not in ("flex", "sdpa"):
         raise ValueError(f"--attention_backend must be flex or sdpa, got {args.backend!r}")
@@ -223,6 +256,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.sliding_window = args.sliding_window or (32 if args.tiny else 2048)
         if args.layer_types is not None:
             raise ValueError("--long runs every layout of --long_layouts; give those instead of --layer_types")
+        if args.profile is not None:
+            raise ValueError("--profile profiles a step of (a), which --long does not run; leave out one of them")
     if args.objectives:
         base = args.variant[0] if args.variant else ("baseline" if args.tiny else "compile_layers+fused_ce_compiled")
         args.variants = [base] + [f"{base}+{lever}" for lever in OBJECTIVE_LEVERS]
@@ -247,7 +282,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def shapes(args) -> dict:
-    """Target config, drafter sizes and the benchmark grids for the chosen mode."""
+    """Target config, drafter sizes and the benchmark grids of --shapes (--tiny: a tiny config whatever --shapes says).
+
+    Returns {name: what the report calls them, target: a Qwen3Config, draft_layers, target_layer_ids (None: the
+    default spread), mask_token_id, headline and grid: [(num_anchors, seq, batch)], target_shapes: [(batch, seq)]
+    of (b)}; reads args.tiny, args.shapes and args.quick."""
     if args.tiny:
         target = Qwen3Config(
             hidden_size=64,
@@ -262,7 +301,45 @@ def shapes(args) -> dict:
         )
         headline = [(8, 64, 2), (16, 128, 1)]  # (num_anchors, seq, batch)
         grid = [(n, s, b) for n in (8, 16) for s in (64, 128) for b in (1, 2)]
-        return dict(target=target, draft_layers=2, mask_token_id=255, headline=headline, grid=grid, target_shapes=[(4, 128), (2, 64), (1, 128)])
+        target_shapes = [(4, 128), (2, 64), (1, 128)]
+        return dict(
+            name="tiny config",
+            target=target,
+            draft_layers=2,
+            target_layer_ids=None,
+            mask_token_id=255,
+            headline=headline,
+            grid=grid,
+            target_shapes=target_shapes,
+        )
+    if args.shapes == "smollm2":
+        # SmolLM2-135M-Instruct (a Llama: no q/k norms, which only the target's forward in (b) would run) and the
+        # drafter of configs/smollm2-gsm8k-gpu.yaml: 8 layers, its target layer ids, sequences padded to 512 tokens,
+        # 128 anchors, batch 64 (and a quarter of it).
+        target = Qwen3Config(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        )
+        headline = [(128, 512, 64), (128, 512, 16)]
+        return dict(
+            name="SmolLM2-135M shapes",
+            target=target,
+            draft_layers=8,
+            target_layer_ids=[1, 8, 14, 20, 27],
+            mask_token_id=SMOLLM2_MASK_TOKEN_ID,
+            headline=headline,
+            grid=headline,
+            target_shapes=[(b, s) for _, s, b in headline],
+        )
     target = Qwen3Config(
         hidden_size=4096,
         intermediate_size=12288,
@@ -279,7 +356,16 @@ def shapes(args) -> dict:
     headline = [(256, 768, 2), (512, 3072, 1)]  # the public anchor's shape; the paper recipe's
     grid = headline + [(n, s, b) for n in (256, 512) for s in (768, 3072) for b in (1, 2, 4) if (n, s, b) not in headline]
     target_shapes = [(16, 1024)] + sorted({(b, s) for _, s, b in (headline if args.quick else grid)})
-    return dict(target=target, draft_layers=5, mask_token_id=QWEN3_MASK_TOKEN_ID, headline=headline, grid=grid, target_shapes=target_shapes)
+    return dict(
+        name="Qwen3-8B shapes",
+        target=target,
+        draft_layers=5,
+        target_layer_ids=None,  # dflash_model.default_target_layer_ids: [1, 9, 17, 25, 33]
+        mask_token_id=QWEN3_MASK_TOKEN_ID,
+        headline=headline,
+        grid=grid,
+        target_shapes=target_shapes,
+    )
 
 
 class Progress:
@@ -426,7 +512,9 @@ def run_long(args, s: dict, device, dtype, progress) -> tuple[list, str]:
                 f.write(json.dumps(row) + "\n")
 
     target_config = s["target"]
-    base = drafter_config_for_target(target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"])
+    base = drafter_config_for_target(
+        target_config, mask_token_id=s["mask_token_id"], num_draft_layers=s["draft_layers"], target_layer_ids=s["target_layer_ids"]
+    )
     wanted = [dict(kind="target", seq=n) for n in args.long_lengths]
     if not args.drafter_only and any(row_key(w) not in done for w in wanted):
         progress("(long) building the random target")
@@ -454,12 +542,13 @@ def run_long(args, s: dict, device, dtype, progress) -> tuple[list, str]:
             target_config,
             mask_token_id=s["mask_token_id"],
             num_draft_layers=s["draft_layers"],
+            target_layer_ids=s["target_layer_ids"],
             layer_types=layout,
             sliding_window=window,
             drafter=args.drafter,
             block_size=block_size_of(args.drafter),
         )
-        ctx = drafter_context(config, device, dtype, progress, args.backend, args.steps, args.warmup)
+        ctx = drafter_context(config, device, dtype, progress, args.backend, args.steps, args.warmup, tied_head=target_config.tie_word_embeddings)
         for name, seq_len in todo:
             if progress.over_budget():
                 left.append(f"{layout} {name} {seq_len}")
@@ -527,13 +616,13 @@ def long_table(rows: list[dict]) -> str:
     return header + "\n".join(lines) + "\n"
 
 
-def long_report(args, argv: list[str], gpu: str, draft_layers: int, rows: list[dict], note: str, elapsed_s: float) -> str:
+def long_report(args, argv: list[str], s: dict, gpu: str, rows: list[dict], note: str, elapsed_s: float) -> str:
     command = "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + argv)
     return (
         f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} bench_dflash.py --long: long samples\n\n"
         f"{gpu}, torch {torch.__version__}, transformers {__import__('transformers').__version__}, command: `{command}` "
-        f"({'tiny config' if args.tiny else 'Qwen3-8B shapes'}, {args.backend} attention, batch 1, {args.steps} timed steps after "
-        f"{args.warmup} warm-up steps, medians; this call {elapsed_s:.0f} s; {note}). Drafter: {draft_layers} layers, block 16, the first "
+        f"({s['name']}, {args.backend} attention, batch 1, {args.steps} timed steps after "
+        f"{args.warmup} warm-up steps, medians; this call {elapsed_s:.0f} s; {note}). Drafter: {s['draft_layers']} layers, block 16, the first "
         f"tokens/8 of each sample prompt, the rest reply; peak GB is the drafter step's own (with its optimizer state), the "
         f"target's with the target alone on the device; 'predicted peak' adds the context bytes per token of "
         f"`context_bytes_per_token` to the shortest row's measured peak.\n\n{long_table(rows)}"
@@ -544,9 +633,10 @@ def long_report(args, argv: list[str], gpu: str, draft_layers: int, rows: list[d
 # Main
 
 
-def run_drafter_grid(ctx: dict, progress, variant_names, configs, rows: list, budget_s: float) -> None:
+def run_drafter_grid(ctx: dict, progress, variant_names, configs, rows: list, budget_s: float, profile_dir: str | None = None) -> None:
     """(a) every variant at every (anchors, seq, batch) of `configs`, appended to `rows`; configs
-    that would start after `budget_s` are listed as skipped."""
+    that would start after `budget_s` are listed as skipped. With `profile_dir` the first variant's
+    first config is also profiled there (`profile_steps`)."""
     for name in variant_names:
         variant = parse_variant(name)
         for num_anchors, seq_len, batch in configs:
@@ -554,7 +644,10 @@ def run_drafter_grid(ctx: dict, progress, variant_names, configs, rows: list, bu
                 rows.append(dict(variant=name, anchors=num_anchors, seq=seq_len, batch=batch, status="skipped (time budget)"))
                 continue
             progress(f"(a) {name}: anchors {num_anchors}, seq {seq_len}, batch {batch}")
-            row = bench_drafter_config(ctx, variant, num_anchors, seq_len, batch)
+            first = name == variant_names[0] and (num_anchors, seq_len, batch) == configs[0]
+            row = bench_drafter_config(ctx, variant, num_anchors, seq_len, batch, profile_dir=profile_dir if first else None)
+            if "profile" in row:
+                progress(f"    profiled: {profile_dir}/ops.md, {profile_dir}/trace.json.gz")
             rows.append(row)
             if row["status"] == "ok":
                 progress(
@@ -644,7 +737,7 @@ def report(
     parts = ", ".join(f"{k} {(f + b) / s['headline'][0][2] / 1e12:.3g}" for k, (f, b) in flops_parts.items())
     return (
         f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} bench_dflash.py: DFlash training speed\n\n"
-        f"{gpu}, torch {torch.__version__}, transformers {__import__('transformers').__version__}, command: `{command}` ({'tiny config' if args.tiny else 'Qwen3-8B shapes'}, {args.backend} attention, "
+        f"{gpu}, torch {torch.__version__}, transformers {__import__('transformers').__version__}, command: `{command}` ({s['name']}, {args.backend} attention, "
         f"{args.steps} timed steps after {args.warmup} warm-up steps, medians; total {elapsed_s:.0f} s)\n\n"
         f"Matmul rate: {matmul_note}. Drafter: {trainable / 1e6:.1f} M trainable params. Useful TFLOP/sample by part at "
         f"{s['headline'][0][0]} anchors / seq {s['headline'][0][1]} (all anchors valid): {parts}.\n\n"
@@ -654,6 +747,16 @@ def report(
         f"(b) target supply ({max(config.target_layer_ids) + 1} of {target_config.num_hidden_layers} layers, hook capture of "
         f"layers {config.target_layer_ids}):\n\n{target_table(target_rows)}\n"
         f"(c) colocated on 1 GPU (target forward + drafter step):\n\n{colocated_table(colocated_rows)}"
+        + "".join(profile_section(r, s) for r in drafter_rows if "profile" in r)
+    )
+
+
+def profile_section(row: dict, s: dict) -> str:
+    """Markdown: the profiled step's time per phase and top ops (`profile_steps`), under a heading naming its variant and shape."""
+    p = row["profile"]
+    return (
+        f"\n### Profile: {row['variant']} at {row['anchors']} anchors, seq {row['seq']}, batch {row['batch']} ({s['name']})\n\n"
+        f"{p['note']}\n\nTime per phase:\n\n{p['phases']}\nTop 30 ops:\n\n{p['ops']}"
     )
 
 
@@ -672,6 +775,7 @@ def main(argv: list[str]) -> None:
         s["target"],
         mask_token_id=s["mask_token_id"],
         num_draft_layers=s["draft_layers"],
+        target_layer_ids=s["target_layer_ids"],
         layer_types=args.layer_types,
         sliding_window=args.sliding_window,
         drafter=args.drafter,
@@ -684,7 +788,7 @@ def main(argv: list[str]) -> None:
     if args.long:
         s["target"].max_position_embeddings = max(s["target"].max_position_embeddings, max(args.long_lengths))
         rows, note = run_long(args, s, device, dtype, progress)
-        text = long_report(args, argv, gpu, s["draft_layers"], rows, note, progress.elapsed())
+        text = long_report(args, argv, s, gpu, rows, note, progress.elapsed())
         print(text, flush=True)
         if not args.no_append:
             with Path(args.record_to).open("a") as f:
@@ -693,13 +797,13 @@ def main(argv: list[str]) -> None:
         return
     matmul = matmul_rate(device, dtype)
     progress(matmul[1])
-    ctx = drafter_context(config, device, dtype, progress, args.backend, args.steps, args.warmup)
+    ctx = drafter_context(config, device, dtype, progress, args.backend, args.steps, args.warmup, tied_head=s["target"].tie_word_embeddings)
 
     # (a) every variant at the headline shapes, then the rest of the grid for the first variant; it
     # stops starting configs early enough to leave time for (b) and (c).
     budget_a = args.budget_s - (0 if args.tiny or args.drafter_only else 75)
     drafter_rows = []
-    run_drafter_grid(ctx, progress, args.variants, s["headline"], drafter_rows, budget_a)
+    run_drafter_grid(ctx, progress, args.variants, s["headline"], drafter_rows, budget_a, profile_dir=args.profile)
     if not args.quick:
         run_drafter_grid(ctx, progress, args.variants[:1], [c for c in s["grid"] if c not in s["headline"]], drafter_rows, budget_a)
 
@@ -738,4 +842,8 @@ def _example_counts(config: DFlashConfig, num_anchors: int, seq_len: int, batch:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except ValueError as error:  # bad flags: one clear line, no traceback (as train_dflash.py says it)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

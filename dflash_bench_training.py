@@ -1,18 +1,21 @@
 """A drafter training step without DeepSpeed or data, as the benchmarks run it: random full-length
 rows (`make_batch`) and AdamW on fp32 master weights (`MasterWeightAdamW`, DeepSpeed's bf16 scheme
 on one rank, unsharded). bench_dflash.py times its steps with them, and
-tools/gpu/drafter_rank_memory.py measures a drafter rank's memory.
+experiments/gpu/drafter_rank_memory.py measures a drafter rank's memory.
 
 Also what bench_dflash.py times: a step's levers (`Variant`, read from a name by `parse_variant`:
 compiled layers, the loss's form and chunk size, the objective, the memory levers, --fused_loss),
-the step as train_dflash.py runs it (`drafter_step`), one variant at one shape warmed up and timed
-(`bench_drafter_config`), and the target's feature forward timed (`bench_target`).
+the step as train_dflash.py runs it (`drafter_step`, its phases marked by a `PhaseClock`), one
+variant at one shape warmed up and timed (`bench_drafter_config`) and, for --profile, a few of its
+steps under torch.profiler (`profile_steps`), and the target's feature forward timed (`bench_target`).
 """
 
 import gc
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -29,9 +32,11 @@ from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, ma
 
 
 def make_batch(batch: int, seq_len: int, config: DFlashConfig, device, dtype, with_features: bool = True, with_target_hidden: bool = False):
-    """Random full-length rows: input_ids [batch, S], loss_mask [batch, S] (prompt = first S/8), features
-    [batch, S, 5*hidden], and the target's last hidden state [batch, S, hidden] for the distribution losses (else None)."""
-    input_ids = torch.randint(0, config.mask_token_id, (batch, seq_len), device=device)
+    """Random full-length rows: input_ids [batch, S] (any id but the mask token), loss_mask [batch, S] (prompt = first
+    S/8), features [batch, S, 5*hidden], and the target's last hidden state [batch, S, hidden] for the distribution
+    losses (else None)."""
+    input_ids = torch.randint(0, config.vocab_size - 1, (batch, seq_len), device=device)
+    input_ids += input_ids >= config.mask_token_id  # [batch, S]: the ids past the mask token move up by one
     loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
     loss_mask[:, seq_len // 8 :] = True
     features = target_hidden = None
@@ -166,19 +171,32 @@ def sync(device: torch.device) -> None:
 
 
 class PhaseClock:
-    """Marks phase boundaries inside a step: CUDA events on GPU (no sync), perf_counter on CPU."""
+    """Marks phase boundaries inside a step: CUDA events on GPU (no sync), perf_counter on CPU. With
+    `ranges`, each phase is also a torch.profiler.record_function range named after it (for `profile_steps`)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, ranges: bool = False):
         self.cuda = device.type == "cuda"
         self.marks = []
+        self.names = []  # the phases begun, in order
+        self.ranges = ranges
+        self.open_range = None
 
-    def mark(self) -> None:
+    def mark(self, phase: str | None = None) -> None:
+        """End the running phase and begin `phase` (None: the step ends here)."""
+        if self.open_range is not None:
+            self.open_range.__exit__(None, None, None)
+            self.open_range = None
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
+        if phase is not None:
+            self.names.append(phase)
+            if self.ranges:
+                self.open_range = torch.profiler.record_function(phase)
+                self.open_range.__enter__()
 
     def phase_ms(self) -> list[float]:
         """Milliseconds between consecutive marks (call after a sync)."""
@@ -241,10 +259,13 @@ def median_ms(fn, device: torch.device, reps: int = 3) -> float:
 # The drafter's train step, timed
 
 
-def drafter_context(config: DFlashConfig, device: torch.device, dtype: torch.dtype, progress, backend: str, steps: int, warmup: int) -> dict:
+def drafter_context(
+    config: DFlashConfig, device: torch.device, dtype: torch.dtype, progress, backend: str, steps: int, warmup: int, tied_head: bool = False
+) -> dict:
     """The drafter and its optimizer, with standalone (frozen) embedding and head at the target's shapes:
     everything `bench_drafter_config` reads, as one dict. progress: a callable taking a log line;
-    backend: flex or sdpa; steps, warmup: timed and warm-up steps per (variant, shape)."""
+    backend: flex or sdpa; steps, warmup: timed and warm-up steps per (variant, shape); tied_head: the
+    head's weight is the embedding's [vocab, hidden] (a target with tie_word_embeddings, e.g. SmolLM2)."""
     with device:
         drafter = (
             DSparkDraftModel if isinstance(config, DSparkConfig) else DFlash2DraftModel if isinstance(config, DFlash2Config) else DFlashDraftModel
@@ -253,6 +274,8 @@ def drafter_context(config: DFlashConfig, device: torch.device, dtype: torch.dty
             param.data = param.data.to(dtype)
         embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype).requires_grad_(False)
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype).requires_grad_(False)
+        if tied_head:
+            head.weight = embed.weight  # frozen either way: the step's work is the same, its memory one table less
     drafter.train()
     drafter.attach_target(embed, head)
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=1e-5, max_grad_norm=1.0, fused=device.type == "cuda")
@@ -280,13 +303,13 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     """
     input_ids, loss_mask, features, target_hidden = batch_tensors
     block_size = drafter.config.block_size
-    clock.mark()
     if extractor is not None:
+        clock.mark("target forward")
         features = extractor(input_ids, torch.ones_like(input_ids))  # [batch, S, 5*hidden]
-        clock.mark()
+    clock.mark("forward")  # the mask build included
     anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
     hidden = drafter(features, input_ids, anchors, anchor_valid, attention_backend=backend)  # [batch, N, B, hidden]
-    clock.mark()
+    clock.mark("loss")
     if isinstance(drafter.config, DSparkConfig):  # train_dflash.py's dspark_objective: every slot predicts, gamma = B
         labels, label_valid = dspark_block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)  # [batch, N, gamma]
         predecessors = markov_predecessor_ids(input_ids, anchors, block_size)  # [batch, N, gamma]
@@ -328,9 +351,9 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
                     candidate_ids=row_weights[1],
                 )[0]
             )
-    clock.mark()
+    clock.mark("backward")
     loss.backward()
-    clock.mark()
+    clock.mark("optimizer")
     optimizer.step()
     clock.mark()
     return anchors, anchor_valid, label_valid
@@ -373,8 +396,75 @@ def time_mask_and_attention(ctx, loss_mask, num_anchors: int, seq_len: int, gene
     return mask_ms, attention_ms
 
 
-def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, batch: int, extractor=None) -> dict:
-    """Warm up and time one (variant, shape); returns a result row (status 'ok', 'OOM' or 'error: ...')."""
+def profile_steps(step, device: torch.device, out_dir: Path, title: str, steps: int = 3, warmup: int = 1) -> dict:
+    """`steps` calls of `step(clock)` after `warmup` ones under torch.profiler (CPU activity, and CUDA on a GPU), each
+    phase of the step a record_function range (`PhaseClock(ranges=True)`).
+
+    Writes out_dir/trace.json.gz (a chrome trace: chrome://tracing, ui.perfetto.dev) and out_dir/ops.md (`title`, then
+    the time per phase, the top 30 ops by self device time (self CPU time on a CPU) and torch.profiler's own table
+    by input shapes). Returns {"phases": markdown table, "ops": markdown table and its total line, "note": the
+    setting in one line}; every time is a mean per profiled step.
+    """
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    schedule = torch.profiler.schedule(wait=0, warmup=warmup, active=steps, repeat=1)
+    step_ms, phases = [], []
+    with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True) as profiler:
+        for i in range(warmup + steps):
+            clock = PhaseClock(device, ranges=True)
+            sync(device)
+            start = time.perf_counter()
+            step(clock)
+            sync(device)
+            if i >= warmup:
+                step_ms.append((time.perf_counter() - start) * 1e3)
+                phases.append(clock.phase_ms())
+            profiler.step()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(out_dir / "trace.json.gz"))
+    step_mean = statistics.mean(step_ms)
+    # Host-side events (ops and ranges); on a GPU each carries the kernels it launched (self: not its children's).
+    host = [e for e in profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    ranges = {e.key: e for e in host}
+    self_ms = (lambda e: e.self_device_time_total / 1e3 / steps) if cuda else (lambda e: e.self_cpu_time_total / 1e3 / steps)
+    phase_lines = []
+    for name, ms in zip(clock.names, (statistics.mean(p) for p in zip(*phases))):
+        host_ms = f"{ranges[name].cpu_time_total / 1e3 / steps:.2f}" if name in ranges else "-"
+        phase_lines.append(f"| {name} | {ms:.2f} | {100 * ms / step_mean:.1f}% | {host_ms} |")
+    phase_table = "| phase | ms/step | share of step | host CPU ms/step |\n|---|---|---|---|\n" + "\n".join(phase_lines) + "\n"
+    ops = [e for e in host if e.key not in clock.names and not e.key.startswith("ProfilerStep")]
+    ops.sort(key=self_ms, reverse=True)
+    what = "self device" if cuda else "self CPU"
+    op_lines = [
+        f"| `{e.key}` | {e.count / steps:g} | {self_ms(e):.3f} | {100 * self_ms(e) / step_mean:.1f}% |"
+        + (f" {e.self_cpu_time_total / 1e3 / steps:.3f} |" if cuda else "")
+        for e in ops[:30]
+    ]
+    total = sum(self_ms(e) for e in host)
+    ops_table = (
+        f"| op | calls/step | {what} ms/step | share of step |{' self CPU ms/step |' if cuda else ''}\n|---|---|---|---|{'---|' if cuda else ''}\n"
+        + "\n".join(op_lines)
+        + f"\n\nAll ops: {total:.2f} ms/step of {what} time, {100 * total / step_mean:.1f}% of the step ({step_mean:.2f} ms).\n"
+    )
+    device_name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    note = (
+        f"{device_name}, torch {torch.__version__}; {steps} profiled steps after {warmup} warm-up, means per step (the profiler's overhead "
+        f"included: compare the timed steps' medians). Phases: ms/step between the step's phase marks (CUDA events on a GPU); host "
+        f"CPU ms/step: the record_function range's span on the host, which on a GPU only queues the work (a span as long as the "
+        f"phase: the GPU waited on the host). Ops: the host's ops, each with the kernels it launched itself (backward's from "
+        f"autograd's thread)."
+    )
+    by_shapes = profiler.key_averages(group_by_input_shape=True).table(sort_by=f"self_{'device' if cuda else 'cpu'}_time_total", row_limit=30)
+    (out_dir / "ops.md").write_text(
+        f"# Profile: {title}\n\n{note}\n\n## Time per phase\n\n{phase_table}\n## Top 30 ops by {what} time\n\n{ops_table}\n"
+        f"## torch.profiler's table by input shapes (totals over the {steps} steps)\n\n```text\n{by_shapes}\n```\n"
+    )
+    return dict(phases=phase_table, ops=ops_table, note=note)
+
+
+def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, batch: int, extractor=None, profile_dir=None) -> dict:
+    """Warm up and time one (variant, shape); returns a result row (status 'ok', 'OOM' or 'error: ...'). With
+    `profile_dir`, `profile_steps` then profiles a few more steps there and the row gets its tables as "profile"."""
     device, config, dtype = ctx["device"], ctx["config"], ctx["dtype"]
     row = dict(variant=variant.name, anchors=num_anchors, seq=seq_len, batch=batch, status="ok")
     set_drafter_levers(ctx, variant)
@@ -442,12 +532,17 @@ def bench_drafter_config(ctx, variant: Variant, num_anchors: int, seq_len: int, 
         row["peak_gb"] = peak_memory_gb(device)
         if extractor is None and ctx["backend"] == "flex":
             row["mask_ms"], row["attn_ms"] = time_mask_and_attention(ctx, batch_tensors[1], num_anchors, seq_len, generator)
+        if profile_dir is not None:
+            drafter_sizes = f"{config.num_hidden_layers} drafter layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
+            title = f"{variant.name} at {num_anchors} anchors, seq {seq_len}, batch {batch} ({drafter_sizes}, {ctx['backend']} attention)"
+            try:
+                row["profile"] = profile_steps(step, device, Path(profile_dir), title)
+            except Exception:  # a failed profile leaves the row's timings as measured
+                traceback.print_exc()
     except torch.cuda.OutOfMemoryError:
         row["status"] = "OOM"
     except Exception as e:  # a variant that fails (e.g. a compile error) is reported, the run goes on
         row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        import traceback
-
         traceback.print_exc()
     free_memory(device, ctx["optimizer"].params)
     return row
