@@ -621,10 +621,11 @@ def chunked_dspark_loss(
     gradient with respect to the chunk's hidden rows, W1[prev] and W2 (`fused_linear_dspark_loss`), and
     drops them. So at most chunk_size x V logits of each exist at a time, in the forward and the backward,
     where `dspark_loss` takes [batch, N, gamma, V] of each and autograd keeps their fp32 softmaxes.
-    The gradient is computed in the forward rather than by recomputing each chunk in backward
-    (checkpointing): one head matmul and one target head matmul fewer per chunk, and the same closed form
-    DFlash's loss uses (`weighted_block_loss`). It is exact because the row weights (exp(-k / gamma) over
-    their sum) are known before any logits are. The confidence logits are [batch, N, gamma], small, so
+    The gradient is computed in the forward, in closed form, rather than by recomputing each chunk in
+    backward (torch.utils.checkpoint): the drafter's head, the Markov term and the target's head run once
+    per chunk instead of twice, nothing vocab-sized runs in autograd's backward, and it is the way DFlash's
+    loss works (`weighted_block_loss`). It is exact because the row weights (exp(-k / gamma) over their
+    sum) are known before any logits are, so W2's gradient can be summed chunk by chunk. The confidence logits are [batch, N, gamma], small, so
     the BCE runs on them as in `dspark_loss`, against the detached acceptance clamp(1 - L1 / 2, 0, 1).
     Equal to `dspark_loss` on `block_logits` in fp32 (tests/test_dspark_chunked.py).
 

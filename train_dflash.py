@@ -359,6 +359,8 @@ class TrainSettings:
             )
         if self.context_chunk_size < 0:
             raise ValueError(f"--context_chunk_size must be >= 0 (0 = the context in one piece), got {self.context_chunk_size}")
+        if self.loss_chunk_size < 1:
+            raise ValueError(f"--loss_chunk_size must be >= 1 (rows per LM-head + loss chunk; default 4096), got {self.loss_chunk_size}")
         if self.anchor_slots_multiple < 0:
             raise ValueError(f"--anchor_slots_multiple must be >= 0 (0 = always --num_anchors slots), got {self.anchor_slots_multiple}")
         if self.block_size < 2:

@@ -67,7 +67,7 @@ def micro_batch(drafter, holes=True):
 
 
 def reference(drafter, batch, **weights):
-    """`dspark_loss` on all slots' logits at once, as training ran it before the chunks: (loss, terms, accepted)."""
+    """The plain reference: `dspark_loss` on all slots' logits at once, and the acceptance counted on them: (loss, terms, accepted)."""
     hidden, predecessors, labels, label_valid, target_hidden = batch
     logits = drafter.block_logits(hidden, predecessors)  # [batch, N, gamma, V]
     confidence = drafter.confidence_logits(hidden, predecessors) if drafter.confidence_head is not None else None

@@ -270,6 +270,7 @@ def test_the_trainer_loss_is_dspark_loss_on_the_blocks_of_its_anchors():
         ("--markov_rank 0", "--enable_confidence_head true reads the Markov features"),
         ("--dspark_ce_weight 0 --dspark_l1_weight 0", "--dspark_ce_weight 0.0, --dspark_l1_weight 0.0"),
         ("--dspark_bce_weight -1", "--dspark_ce_weight 0.1, --dspark_l1_weight 0.9, --dspark_bce_weight -1.0: each must be >= 0"),
+        ("--loss_chunk_size 0", "--loss_chunk_size must be >= 1 (rows per LM-head + loss chunk; default 4096), got 0"),
     ],
 )
 def test_dspark_refuses_what_it_does_not_train_with_in_one_line(flags, message, tmp_path):
