@@ -8,7 +8,7 @@
     python bench_dflash.py --quick --drafter_only --layer_types last_full --sliding_window 2048   # (a) only
     python bench_dflash.py --quick --drafter_only --objectives --budget_s 540   # every loss objective vs CE (< 10 min)
     python bench_dflash.py --quick --drafter_only --drafter dflash2              # a DFlash2 drafter's step (its selector's loss included)
-    python bench_dflash.py --quick --drafter_only --drafter dspark               # a DSpark drafter's step (gamma 15, dspark_loss)
+    python bench_dflash.py --quick --drafter_only --drafter dspark               # a DSpark drafter's step (gamma 15, chunked_dspark_loss)
     python bench_dflash.py --quick --drafter_only --shapes smollm2              # at SmolLM2-135M's shapes (the GSM8K recipe's drafter)
     python bench_dflash.py --quick --drafter_only --profile prof/               # + prof/ops.md and prof/trace.json.gz of the first variant
     python bench_dflash.py --long --rows long_rows.jsonl   # long samples: 3,072 .. 64k tokens, 5 full and 4 sliding + 1 full (tools/gpu/long_samples.sh)
@@ -190,8 +190,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("dflash", "dflash2", "dspark"),
         help="the drafter: dflash, or dflash2 (its convolutions and candidate selector, and the selector's loss in each "
         "step as train_dflash.py adds it; the useful-FLOP count stays DFlash's, without them), or dspark (gamma = B - 1, "
-        "the drafts per verify of DFlash's block B; Markov rank 256 and the confidence head; train_dflash.py's dspark_loss "
-        "on all gamma slots' logits and the target's; the useful-FLOP count is DFlash's with the target's logits, without "
+        "the drafts per verify of DFlash's block B; Markov rank 256 and the confidence head; train_dflash.py's chunked_dspark_loss "
+        "on the gamma slots' logits and the target's, loss_chunk_N rows at a time; the useful-FLOP count is DFlash's with the target's logits, without "
         "the Markov head's W2, r / hidden of the LM head's work)",
     )
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
@@ -261,20 +261,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.objectives:
         base = args.variant[0] if args.variant else ("baseline" if args.tiny else "compile_layers+fused_ce_compiled")
         args.variants = [base] + [f"{base}+{lever}" for lever in OBJECTIVE_LEVERS]
-    if args.drafter == "dspark":  # its loss is dspark_loss: the loss levers do not apply
+    if args.drafter == "dspark":  # its loss is chunked_dspark_loss: of the loss levers only the chunk size applies
         args.variants = args.variant or ["baseline" if args.tiny else "compile_layers"]
         for name in args.variants:
             variant = parse_variant(name)
-            if (variant.loss, variant.objective, variant.weighting, variant.chunk_size, variant.fused_loss) != (
-                "chunked",
-                "ce",
-                "exp",
-                4096,
-                "none",
-            ) or args.objectives:
+            if (variant.loss, variant.objective, variant.weighting, variant.fused_loss) != ("chunked", "ce", "exp", "none") or args.objectives:
                 raise ValueError(
-                    f"--drafter dspark trains with dspark_loss only: --variant {name!r} or --objectives sets a loss lever; "
-                    f"use baseline, compile_layers or checkpoint_layers"
+                    f"--drafter dspark trains with chunked_dspark_loss only: --variant {name!r} or --objectives sets a loss lever; "
+                    f"use baseline, compile_layers, checkpoint_layers or loss_chunk_N"
                 )
     for name in args.variants:
         parse_variant(name)  # fail early on a typo

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
 from dflash_compile import get_compiled_flex_attention, warm_up_flex_attention
 from dflash_flops import drafter_step_flops, target_forward_flops
-from dflash_loss import block_target_hidden, dspark_loss, loss_weights, selector_objective, weighted_block_loss
+from dflash_loss import block_target_hidden, chunked_dspark_loss, loss_weights, selector_objective, weighted_block_loss
 from dflash_loss_kernels import LOSSES, check_fused_loss, resolve_fused_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel
@@ -313,10 +313,22 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
     if isinstance(drafter.config, DSparkConfig):  # train_dflash.py's dspark_objective: every slot predicts, gamma = B
         labels, label_valid = dspark_block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)  # [batch, N, gamma]
         predecessors = markov_predecessor_ids(input_ids, anchors, block_size)  # [batch, N, gamma]
-        with torch.no_grad():  # slot k's p: the target's logits at a + k
-            target_logits = drafter.compute_logits(block_target_hidden(target_hidden, anchors, block_size + 1))  # [batch, N, gamma, V]
         confidence = drafter.confidence_logits(hidden, predecessors) if drafter.confidence_head is not None else None
-        loss, _ = dspark_loss(drafter.block_logits(hidden, predecessors), confidence, labels, label_valid, target_logits)
+        markov = drafter.markov_head
+        loss, _, _ = chunked_dspark_loss(
+            hidden,
+            predecessors,
+            drafter.target_lm_head.weight,
+            labels,
+            label_valid,
+            block_target_hidden(target_hidden, anchors, block_size + 1),  # slot k's p: the target's logits at a + k
+            confidence,
+            markov_w1=None if markov is None else markov.markov_w1.weight,
+            markov_w2=None if markov is None else markov.markov_w2.weight,
+            chunk_size=variant.chunk_size,
+            output_multiplier=drafter.config.output_multiplier,
+            final_logit_softcapping=drafter.config.final_logit_softcapping,
+        )
     else:
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)
         objective = dict(loss=variant.objective, loss_weighting=variant.weighting, fused_loss=resolve_fused_loss(variant.fused_loss, hidden.device))

@@ -14,7 +14,9 @@ each row's unweighted input gradient; the weights are applied afterwards (`weigh
 that is exact and cheap). DFlash2 adds its candidate selector's objective (`selector_objective`): a
 hard K-way cross-entropy over the drafter's top-K candidates with teacher-forced predecessors, added
 to the DFlash loss; the candidates come from the loss's own logits chunks (`weighted_block_loss`'s
-top_k), not from a second pass through the head.
+top_k), not from a second pass through the head. DSpark's objective (`dspark_loss`, the plain reference;
+`chunked_dspark_loss`, what training runs) goes through the same head in chunks, with the Markov term
+(`fused_linear_dspark_loss`).
 
 Notation: rows = positions in a chunk, T = valid positions in the micro-batch, vocab = LM head rows,
 B = block size, N = anchors per row, p = the target's distribution, q = the drafter's.
@@ -31,6 +33,7 @@ from dflash_loss_kernels import (
     check_fused_loss,
     compiled_ce_grad_chunk,
     compiled_row_loss_chunk,
+    fused_linear_dspark_loss,
     fused_linear_row_loss,
     fused_linear_weighted_ce,
     library_linear_ce,
@@ -533,7 +536,10 @@ def dspark_loss(
     confidence_weight: float = 1.0,
     gamma: float = 4.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DSpark's training objective: `ce_weight * CE + l1_weight * L1 + confidence_weight * BCE`.
+    """DSpark's training objective: `ce_weight * CE + l1_weight * L1 + confidence_weight * BCE`, in its
+    plain form: on every slot's logits at once, the drafter's and the target's ([batch, N, G, V] each,
+    whose fp32 softmaxes autograd keeps). The reference that `chunked_dspark_loss`, what training runs
+    (the same objective from the hidden states, in chunks of rows), is checked against.
 
     Source: "DSpark" (arXiv 2607.05147) and DeepSeek's DeepSpec, `deepspec/modeling/dspark/loss.py`
     (the Qwen3-8B recipe's weights 0.1, 0.9, 1.0 and loss_decay_gamma 4 are the defaults here).
@@ -584,3 +590,113 @@ def dspark_loss(
     if confidence_logits is not None:
         loss = loss + confidence_logits[index].sum() * 0.0  # every parameter gets a gradient (ZeRO needs it on every rank)
     return loss, {name: value.detach().float() for name, value in terms.items()}
+
+
+def chunked_dspark_loss(
+    hidden: torch.Tensor,
+    predecessors: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_valid: torch.Tensor,
+    target_hidden: torch.Tensor | None,
+    confidence_logits: torch.Tensor | None = None,
+    markov_w1: torch.Tensor | None = None,
+    markov_w2: torch.Tensor | None = None,
+    ce_weight: float = 0.1,
+    l1_weight: float = 0.9,
+    confidence_weight: float = 1.0,
+    gamma: float = 4.0,
+    chunk_size: int = 4096,
+    output_multiplier: float = 1.0,
+    final_logit_softcapping: float | None = None,
+    valid_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """DSpark's training objective, `dspark_loss`'s (same source, terms, weights and normalisation), from the
+    drafter's hidden states in chunks of valid rows: what training runs.
+
+    The valid slots' rows are gathered first (hidden, predecessors, the target's hidden state, labels,
+    slot weights: T rows); then each chunk of `chunk_size` rows makes the drafter's logits (the LM head,
+    scaled and capped, plus the Markov term W2(W1[prev]), as `DSparkDraftModel.block_logits`), the target's
+    (no gradient), both softmaxes in fp32, each row's CE and L1 = sum_v |p - q|, its argmax hit, and the
+    gradient with respect to the chunk's hidden rows, W1[prev] and W2 (`fused_linear_dspark_loss`), and
+    drops them. So at most chunk_size x V logits of each exist at a time, in the forward and the backward,
+    where `dspark_loss` takes [batch, N, gamma, V] of each and autograd keeps their fp32 softmaxes.
+    The gradient is computed in the forward, in closed form, rather than by recomputing each chunk in
+    backward (torch.utils.checkpoint): the drafter's head, the Markov term and the target's head run once
+    per chunk instead of twice, nothing vocab-sized runs in autograd's backward, and it is the way DFlash's
+    loss works (`weighted_block_loss`). It is exact because the row weights (exp(-k / gamma) over their
+    sum) are known before any logits are, so W2's gradient can be summed chunk by chunk. The confidence logits are [batch, N, gamma], small, so
+    the BCE runs on them as in `dspark_loss`, against the detached acceptance clamp(1 - L1 / 2, 0, 1).
+    Equal to `dspark_loss` on `block_logits` in fp32 (tests/test_dspark_chunked.py).
+
+    Args:
+        hidden: [batch, N, G, hidden], the drafter's final hidden states (after `norm`), any float dtype.
+        predecessors: [batch, N, G] int64, the Markov predecessors (`dspark_model.markov_predecessor_ids`).
+        head_weight: [V, hidden], the target's LM head (frozen: no gradient reaches it).
+        labels, label_valid: [batch, N, G] int64 / bool (a prefix) from `dspark_model.dspark_block_labels`.
+        target_hidden: [batch, N, G, hidden], the target's last hidden state at position a + k
+            (`block_target_hidden(target_hidden, anchors, G + 1)`), detached here; may be None when
+            neither the L1 nor the BCE term is on.
+        confidence_logits: [batch, N, G] float (`DSparkDraftModel.confidence_logits`), or None for no BCE term.
+        markov_w1, markov_w2: the Markov head's weights, [V, r] each (`markov_w1.weight`,
+            `markov_w2.weight`), or None without a Markov head.
+        ce_weight, l1_weight, confidence_weight: the terms' weights; a weight <= 0 drops its term.
+        gamma: position decay, w = exp(-k / gamma).
+        chunk_size: valid rows per chunk, >= 1.
+        output_multiplier, final_logit_softcapping: the drafter config's logit scaling and cap, on the head's
+            logits, the drafter's and the target's (`DSparkDraftModel.compute_logits`).
+        valid_index: [T, 3] int64, `label_valid.nonzero()` found ahead (on the host, no wait for the device);
+            None: found here.
+    Returns:
+        loss: scalar float32 (0 with a graph when nothing is valid). Backpropagate it once.
+        terms: {"ce", "l1", "bce"}: each unweighted term, detached float32 (0 when dropped).
+        accepted: [G] float32; at slot k, the share of blocks with a label at k whose argmax is right at
+            every slot 0..k (NaN where no block has a label at k), as `weighted_block_loss`'s.
+    Raises:
+        ValueError: when the L1 or BCE term is on and target_hidden is None, or only one Markov weight is given.
+    """
+    with_l1 = l1_weight > 0 or (confidence_weight > 0 and confidence_logits is not None)
+    if with_l1 and target_hidden is None:
+        raise ValueError("DSpark's L1 and BCE terms compare with the target's distribution: pass target_hidden (block_target_hidden)")
+    if (markov_w1 is None) != (markov_w2 is None):
+        raise ValueError("pass both Markov weights (markov_w1 and markov_w2), or neither")
+    b_index, n_index, k_index = (label_valid.nonzero() if valid_index is None else valid_index).unbind(1)  # each [T] int64
+    slots = torch.arange(label_valid.shape[-1], device=hidden.device, dtype=torch.float32)
+    w = torch.exp(-slots / gamma)[k_index]  # [T]
+    denominator = w.sum() + 1e-6
+    rows = hidden[b_index, n_index, k_index]  # [T, hidden]
+    markov_rows = None if markov_w1 is None else F.embedding(predecessors[b_index, n_index, k_index], markov_w1)  # [T, r]
+    target_rows = target_hidden.detach()[b_index, n_index, k_index] if with_l1 else None  # [T, hidden]
+    ce_coef = w * (ce_weight / denominator) if ce_weight > 0 else torch.zeros_like(w)  # [T]
+    l1_coef = w * (l1_weight / denominator) if l1_weight > 0 else torch.zeros_like(w)  # [T]
+    total, ce, l1, hit = fused_linear_dspark_loss(
+        rows,
+        head_weight.detach(),
+        labels[b_index, n_index, k_index],
+        ce_coef,
+        l1_coef,
+        chunk_size,
+        target_rows,
+        markov_rows,
+        markov_w2,
+        output_multiplier,
+        final_logit_softcapping,
+    )
+    zero = total.detach() * 0.0
+    terms = {
+        "ce": (w * ce).sum() / denominator if ce_weight > 0 else zero,
+        "l1": (w * l1).sum() / denominator if l1_weight > 0 else zero,
+        "bce": zero,
+    }
+    loss = total
+    if confidence_logits is not None:
+        confidence = confidence_logits[b_index, n_index, k_index].float()  # [T]
+        if confidence_weight > 0:
+            accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)  # [T], detached (l1 is)
+            bce = (w * F.binary_cross_entropy_with_logits(confidence, accept, reduction="none")).sum() / denominator
+            loss, terms["bce"] = loss + confidence_weight * bce, bce
+        loss = loss + confidence.sum() * 0.0  # every parameter gets a gradient (ZeRO needs it on every rank)
+    correct = torch.zeros_like(label_valid)  # [batch, N, G] bool
+    correct[b_index, n_index, k_index] = hit
+    accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [G]
+    return loss, {name: value.detach().float() for name, value in terms.items()}, accepted / label_valid.sum(dim=(0, 1)).float()

@@ -9,6 +9,8 @@ fixed per-row weights; `fused_linear_row_loss` returns each row's loss (`LOSSES`
 against the target's whole distribution p) and keeps each row's unweighted input gradient, for
 weights known only after every row (D-PACE; `dflash_loss.weighted_block_loss` applies them). The
 per-chunk elementwise work compiles for GPU training (`compiled_ce_grad_chunk`, `compiled_row_loss_chunk`).
+`fused_linear_dspark_loss` does the same for DSpark's CE and L1, whose logits add the Markov head's term
+(`dflash_loss.chunked_dspark_loss`).
 
 --fused_loss (`FUSED_LOSSES`) runs the head and the CE through Liger Kernel or Cut Cross-Entropy
 instead (`library_linear_ce`, CUDA only); the kernels here stay the reference they are checked against
@@ -393,6 +395,143 @@ def fused_linear_row_loss(
     row_grad_chunk = functools.partial(row_grad_chunk, loss=loss, multiplier=multiplier, softcap=softcap, lk_eta=lk_eta)
     row_loss, confidence, hits, top_ids = _FusedLinearRowLoss.apply(rows, head_weight, targets, target_rows, chunk_size, row_grad_chunk, top_k)
     return (row_loss, confidence, hits, top_ids) if top_k else (row_loss, confidence, hits)
+
+
+# ----------------------------------------------------------------------------------------------
+# DSpark's CE and L1 through the same head, with the Markov term
+
+
+def dspark_terms_and_grad_chunk(
+    z: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None, ce_coef: torch.Tensor, l1_coef: torch.Tensor
+):
+    """One chunk of DSpark's CE and L1 (`dflash_loss.dspark_loss`) with their closed-form gradient with
+    respect to the drafter's logits z. Works in place on z and target_logits.
+
+    q = softmax(z), p = softmax(target_logits), t = the label; per row CE = -log q_t, L1 = sum_v |q_v - p_v|,
+        d(a CE + b L1) / dz = a (q - onehot(t)) + b q (s - sum_v s_v q_v),   s = sign(q - p),
+    the second term the softmax's Jacobian applied to dL1/dq = s, with sign(0) = 0 as autograd's abs takes it.
+
+    Args:
+        z: [rows, V] float32, the drafter's logits (the head's, scaled and capped, plus the Markov term).
+        targets: [rows] int64.
+        target_logits: [rows, V] float32, the target's logits (scaled and capped alike); None: no L1.
+        ce_coef, l1_coef: [rows] float32, a and b: each row's weight on its CE and its L1 in the loss.
+    Returns:
+        ce [rows] float32, l1 [rows] float32 (None without target_logits), hit [rows] bool (argmax == label),
+        dz [rows, V] float32.
+    """
+    hit = z.argmax(dim=-1) == targets
+    log_q = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # [rows, V]
+    ce = -log_q.gather(1, targets[:, None]).squeeze(1)
+    q = log_q.exp_()
+    dz = q * ce_coef[:, None]
+    dz.scatter_add_(1, targets[:, None], -ce_coef[:, None])  # a (q - onehot)
+    l1 = None
+    if target_logits is not None:
+        sign = target_logits.sub_(torch.logsumexp(target_logits, dim=-1, keepdim=True)).exp_().neg_().add_(q)  # q - p [rows, V]
+        l1 = sign.abs().sum(dim=-1)
+        sign.sign_()
+        sign.sub_((sign * q).sum(dim=-1, keepdim=True)).mul_(q).mul_(l1_coef[:, None])  # b q (s - sum_v s_v q_v)
+        dz.add_(sign)
+    return ce, l1, hit, dz
+
+
+class _FusedLinearDSparkLoss(torch.autograd.Function):
+    """sum_i a_i CE_i + b_i L1_i over DSpark's logits z_i = cap(rows_i @ W^T) + markov_rows_i @ W2^T, with the
+    gradients with respect to rows, markov_rows and W2 computed in the forward, chunk by chunk, and kept: no
+    vocab-sized tensor outlives its chunk (as in `_FusedLinearWeightedCE`). W is the target's frozen head: no
+    weight gradient. The coefficients a, b are fixed ahead (DSpark's slot weights depend only on validity),
+    so W2's gradient, a sum over rows, is accumulated chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, rows, markov_rows, markov_w2, weight, target_rows, targets, ce_coef, l1_coef, chunk_size, multiplier, softcap, needs_grad):
+        ctx.markov = markov = markov_rows is not None
+        grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden]
+        grad_markov = torch.empty_like(markov_rows) if needs_grad and markov else None  # [T, r]
+        grad_w2 = torch.zeros(markov_w2.shape, dtype=torch.float32, device=rows.device) if needs_grad and markov else None  # [V, r]
+        ce = torch.empty(targets.shape, dtype=torch.float32, device=rows.device)  # [T]
+        l1 = torch.zeros_like(ce)  # [T], 0 without target rows
+        hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
+        for start in range(0, rows.shape[0], chunk_size):
+            end = min(start + chunk_size, rows.shape[0])
+            z, capped = _scaled_and_capped(rows[start:end] @ weight.t(), multiplier, softcap)  # [rows, V] fp32
+            if markov:
+                z.add_(markov_rows[start:end] @ markov_w2.t())  # the Markov term W2(W1[prev]) [rows, V]
+            target_logits = None
+            if target_rows is not None:
+                target_logits = _scaled_and_capped(target_rows[start:end] @ weight.t(), multiplier, softcap)[0]  # [rows, V] fp32
+            ce[start:end], l1_chunk, hits[start:end], dz = dspark_terms_and_grad_chunk(
+                z, targets[start:end], target_logits, ce_coef[start:end], l1_coef[start:end]
+            )
+            del z, target_logits
+            if l1_chunk is not None:
+                l1[start:end] = l1_chunk
+            if not needs_grad:
+                continue
+            if markov:  # the Markov term enters z unscaled and uncapped
+                dz_markov = dz.to(markov_w2.dtype)  # the matmuls in the head's dtype (bf16 on GPU), as autograd's would run
+                grad_markov[start:end] = dz_markov @ markov_w2  # [rows, r]
+                grad_w2 += dz_markov.t() @ markov_rows[start:end]  # [V, r], summed over the chunks in fp32
+                del dz_markov
+            if capped is not None:
+                dz.mul_(1 - capped.square_())
+            if multiplier != 1.0:
+                dz.mul_(multiplier)
+            grad_rows[start:end] = dz.to(rows.dtype) @ weight  # [rows, hidden]
+        if needs_grad:
+            ctx.save_for_backward(grad_rows, *((grad_markov, grad_w2.to(markov_w2.dtype)) if markov else ()))
+        ctx.mark_non_differentiable(ce, l1, hits)
+        return (ce_coef * ce).sum() + (l1_coef * l1).sum(), ce, l1, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_ce, grad_l1, grad_hits):
+        grad_rows, *markov_grads = ctx.saved_tensors
+        grad_rows = grad_rows * grad_total.to(grad_rows.dtype)
+        grad_markov, grad_w2 = (grad * grad_total.to(grad.dtype) for grad in markov_grads) if ctx.markov else (None, None)
+        return grad_rows, grad_markov, grad_w2, None, None, None, None, None, None, None, None, None
+
+
+def fused_linear_dspark_loss(
+    rows: torch.Tensor,
+    head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    ce_coef: torch.Tensor,
+    l1_coef: torch.Tensor,
+    chunk_size: int,
+    target_rows: torch.Tensor | None = None,
+    markov_rows: torch.Tensor | None = None,
+    markov_w2: torch.Tensor | None = None,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DSpark's weighted CE and L1 over the rows through the frozen head and the Markov term, in chunks: at
+    most `chunk_size x vocab` logits of the drafter (and as many of the target) exist at a time, and none
+    are kept for backward (`dspark_terms_and_grad_chunk` gives the gradient).
+
+    The drafter's logits of row i are z_i = cap(rows_i @ W^T) + markov_rows_i @ W2^T
+    (`DSparkDraftModel.block_logits`; cap = `dflash_model.scale_and_cap_logits`), the target's
+    cap(target_rows_i @ W^T); both softmaxed in fp32.
+
+    Args:
+        rows: [T, hidden], the drafter's hidden states at the valid slots.
+        head_weight: [V, hidden], the target's LM head (frozen: no gradient reaches it).
+        targets: [T] int64 labels.
+        ce_coef, l1_coef: [T] float32, each row's weight on its CE and its L1 (0: the term is dropped).
+        chunk_size: rows per chunk.
+        target_rows: [T, hidden], the target's last hidden state at each slot's position (detached); None:
+            no L1 (l1 comes back 0).
+        markov_rows: [T, r], W1[prev] of each row (`MarkovHead.markov_w1`), and markov_w2: [V, r], the
+            weight of `MarkovHead.markov_w2`; both None without a Markov head. Both get exact gradients.
+        multiplier, softcap: the drafter config's logit scaling and cap, on the head's logits (not the Markov term).
+    Returns:
+        total: scalar float32, sum_i ce_coef_i CE_i + l1_coef_i L1_i (differentiable: backpropagate it once);
+        ce, l1: [T] float32, each row's CE and L1 = sum_v |p - q|, detached; hits: [T] bool, argmax == label.
+    """
+    # Under no_grad (an evaluation) no gradient is computed: needs_input_grad inside the forward would still say yes.
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, markov_rows, markov_w2))
+    return _FusedLinearDSparkLoss.apply(
+        rows, markov_rows, markov_w2, head_weight, target_rows, targets, ce_coef, l1_coef, chunk_size, multiplier, softcap, needs_grad
+    )
 
 
 # ----------------------------------------------------------------------------------------------

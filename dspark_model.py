@@ -6,7 +6,8 @@ Reference: "DSpark" (arXiv 2607.05147) and DeepSeek's DeepSpec, the reference im
 (`deepspec/modeling/dspark/{common,markov_head}.py`, `qwen3/modeling.py`, `deepspec/eval/dspark/
 draft_ops.py`); the checkpoint layout is DeepSpec's own `save_pretrained`, which vLLM
 (`qwen3_dspark.py`), SGLang (`qwen3_dspark.py`) and llama.cpp (`DSparkModel`, `--spec-type
-draft-dspark`) load. The training objective is `dflash_loss.dspark_loss`.
+draft-dspark`) load. The training objective is `dflash_loss.dspark_loss` (training runs its chunked
+form, `dflash_loss.chunked_dspark_loss`).
 
 Block semantics (the one difference from DFlash): a block of size gamma is the anchor and gamma-1
 mask tokens at positions a..a+gamma-1, and EVERY slot is a prediction: slot k predicts
@@ -200,8 +201,9 @@ class DSparkDraftModel(DFlashDraftModel):
 
     The training forward is DFlash's (same masks, flex and SDPA paths), returning the final hidden
     states of all gamma slots, [batch, N, gamma, hidden]; `block_logits` and `confidence_logits`
-    turn them into the teacher-forced logits and confidence logits that `dflash_loss.dspark_loss`
-    trains. Drafting walks the block left to right through the Markov head (`markov_walk`).
+    turn them into the teacher-forced logits and confidence logits of DSpark's objective
+    (`dflash_loss.dspark_loss`; training runs `dflash_loss.chunked_dspark_loss`, which makes the same
+    logits from the hidden states in chunks of rows). Drafting walks the block left to right through the Markov head (`markov_walk`).
     Trainable beyond DFlash's: `markov_head`, `confidence_head`. The embedding and LM head are the
     target's, attached with `attach_target` (the export writes copies: `export_weights`).
     """
@@ -239,8 +241,9 @@ class DSparkDraftModel(DFlashDraftModel):
             prev_ids: [...] int64: teacher-forced in training (`markov_predecessor_ids`), the
                 drafted tokens at inference.
         Returns:
-            [..., V] in the LM head's dtype. In training this is [batch, N, gamma, V] at once: fine
-            for tests and small vocabularies; at Qwen3 sizes chunk the rows.
+            [..., V] in the LM head's dtype: all rows' logits at once, the reference `dflash_loss.dspark_loss`
+            takes. Training makes the same logits in chunks of valid rows from the hidden states instead
+            (`dflash_loss.chunked_dspark_loss`), never [batch, N, gamma, V] at once.
         """
         logits = self.compute_logits(hidden)
         return logits if self.markov_head is None else logits + self.markov_head(prev_ids).to(logits.dtype)

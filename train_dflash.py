@@ -104,8 +104,8 @@ from dflash_loss import (
     LOSS_NORMALIZERS,
     LOSS_WEIGHTINGS,
     block_target_hidden,
+    chunked_dspark_loss,
     default_loss_gamma,
-    dspark_loss,
     loss_weights,
     selector_objective,
     weighted_block_loss,
@@ -204,7 +204,7 @@ class TrainSettings:
     lk_eta: float = field(default=3.0, metadata={"group": "objective", "help": "eta of --loss lk (3.0 is speculators' value too; 0 gives plain KL)"})
     loss_decay_gamma: float | None = field(default=None, metadata={"group": "objective", "help": "Loss weight decay w_k = exp(-(k-1)/gamma) of --loss_weighting exp; default: the paper's 7/5/4 for B = 16/10/8, else (19*B + 62)/52 (a line fitted to those); --drafter dspark: w_k = exp(-k/gamma), k = 0 at the anchor's slot, and 4 (DeepSpec's) when unset"})
     dspark_ce_weight: float = field(default=0.1, metadata={"group": "objective", "help": "--loss dspark: weight of the cross-entropy on the data's tokens (DeepSpec's Qwen3-8B recipe: 0.1; 0 drops the term)"})
-    dspark_l1_weight: float = field(default=0.9, metadata={"group": "objective", "help": "--loss dspark: weight of the L1 distance sum |p - q| = 2 TV between the target's and the drafter's distributions (recipe: 0.9). The loss holds the logits of every block slot at once, drafter's and target's ([batch, anchors, gamma, vocab] fp32 each, not chunked): at Qwen3's vocabulary 512 anchors x 7 slots are 2.2 GB a copy"})
+    dspark_l1_weight: float = field(default=0.9, metadata={"group": "objective", "help": "--loss dspark: weight of the L1 distance sum |p - q| = 2 TV between the target's and the drafter's distributions (recipe: 0.9). The loss makes the logits, drafter's and target's, --loss_chunk_size valid slots at a time, gradient included (chunked_dspark_loss)"})
     dspark_bce_weight: float = field(default=1.0, metadata={"group": "objective", "help": "--loss dspark: weight of the confidence head's BCE against the detached acceptance 1 - TV(p, q) (recipe: 1.0)"})
     # optimisation
     num_train_epochs: int = field(default=6, metadata={"group": "optimisation", "help": "Epochs over the training data"})
@@ -228,7 +228,7 @@ class TrainSettings:
     compile_target: str = field(default="auto", metadata={"group": "speed", "help": "torch.compile the target's decoder layers for the feature forward (each new shape compiles once, under the compile lock; a target kept whole for evaluation decodes eagerly): on | off | auto (on with flex, i.e. on CUDA)"})
     target_cuda_graphs: bool = field(default=False, metadata={"group": "speed", "help": "Replay the target's feature forward from CUDA graphs, one per batch shape (GPU; sdpa or eager attention): one launch instead of one per kernel, for small targets whose step is bound by kernel launches"})
     cache_target_outputs: bool = field(default=False, metadata={"group": "speed", "help": "Keep each sample's context features (and target_argmax labels) on the device after the first epoch, so later epochs skip the target; colocated only; costs tokens x layers x hidden x 2 bytes (docs/training.md#where-the-time-goes-and-the-levers)"})
-    loss_chunk_size: int = field(default=4096, metadata={"group": "speed", "help": "Rows per LM-head + cross-entropy chunk (bounds logits memory)"})
+    loss_chunk_size: int = field(default=4096, metadata={"group": "speed", "help": "Rows per LM-head + loss chunk (bounds logits memory; DSpark's loss too)"})
     fused_loss: str = field(default="none", metadata={"group": "speed", "help": "LM head + CE through a library's fused kernel: none (the chunked kernels of dflash_loss_kernels.py), liger (Liger Kernel, pip install liger-kernel) or cce (Cut Cross-Entropy, pip install cut-cross-entropy; bf16 only); --loss ce only; CUDA only: elsewhere the reference runs, with one log line (docs/training.md#where-the-time-goes-and-the-levers)"})
     context_chunk_size: int = field(default=0, metadata={"group": "speed", "help": "Long samples: the context's projection and K/V in chunks of this many positions under activation checkpointing (0 = one piece); the same loss, less memory (docs/training.md#long-samples)"})
     checkpoint_drafter_layers: bool = field(default=False, metadata={"group": "speed", "help": "Long samples: activation checkpointing of the drafter's layers; the same loss, ~1-2 GB less per layer at Qwen3-8B shapes for ~17 per cent more drafter time (docs/training.md#long-samples)"})
@@ -359,6 +359,8 @@ class TrainSettings:
             )
         if self.context_chunk_size < 0:
             raise ValueError(f"--context_chunk_size must be >= 0 (0 = the context in one piece), got {self.context_chunk_size}")
+        if self.loss_chunk_size < 1:
+            raise ValueError(f"--loss_chunk_size must be >= 1 (rows per LM-head + loss chunk; default 4096), got {self.loss_chunk_size}")
         if self.anchor_slots_multiple < 0:
             raise ValueError(f"--anchor_slots_multiple must be >= 0 (0 = always --num_anchors slots), got {self.anchor_slots_multiple}")
         if self.block_size < 2:
@@ -665,7 +667,7 @@ def build_draft_config(settings: TrainSettings, target_config, tokenizer, comput
 def fixed_loss_weights(settings: TrainSettings, block_size: int, device: torch.device) -> torch.Tensor | None:
     """The fixed per-position loss weights [B-1] float32 of --loss_decay_gamma (default: by the
     drafter's block size B), or None with D-PACE (its weights come from each block's confidence)
-    and with DSpark (`dspark_loss` weighs its slots); logged."""
+    and with DSpark (`chunked_dspark_loss` weighs its slots); logged."""
     if settings.drafter == "dspark":
         logger.info(
             "DSpark objective: %g CE + %g L1 + %g BCE, slot weights exp(-k/%g) from the anchor's slot, each term over its sum of weights",
@@ -674,7 +676,7 @@ def fixed_loss_weights(settings: TrainSettings, block_size: int, device: torch.d
             settings.dspark_bce_weight if settings.enable_confidence_head else 0.0,
             settings.loss_decay_gamma or DSPARK_LOSS_GAMMA,
         )
-        return None  # dspark_loss weighs the slots itself
+        return None  # chunked_dspark_loss weighs the slots itself
     objective = f"--loss {settings.loss}, normalised by the {'sum of weights' if settings.loss_normalize == 'weights' else 'valid positions'}"
     if settings.loss_weighting == "dpace":
         logger.info("Loss weights D-PACE (alpha %.2f); %s", settings.dpace_alpha, objective)
@@ -763,13 +765,18 @@ class MicroBatchLoss:
         # the host, so the step never waits for the GPU to learn how many rows its loss has.
         anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
         own = (anchors, anchor_valid) if sp is None else (sp.shard(anchors), sp.shard(anchor_valid))  # the anchors this rank trains
-        valid_index = block_label_valid(loss_mask, *own, config.block_size).nonzero()  # [T, 3]
+        dspark = isinstance(config, DSparkConfig)
+        label_valid = block_label_valid(loss_mask, *own, config.block_size + dspark)  # [batch, N, B-1]; DSpark: [batch, N, gamma]
+        if dspark:  # `dspark_block_labels`' validity: a prefix, cut at the first hole
+            label_valid = label_valid.to(torch.int32).cumprod(dim=-1).bool()
+        valid_index = label_valid.nonzero()  # [T, 3]
         loss_mask, anchors, anchor_valid, valid_index = (to_device(t, device) for t in (loss_mask, anchors, anchor_valid, valid_index))
         hidden = model(
             context_features, input_ids, anchors, anchor_valid, attention_backend=self.compute.backend, sequence_parallel=sp
         )  # [batch, N, B, hidden], or [batch, N/P, B, hidden]: this rank's anchors
-        if isinstance(config, DSparkConfig):  # colocated, one rank per sample (TrainSettings.check_dspark)
-            return self.dspark_objective(getattr(model, "module", model), hidden, input_ids, loss_mask, anchors, anchor_valid, target_hidden)
+        if dspark:  # colocated, one rank per sample (TrainSettings.check_dspark)
+            drafter = getattr(model, "module", model)
+            return self.dspark_objective(drafter, hidden, input_ids, loss_mask, anchors, anchor_valid, target_hidden, valid_index)
         if sp is not None:
             anchors, anchor_valid = sp.shard(anchors), sp.shard(anchor_valid)
         labels, label_valid = block_labels(label_ids, loss_mask, anchors, anchor_valid, config.block_size)
@@ -825,38 +832,45 @@ class MicroBatchLoss:
             return sequence_parallel_share(loss + selector_loss, accepted, row_weights, label_valid, settings.loss_normalize, sp)
         return loss + selector_loss, accepted
 
-    def dspark_objective(self, drafter, hidden, input_ids, loss_mask, anchors, anchor_valid, target_hidden) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, accepted [gamma]) of a DSpark drafter's micro-batch: `dspark_loss` on the teacher-forced
-        logits with the Markov term (predecessors: the data's tokens, `markov_predecessor_ids`), the
-        confidence logits, the labels of `dspark_block_labels`, and the target's distribution at each
+    def dspark_objective(
+        self, drafter, hidden, input_ids, loss_mask, anchors, anchor_valid, target_hidden, valid_index
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, accepted [gamma]) of a DSpark drafter's micro-batch: `chunked_dspark_loss` on the
+        teacher-forced logits with the Markov term (predecessors: the data's tokens, `markov_predecessor_ids`),
+        the confidence logits, the labels of `dspark_block_labels`, and the target's distribution at each
         slot (its last hidden state at position a + k through the LM head). accepted: at slot k, the
         share of blocks with a label there whose teacher-forced greedy drafts are right through k.
 
         drafter: the bare `DSparkDraftModel`; hidden [batch, N, gamma, hidden] from its forward;
         input_ids [batch, S]; loss_mask [batch, S] on the device; anchors, anchor_valid [batch, N];
-        target_hidden [batch, S, hidden]. All gamma slots' logits, the drafter's and the target's, are
-        held at once ([batch, N, gamma, V] each; --dspark_l1_weight's help gives the sizes)."""
-        settings, gamma = self.settings, self.draft_config.block_size
+        target_hidden [batch, S, hidden]; valid_index [T, 3] int64, the valid slots (found on the host).
+        The logits, the drafter's and the target's, exist --loss_chunk_size valid rows at a time."""
+        settings, config = self.settings, self.draft_config
+        gamma = config.block_size
         labels, label_valid = dspark_block_labels(input_ids, loss_mask, anchors, anchor_valid, gamma)  # [batch, N, gamma] each
         predecessors = markov_predecessor_ids(input_ids, anchors, gamma)  # [batch, N, gamma]
-        logits = drafter.block_logits(hidden, predecessors)  # [batch, N, gamma, V]
         confidence = drafter.confidence_logits(hidden, predecessors) if drafter.confidence_head is not None else None
-        with torch.no_grad():  # slot k's p is the target's prediction at a + k (a block of gamma + 1 in DFlash's terms)
-            target_logits = drafter.compute_logits(block_target_hidden(target_hidden, anchors, gamma + 1))  # [batch, N, gamma, V]
-        loss, _ = dspark_loss(
-            logits,
-            confidence,
+        markov = drafter.markov_head
+        loss, _, accepted = chunked_dspark_loss(
+            hidden,
+            predecessors,
+            drafter.target_lm_head.weight,
             labels,
             label_valid,
-            target_logits,
+            block_target_hidden(target_hidden, anchors, gamma + 1),  # slot k's p: the target at a + k (a DFlash block of gamma + 1)
+            confidence,
+            markov_w1=None if markov is None else markov.markov_w1.weight,
+            markov_w2=None if markov is None else markov.markov_w2.weight,
             ce_weight=settings.dspark_ce_weight,
             l1_weight=settings.dspark_l1_weight,
             confidence_weight=settings.dspark_bce_weight,
             gamma=settings.loss_decay_gamma or DSPARK_LOSS_GAMMA,
+            chunk_size=settings.loss_chunk_size,
+            output_multiplier=config.output_multiplier,
+            final_logit_softcapping=config.final_logit_softcapping,
+            valid_index=valid_index,
         )
-        correct = logits.detach().argmax(dim=-1) == labels  # [batch, N, gamma]
-        accepted = (correct.to(torch.int32).cumprod(dim=-1).bool() & label_valid).sum(dim=(0, 1)).float()  # [gamma]
-        return loss, accepted / label_valid.sum(dim=(0, 1)).float()
+        return loss, accepted
 
     def take_mean_anchor_slots(self) -> float | None:
         """Mean anchor slots per micro-batch of this rank since the last call (which it resets); None

@@ -177,8 +177,8 @@ def test_held_out_tau_of_a_dspark_drafter_is_eval_dflash_on_its_export(qwen3_tok
 
 
 def test_the_trainer_loss_is_dspark_loss_on_the_blocks_of_its_anchors():
-    """`MicroBatchLoss` for a DSpark drafter equals `dspark_loss` computed here from the drafter's
-    hidden states: labels token[a+k+1] cut at the first hole in the loss mask, Markov predecessors
+    """`MicroBatchLoss` for a DSpark drafter (`chunked_dspark_loss`) equals `dspark_loss` computed here from
+    the drafter's hidden states: labels token[a+k+1] cut at the first hole in the loss mask, Markov predecessors
     token[a+k], and p from the target's last hidden state at a + k through the LM head. A trainer
     that took p one position later (DFlash's label alignment) gives another value."""
     torch.manual_seed(0)
@@ -244,10 +244,12 @@ def test_the_trainer_loss_is_dspark_loss_on_the_blocks_of_its_anchors():
         confidence = drafter.confidence_logits(hidden, prev)
         expected, _ = dspark_loss(logits, confidence, labels, valid, target_logits)
         shifted, _ = dspark_loss(logits, confidence, labels, valid, target_logits.roll(-1, dims=2))
+        runs = ((logits.argmax(dim=-1) == labels).to(torch.int32).cumprod(dim=-1).bool() & valid).sum(dim=(0, 1)).float()  # [gamma]
+        expected_accepted = runs / valid.sum(dim=(0, 1)).float()
     print(f"loss {loss.item():.6f}, reference {expected.item():.6f}, p one slot later {shifted.item():.6f}")
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     assert abs(shifted.item() - expected.item()) > 1e-3
-    assert accepted.shape == (gamma,)
+    torch.testing.assert_close(accepted, expected_accepted, rtol=0, atol=0, equal_nan=True)  # greedy drafts right through slot k
     loss.backward()
     assert drafter.markov_head.markov_w2.weight.grad.abs().sum() > 0 and drafter.confidence_head.proj.weight.grad.abs().sum() > 0
 
@@ -268,6 +270,7 @@ def test_the_trainer_loss_is_dspark_loss_on_the_blocks_of_its_anchors():
         ("--markov_rank 0", "--enable_confidence_head true reads the Markov features"),
         ("--dspark_ce_weight 0 --dspark_l1_weight 0", "--dspark_ce_weight 0.0, --dspark_l1_weight 0.0"),
         ("--dspark_bce_weight -1", "--dspark_ce_weight 0.1, --dspark_l1_weight 0.9, --dspark_bce_weight -1.0: each must be >= 0"),
+        ("--loss_chunk_size 0", "--loss_chunk_size must be >= 1 (rows per LM-head + loss chunk; default 4096), got 0"),
     ],
 )
 def test_dspark_refuses_what_it_does_not_train_with_in_one_line(flags, message, tmp_path):
