@@ -377,6 +377,9 @@ class Progress:
         print(f"[{self.elapsed():6.1f} s] {message}", flush=True)
 
 
+DRAFTER_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}  # --drafter -> the report's name
+
+
 def block_size_of(drafter: str) -> int:
     """The drafter's block size: B = 16 (the paper's); DSpark's gamma = 15, the same 15 drafts per verify
     (its anchor's slot predicts too)."""
@@ -730,7 +733,7 @@ def report(
     flops_parts = drafter_step_flops(config, s["headline"][0][1], *_example_counts(config, *s["headline"][0]))
     parts = ", ".join(f"{k} {(f + b) / s['headline'][0][2] / 1e12:.3g}" for k, (f, b) in flops_parts.items())
     return (
-        f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} bench_dflash.py: DFlash training speed\n\n"
+        f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} bench_dflash.py: {DRAFTER_NAMES[args.drafter]} training speed, {s['name']}\n\n"
         f"{gpu}, torch {torch.__version__}, transformers {__import__('transformers').__version__}, command: `{command}` ({s['name']}, {args.backend} attention, "
         f"{args.steps} timed steps after {args.warmup} warm-up steps, medians; total {elapsed_s:.0f} s)\n\n"
         f"Matmul rate: {matmul_note}. Drafter: {trainable / 1e6:.1f} M trainable params. Useful TFLOP/sample by part at "

@@ -65,6 +65,9 @@ def test_profile_writes_a_trace_and_the_ops_and_phase_tables(tmp_path, capsys):
         events = json.load(f)["traceEvents"]
     assert {"forward", "loss", "backward", "optimizer"} <= {e.get("name") for e in events}
 
+    assert re.search(r"^## [\d-]+ [\d:]+ bench_dflash.py: DFlash training speed, tiny config$", report, re.M), (
+        report
+    )  # the drafter and shapes in the heading
     assert report.count("### Profile:") == 1, report  # one variant, one shape
     section = report.split("### Profile: baseline at 8 anchors, seq 64, batch 2 (tiny config)", 1)[1]
     assert [row[0] for row in table_rows(section, "Time per phase:")] == ["forward", "loss", "backward", "optimizer"]
