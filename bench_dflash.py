@@ -9,6 +9,7 @@
     python bench_dflash.py --quick --drafter_only --objectives --budget_s 540   # every loss objective vs CE (< 10 min)
     python bench_dflash.py --quick --drafter_only --drafter dflash2              # a DFlash2 drafter's step (its selector's loss included)
     python bench_dflash.py --quick --drafter_only --drafter dspark               # a DSpark drafter's step (gamma 15, chunked_dspark_loss)
+    python bench_dflash.py --quick --drafter_only --drafter dspark --variant compile_layers --variant compile_layers+fused_ce_compiled
     python bench_dflash.py --quick --drafter_only --shapes smollm2              # at SmolLM2-135M's shapes (the GSM8K recipe's drafter)
     python bench_dflash.py --quick --drafter_only --profile prof/               # + prof/ops.md and prof/trace.json.gz of the first variant
     python bench_dflash.py --long --rows long_rows.jsonl   # long samples: 3,072 .. 64k tokens, 5 full and 4 sliding + 1 full (tools/gpu/long_samples.sh)
@@ -191,7 +192,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the drafter: dflash, or dflash2 (its convolutions and candidate selector, and the selector's loss in each "
         "step as train_dflash.py adds it; the useful-FLOP count stays DFlash's, without them), or dspark (gamma = B - 1, "
         "the drafts per verify of DFlash's block B; Markov rank 256 and the confidence head; train_dflash.py's chunked_dspark_loss "
-        "on the gamma slots' logits and the target's, loss_chunk_N rows at a time; the useful-FLOP count is DFlash's with the target's logits, without "
+        "on the gamma slots' logits and the target's, loss_chunk_N rows at a time, each chunk's elementwise work compiled with fused_ce_compiled "
+        "(default compile_layers+fused_ce_compiled, as train_dflash.py trains on CUDA); the useful-FLOP count is DFlash's with the target's logits, without "
         "the Markov head's W2, r / hidden of the LM head's work)",
     )
     p.add_argument("--attention_backend", default=None, help="flex | sdpa (default flex on CUDA, sdpa on CPU)")
@@ -261,14 +263,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.objectives:
         base = args.variant[0] if args.variant else ("baseline" if args.tiny else "compile_layers+fused_ce_compiled")
         args.variants = [base] + [f"{base}+{lever}" for lever in OBJECTIVE_LEVERS]
-    if args.drafter == "dspark":  # its loss is chunked_dspark_loss: of the loss levers only the chunk size applies
-        args.variants = args.variant or ["baseline" if args.tiny else "compile_layers"]
+    if args.drafter == "dspark":  # its loss is chunked_dspark_loss: of the loss levers the chunk size and its compiled chunk apply
+        args.variants = args.variant or ["baseline" if args.tiny else "compile_layers+fused_ce_compiled"]
         for name in args.variants:
             variant = parse_variant(name)
-            if (variant.loss, variant.objective, variant.weighting, variant.fused_loss) != ("chunked", "ce", "exp", "none") or args.objectives:
+            dspark_loss_levers = (variant.objective, variant.weighting, variant.fused_loss) == ("ce", "exp", "none")
+            if variant.loss not in ("chunked", "fused_compiled") or not dspark_loss_levers or args.objectives:
                 raise ValueError(
                     f"--drafter dspark trains with chunked_dspark_loss only: --variant {name!r} or --objectives sets a loss lever; "
-                    f"use baseline, compile_layers, checkpoint_layers or loss_chunk_N"
+                    f"use baseline, compile_layers, fused_ce_compiled (its chunks compiled), checkpoint_layers or loss_chunk_N"
                 )
     for name in args.variants:
         parse_variant(name)  # fail early on a typo

@@ -328,6 +328,7 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
             chunk_size=variant.chunk_size,
             output_multiplier=drafter.config.output_multiplier,
             final_logit_softcapping=drafter.config.final_logit_softcapping,
+            compiled=variant.loss == "fused_compiled",  # fused_ce_compiled: the loss's chunk compiled, as DFlash's
         )
     else:
         labels, label_valid = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size)

@@ -32,7 +32,9 @@ from dflash_loss_kernels import (
     LOSSES,
     check_fused_loss,
     compiled_ce_grad_chunk,
+    compiled_dspark_chunk,
     compiled_row_loss_chunk,
+    dspark_terms_and_grad_chunk,
     fused_linear_dspark_loss,
     fused_linear_row_loss,
     fused_linear_weighted_ce,
@@ -610,6 +612,7 @@ def chunked_dspark_loss(
     output_multiplier: float = 1.0,
     final_logit_softcapping: float | None = None,
     valid_index: torch.Tensor | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """DSpark's training objective, `dspark_loss`'s (same source, terms, weights and normalisation), from the
     drafter's hidden states in chunks of valid rows: what training runs.
@@ -647,6 +650,9 @@ def chunked_dspark_loss(
             logits, the drafter's and the target's (`DSparkDraftModel.compute_logits`).
         valid_index: [T, 3] int64, `label_valid.nonzero()` found ahead (on the host, no wait for the device);
             None: found here.
+        compiled: run each chunk's elementwise work (softmaxes, CE, L1, argmax, the logits' gradient) through
+            `compiled_dspark_chunk` (GPU training, as `weighted_block_loss(..., compiled=True)`) instead of the
+            eager `dspark_terms_and_grad_chunk`; the matmuls run eagerly either way.
     Returns:
         loss: scalar float32 (0 with a graph when nothing is valid). Backpropagate it once.
         terms: {"ce", "l1", "bce"}: each unweighted term, detached float32 (0 when dropped).
@@ -681,6 +687,7 @@ def chunked_dspark_loss(
         markov_w2,
         output_multiplier,
         final_logit_softcapping,
+        compiled_dspark_chunk if compiled else dspark_terms_and_grad_chunk,
     )
     zero = total.detach() * 0.0
     terms = {

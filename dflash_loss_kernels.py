@@ -10,7 +10,7 @@ against the target's whole distribution p) and keeps each row's unweighted input
 weights known only after every row (D-PACE; `dflash_loss.weighted_block_loss` applies them). The
 per-chunk elementwise work compiles for GPU training (`compiled_ce_grad_chunk`, `compiled_row_loss_chunk`).
 `fused_linear_dspark_loss` does the same for DSpark's CE and L1, whose logits add the Markov head's term
-(`dflash_loss.chunked_dspark_loss`).
+(`dflash_loss.chunked_dspark_loss`; compiled: `compiled_dspark_chunk`).
 
 --fused_loss (`FUSED_LOSSES`) runs the head and the CE through Liger Kernel or Cut Cross-Entropy
 instead (`library_linear_ce`, CUDA only); the kernels here stay the reference they are checked against
@@ -402,24 +402,40 @@ def fused_linear_row_loss(
 
 
 def dspark_terms_and_grad_chunk(
-    z: torch.Tensor, targets: torch.Tensor, target_logits: torch.Tensor | None, ce_coef: torch.Tensor, l1_coef: torch.Tensor
+    logits: torch.Tensor,
+    markov_logits: torch.Tensor | None,
+    target_logits: torch.Tensor | None,
+    targets: torch.Tensor,
+    ce_coef: torch.Tensor,
+    l1_coef: torch.Tensor,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
 ):
-    """One chunk of DSpark's CE and L1 (`dflash_loss.dspark_loss`) with their closed-form gradient with
-    respect to the drafter's logits z. Works in place on z and target_logits.
+    """One chunk of DSpark's CE and L1 (`dflash_loss.dspark_loss`) with their closed-form gradients with
+    respect to the head's logits and the Markov term: the elementwise work between the chunk's matmuls.
+    Works in place on fp32 copies, so eager mode makes few vocab-sized passes.
 
-    q = softmax(z), p = softmax(target_logits), t = the label; per row CE = -log q_t, L1 = sum_v |q_v - p_v|,
+    z = cap(logits) + markov_logits (cap = `dflash_model.scale_and_cap_logits`), q = softmax(z),
+    p = softmax(cap(target_logits)), t = the label; per row CE = -log q_t, L1 = sum_v |q_v - p_v|,
         d(a CE + b L1) / dz = a (q - onehot(t)) + b q (s - sum_v s_v q_v),   s = sign(q - p),
     the second term the softmax's Jacobian applied to dL1/dq = s, with sign(0) = 0 as autograd's abs takes it.
+    The Markov term enters z as it is, so its gradient is dz; the head's logits get dz times
+    dcap/dlogits = multiplier * (1 - tanh^2) (the tanh factor only with a cap).
 
     Args:
-        z: [rows, V] float32, the drafter's logits (the head's, scaled and capped, plus the Markov term).
+        logits: [rows, V], the head's raw logits (bf16 on GPU).
+        markov_logits: [rows, V], the Markov term W2(W1[prev]) (the head's dtype); None without a Markov head.
+        target_logits: [rows, V], the target's raw logits through the same head; None: no L1.
         targets: [rows] int64.
-        target_logits: [rows, V] float32, the target's logits (scaled and capped alike); None: no L1.
         ce_coef, l1_coef: [rows] float32, a and b: each row's weight on its CE and its L1 in the loss.
+        multiplier, softcap: the logit scaling and cap, on the head's logits, the drafter's and the target's.
     Returns:
         ce [rows] float32, l1 [rows] float32 (None without target_logits), hit [rows] bool (argmax == label),
-        dz [rows, V] float32.
+        dmarkov [rows, V] in markov_logits' dtype (None without them), dlogits [rows, V] in the logits' dtype.
     """
+    z, capped = _scaled_and_capped(logits, multiplier, softcap)  # [rows, V] fp32, tanh(logits * m / c) or None
+    if markov_logits is not None:
+        z.add_(markov_logits)
     hit = z.argmax(dim=-1) == targets
     log_q = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # [rows, V]
     ce = -log_q.gather(1, targets[:, None]).squeeze(1)
@@ -428,12 +444,65 @@ def dspark_terms_and_grad_chunk(
     dz.scatter_add_(1, targets[:, None], -ce_coef[:, None])  # a (q - onehot)
     l1 = None
     if target_logits is not None:
-        sign = target_logits.sub_(torch.logsumexp(target_logits, dim=-1, keepdim=True)).exp_().neg_().add_(q)  # q - p [rows, V]
+        p = _scaled_and_capped(target_logits, multiplier, softcap)[0]  # [rows, V] fp32
+        sign = p.sub_(torch.logsumexp(p, dim=-1, keepdim=True)).exp_().neg_().add_(q)  # q - p [rows, V]
         l1 = sign.abs().sum(dim=-1)
         sign.sign_()
         sign.sub_((sign * q).sum(dim=-1, keepdim=True)).mul_(q).mul_(l1_coef[:, None])  # b q (s - sum_v s_v q_v)
         dz.add_(sign)
-    return ce, l1, hit, dz
+        del p, sign
+    del q
+    chained = capped is not None or multiplier != 1.0
+    # A copy when the chain rule below would write into it (.to(float32) of fp32 dz is dz itself).
+    dmarkov = None if markov_logits is None else dz.to(markov_logits.dtype, copy=chained)
+    if not chained and dmarkov is not None and dmarkov.dtype == logits.dtype:
+        return ce, l1, hit, dmarkov, dmarkov  # the head's logits enter z as they are: one gradient, stored once
+    if capped is not None:
+        dz.mul_(1 - capped.square_())
+    if multiplier != 1.0:
+        dz.mul_(multiplier)
+    return ce, l1, hit, dmarkov, dz.to(logits.dtype)
+
+
+def dspark_terms_and_grad_chunk_functional(
+    logits: torch.Tensor,
+    markov_logits: torch.Tensor | None,
+    target_logits: torch.Tensor | None,
+    targets: torch.Tensor,
+    ce_coef: torch.Tensor,
+    l1_coef: torch.Tensor,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+):
+    """`dspark_terms_and_grad_chunk` without in-place ops, for torch.compile to fuse into a few kernels."""
+    z = logits.float() * multiplier  # [rows, V]
+    capped = None
+    if softcap:
+        capped = torch.tanh(z / softcap)
+        z = capped * softcap
+    if markov_logits is not None:
+        z = z + markov_logits.float()
+    log_q = torch.log_softmax(z, dim=-1)
+    q = torch.exp(log_q)
+    ce = -log_q.gather(1, targets[:, None]).squeeze(1)
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]  # fused, never stored
+    dz = ce_coef[:, None] * (q - onehot.float())
+    l1 = None
+    if target_logits is not None:
+        u = target_logits.float() * multiplier
+        if softcap:
+            u = torch.tanh(u / softcap) * softcap
+        diff = q - torch.softmax(u, dim=-1)  # q - p
+        l1 = diff.abs().sum(dim=-1)
+        sign = torch.sign(diff)
+        dz = dz + l1_coef[:, None] * q * (sign - (sign * q).sum(dim=-1, keepdim=True))
+    hit = z.argmax(dim=-1) == targets
+    dmarkov = None if markov_logits is None else dz.to(markov_logits.dtype)
+    if not softcap and multiplier == 1.0 and dmarkov is not None and dmarkov.dtype == logits.dtype:
+        return ce, l1, hit, dmarkov, dmarkov  # one [rows, V] write instead of two
+    if capped is not None:
+        dz = dz * (1 - capped * capped)
+    return ce, l1, hit, dmarkov, (dz * multiplier).to(logits.dtype)
 
 
 class _FusedLinearDSparkLoss(torch.autograd.Function):
@@ -444,7 +513,7 @@ class _FusedLinearDSparkLoss(torch.autograd.Function):
     so W2's gradient, a sum over rows, is accumulated chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, rows, markov_rows, markov_w2, weight, target_rows, targets, ce_coef, l1_coef, chunk_size, multiplier, softcap, needs_grad):
+    def forward(ctx, rows, markov_rows, markov_w2, weight, target_rows, targets, ce_coef, l1_coef, chunk_size, terms_grad_chunk, needs_grad):
         ctx.markov = markov = markov_rows is not None
         grad_rows = torch.empty_like(rows) if needs_grad else None  # [T, hidden]
         grad_markov = torch.empty_like(markov_rows) if needs_grad and markov else None  # [T, r]
@@ -454,30 +523,22 @@ class _FusedLinearDSparkLoss(torch.autograd.Function):
         hits = torch.empty(targets.shape, dtype=torch.bool, device=rows.device)  # [T]
         for start in range(0, rows.shape[0], chunk_size):
             end = min(start + chunk_size, rows.shape[0])
-            z, capped = _scaled_and_capped(rows[start:end] @ weight.t(), multiplier, softcap)  # [rows, V] fp32
-            if markov:
-                z.add_(markov_rows[start:end] @ markov_w2.t())  # the Markov term W2(W1[prev]) [rows, V]
-            target_logits = None
-            if target_rows is not None:
-                target_logits = _scaled_and_capped(target_rows[start:end] @ weight.t(), multiplier, softcap)[0]  # [rows, V] fp32
-            ce[start:end], l1_chunk, hits[start:end], dz = dspark_terms_and_grad_chunk(
-                z, targets[start:end], target_logits, ce_coef[start:end], l1_coef[start:end]
+            logits = rows[start:end] @ weight.t()  # [rows, V], bf16 on GPU
+            markov_logits = markov_rows[start:end] @ markov_w2.t() if markov else None  # the Markov term W2(W1[prev]) [rows, V]
+            target_logits = None if target_rows is None else target_rows[start:end] @ weight.t()  # [rows, V]
+            ce[start:end], l1_chunk, hits[start:end], dmarkov, dlogits = terms_grad_chunk(
+                logits, markov_logits, target_logits, targets[start:end], ce_coef[start:end], l1_coef[start:end]
             )
-            del z, target_logits
+            del logits, markov_logits, target_logits
             if l1_chunk is not None:
                 l1[start:end] = l1_chunk
             if not needs_grad:
                 continue
-            if markov:  # the Markov term enters z unscaled and uncapped
-                dz_markov = dz.to(markov_w2.dtype)  # the matmuls in the head's dtype (bf16 on GPU), as autograd's would run
-                grad_markov[start:end] = dz_markov @ markov_w2  # [rows, r]
-                grad_w2 += dz_markov.t() @ markov_rows[start:end]  # [V, r], summed over the chunks in fp32
-                del dz_markov
-            if capped is not None:
-                dz.mul_(1 - capped.square_())
-            if multiplier != 1.0:
-                dz.mul_(multiplier)
-            grad_rows[start:end] = dz.to(rows.dtype) @ weight  # [rows, hidden]
+            if markov:  # the matmuls in the head's dtype (bf16 on GPU), as autograd's would run
+                grad_markov[start:end] = dmarkov @ markov_w2  # [rows, r]
+                grad_w2 += dmarkov.t() @ markov_rows[start:end]  # [V, r], summed over the chunks in fp32
+            del dmarkov
+            grad_rows[start:end] = dlogits @ weight  # [rows, hidden]
         if needs_grad:
             ctx.save_for_backward(grad_rows, *((grad_markov, grad_w2.to(markov_w2.dtype)) if markov else ()))
         ctx.mark_non_differentiable(ce, l1, hits)
@@ -488,7 +549,7 @@ class _FusedLinearDSparkLoss(torch.autograd.Function):
         grad_rows, *markov_grads = ctx.saved_tensors
         grad_rows = grad_rows * grad_total.to(grad_rows.dtype)
         grad_markov, grad_w2 = (grad * grad_total.to(grad.dtype) for grad in markov_grads) if ctx.markov else (None, None)
-        return grad_rows, grad_markov, grad_w2, None, None, None, None, None, None, None, None, None
+        return grad_rows, grad_markov, grad_w2, None, None, None, None, None, None, None, None
 
 
 def fused_linear_dspark_loss(
@@ -503,10 +564,13 @@ def fused_linear_dspark_loss(
     markov_w2: torch.Tensor | None = None,
     multiplier: float = 1.0,
     softcap: float | None = None,
+    terms_grad_chunk: Callable = dspark_terms_and_grad_chunk,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """DSpark's weighted CE and L1 over the rows through the frozen head and the Markov term, in chunks: at
     most `chunk_size x vocab` logits of the drafter (and as many of the target) exist at a time, and none
-    are kept for backward (`dspark_terms_and_grad_chunk` gives the gradient).
+    are kept for backward (`terms_grad_chunk` gives the gradient). Per chunk the head, Markov and target
+    matmuls and the gradient's matmuls back to rows, markov_rows and W2 run eagerly; the elementwise work
+    between them (softmaxes, CE, L1, argmax, the logits' gradient) is `terms_grad_chunk`.
 
     The drafter's logits of row i are z_i = cap(rows_i @ W^T) + markov_rows_i @ W2^T
     (`DSparkDraftModel.block_logits`; cap = `dflash_model.scale_and_cap_logits`), the target's
@@ -523,14 +587,17 @@ def fused_linear_dspark_loss(
         markov_rows: [T, r], W1[prev] of each row (`MarkovHead.markov_w1`), and markov_w2: [V, r], the
             weight of `MarkovHead.markov_w2`; both None without a Markov head. Both get exact gradients.
         multiplier, softcap: the drafter config's logit scaling and cap, on the head's logits (not the Markov term).
+        terms_grad_chunk: the per-chunk elementwise work: the eager `dspark_terms_and_grad_chunk`, or a compiled
+            `dspark_terms_and_grad_chunk_functional` (GPU training, `compiled_dspark_chunk`).
     Returns:
         total: scalar float32, sum_i ce_coef_i CE_i + l1_coef_i L1_i (differentiable: backpropagate it once);
         ce, l1: [T] float32, each row's CE and L1 = sum_v |p - q|, detached; hits: [T] bool, argmax == label.
     """
     # Under no_grad (an evaluation) no gradient is computed: needs_input_grad inside the forward would still say yes.
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, markov_rows, markov_w2))
+    terms_grad_chunk = functools.partial(terms_grad_chunk, multiplier=multiplier, softcap=softcap)
     return _FusedLinearDSparkLoss.apply(
-        rows, markov_rows, markov_w2, head_weight, target_rows, targets, ce_coef, l1_coef, chunk_size, multiplier, softcap, needs_grad
+        rows, markov_rows, markov_w2, head_weight, target_rows, targets, ce_coef, l1_coef, chunk_size, terms_grad_chunk, needs_grad
     )
 
 
@@ -710,3 +777,31 @@ def compiled_row_loss_chunk(
     compile_once_locked(key, what, lambda: _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta), logits.device)
     with running_compiled():
         return _compiled_row_loss(logits, targets, target_logits, loss, multiplier, softcap, lk_eta)
+
+
+_compiled_dspark = None
+
+
+def compiled_dspark_chunk(
+    logits: torch.Tensor,
+    markov_logits: torch.Tensor | None,
+    target_logits: torch.Tensor | None,
+    targets: torch.Tensor,
+    ce_coef: torch.Tensor,
+    l1_coef: torch.Tensor,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+):
+    """`dspark_terms_and_grad_chunk`, torch.compile'd (dynamic shapes), under the compile lock as
+    `compiled_ce_grad_chunk`; one graph per set of terms (with or without the Markov term and the L1).
+    `chunked_dspark_loss(..., compiled=True)` uses it. Runs inside the fused loss's forward, outside autograd."""
+    global _compiled_dspark
+    if _compiled_dspark is None:
+        _compiled_dspark = torch.compile(dspark_terms_and_grad_chunk_functional, dynamic=True)
+    markov_dtype, l1 = None if markov_logits is None else markov_logits.dtype, target_logits is not None
+    key = ("dspark_chunk", str(logits.device), logits.dtype, logits.shape[0] > 1, logits.shape[1], markov_dtype, l1, multiplier, softcap)
+    what = f"DSpark loss chunk (softmaxes, CE, L1, dlogits, argmax) on {logits.device}, {logits.dtype}, vocab {logits.shape[1]}"
+    args = (logits, markov_logits, target_logits, targets, ce_coef, l1_coef, multiplier, softcap)
+    compile_once_locked(key, what, lambda: _compiled_dspark(*args), logits.device)
+    with running_compiled():
+        return _compiled_dspark(*args)

@@ -869,6 +869,7 @@ class MicroBatchLoss:
             output_multiplier=config.output_multiplier,
             final_logit_softcapping=config.final_logit_softcapping,
             valid_index=valid_index,
+            compiled=self.compute.compile_drafter,  # as DFlash's weighted_block_loss: with the drafter's layers
         )
         return loss, accepted
 

@@ -4,14 +4,22 @@ the loss, its three terms, the acceptance statistic and the gradient of every tr
 drafter, in fp32, for chunks that split the rows unevenly and one chunk that holds them all, each term's
 weight switched off in turn, without a confidence head, without a Markov head, with the logit scaling and
 cap, and with no valid row. Then the memory: the chunked form keeps for backward less than one
-[T, V] fp32 tensor, where the plain form keeps several.
+[T, V] fp32 tensor, where the plain form keeps several. Last, the chunk's elementwise work compiled (GPU
+training's path, here through CPU inductor): the functional form equals the in-place one, the compiled loss
+the eager one, and the trainer compiles it exactly when it compiles DFlash's.
 """
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn as nn
 
+import dflash_compile
+import dflash_loss
+from dflash_compile import COMPILE_LOCK_DIR_ENV
 from dflash_loss import block_target_hidden, chunked_dspark_loss, dspark_loss
+from dflash_loss_kernels import dspark_terms_and_grad_chunk, dspark_terms_and_grad_chunk_functional
 from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, markov_predecessor_ids
 
 GAMMA, HIDDEN = 4, 32
@@ -227,3 +235,122 @@ def test_the_chunked_loss_keeps_no_vocab_sized_tensor_for_backward():
     plain_bytes = saved_bytes(lambda: reference(drafter, batch)[0])
     print(f"saved for backward: chunked {chunked_bytes} B, plain {plain_bytes} B, one [T, V] fp32 {one_logits_tensor} B")
     assert chunked_bytes < one_logits_tensor < plain_bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunk's elementwise work, compiled
+
+
+@pytest.mark.parametrize("markov", [True, False], ids=["markov", "no_markov"])
+@pytest.mark.parametrize("with_l1", [True, False], ids=["l1", "no_l1"])
+@pytest.mark.parametrize("scaling", [(1.0, None), (0.7, 2.5)], ids=["plain", "scaled_and_capped"])
+def test_functional_chunk_equals_the_in_place_chunk(markov, with_l1, scaling):
+    """What `compiled_dspark_chunk` compiles computes what the eager in-place chunk does, from bf16 logits as on a
+    GPU (checked eagerly here): CE, L1, argmax hits and both gradients, the Markov term's and the head logits'."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 9, 64
+    logits = (3 * torch.randn(rows, vocab, generator=g)).bfloat16()
+    markov_logits = torch.randn(rows, vocab, generator=g).bfloat16() if markov else None
+    target_logits = (3 * torch.randn(rows, vocab, generator=g)).bfloat16() if with_l1 else None
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    ce_coef, l1_coef = torch.rand(rows, generator=g), torch.rand(rows, generator=g)
+    inputs = (logits, markov_logits, target_logits, targets, ce_coef, l1_coef, *scaling)
+    eager = dspark_terms_and_grad_chunk(*inputs)
+    functional = dspark_terms_and_grad_chunk_functional(*inputs)
+    for name, a, b in zip(("ce", "l1", "hit", "dmarkov", "dlogits"), functional, eager):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype, name
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert eager[-1].dtype == torch.bfloat16 and eager[-1].abs().max() > 0.01
+
+
+@pytest.fixture(scope="module")
+def compile_lock_dir(tmp_path_factory):
+    """The compile lock in a folder of this module's (not the shared inductor cache's, which other processes lock)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(COMPILE_LOCK_DIR_ENV, str(tmp_path_factory.mktemp("compile_lock")))
+        yield
+
+
+@pytest.mark.parametrize(
+    "drafter_kwargs, weights",
+    [
+        ({}, {}),  # the recipe: Markov head, L1, confidence head
+        ({"dflash_config": {"output_multiplier": 0.7, "final_logit_softcapping": 2.5}}, {}),
+        ({"markov_rank": 0, "confidence": False}, {"ce_weight": 0.5, "l1_weight": 0.0, "confidence_weight": 0.0}),  # CE alone: no target
+    ],
+    ids=["recipe", "scaled_and_capped", "ce_without_markov"],
+)
+def test_compiled_loss_equals_the_eager_loss_and_compiles_once(compile_lock_dir, drafter_kwargs, weights):
+    """chunked_dspark_loss(compiled=True): the eager loss, terms, acceptance and every gradient; its one graph
+    compiles under the lock, and other chunk sizes (dynamic rows) compile nothing more."""
+    drafter = tiny_drafter(**drafter_kwargs)
+    results, graphs = {}, {}
+    for compiled, chunk_size in ((False, 7), (True, 7), (True, 1000)):
+        compiles = dflash_compile.flex_compile_stats()["compiles"]
+        loss, terms, accepted = chunked(drafter, micro_batch(drafter), chunk_size, compiled=compiled, **weights)
+        results[compiled, chunk_size] = loss, terms, accepted, gradients(drafter, loss)
+        assert dflash_compile.flex_compile_stats()["compiles"] - compiles == (compiled and chunk_size == 7)
+        graphs[compiled, chunk_size] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs[True, 1000] == graphs[True, 7] > graphs[False, 7]  # 33 rows in one chunk: no new graph
+    expected_loss, expected_terms, expected_accepted, expected_grads = results[False, 7]
+    for loss, terms, accepted, grads in (results[True, 7], results[True, 1000]):
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+        for name in ("ce", "l1", "bce"):
+            torch.testing.assert_close(terms[name], expected_terms[name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(accepted, expected_accepted, rtol=0, atol=0, equal_nan=True)
+        for name, expected in expected_grads.items():
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-5 * max(scale, 1e-6), msg=lambda m, n=name: f"{n}: {m}")
+    assert expected_grads["markov_head.markov_w2.weight" if drafter.markov_head is not None else "layers.0.mlp.down_proj.weight"].abs().max() > 0
+
+
+@pytest.mark.parametrize("attention_backend, compile_drafter", [("auto", "auto"), ("flex", "auto"), ("sdpa", "on"), ("flex", "off")])
+def test_the_trainer_compiles_dsparks_loss_chunk_when_it_compiles_dflashs(monkeypatch, attention_backend, compile_drafter):
+    """MicroBatchLoss runs DSpark's chunks through `compiled_dspark_chunk` exactly when it gives DFlash's
+    weighted_block_loss compiled=True: --compile_drafter on, or auto with flex attention (resolved on a CPU here)."""
+    from test_model import tiny_drafter as tiny_dflash_drafter
+
+    import train_dflash
+    from train_dflash import MicroBatchLoss, TrainSettings, resolve_compute
+
+    dspark_chunks, dflash_compiled = [], []
+
+    def compiled_chunk_spy(*args, **kwargs):  # the eager chunk behind it: nothing compiles here
+        dspark_chunks.append(args[0].shape)
+        return dspark_terms_and_grad_chunk(*args, **kwargs)
+
+    def weighted_block_loss_spy(*args, **kwargs):
+        dflash_compiled.append(kwargs["compiled"])
+        return weighted_block_loss(*args, **{**kwargs, "compiled": False})
+
+    weighted_block_loss = train_dflash.weighted_block_loss
+    monkeypatch.setattr(dflash_loss, "compiled_dspark_chunk", compiled_chunk_spy)
+    monkeypatch.setattr(train_dflash, "weighted_block_loss", weighted_block_loss_spy)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 60, (2, 20), generator=g)
+    loss_mask = torch.ones(2, 20, dtype=torch.bool)
+    loss_mask[:, :4] = False
+    for drafter in (tiny_drafter(), tiny_dflash_drafter(block_size=GAMMA)):
+        config = drafter.config
+        name = "dspark" if isinstance(config, DSparkConfig) else "dflash"
+        settings = TrainSettings(
+            target_model="x",
+            train_data=["x"],
+            drafter=name,
+            num_anchors=4,
+            block_size=GAMMA,
+            attention_backend=attention_backend,
+            compile_drafter=compile_drafter,
+        )
+        compute = resolve_compute(settings, torch.device("cpu"))
+        compute = dataclasses.replace(compute, backend="sdpa")  # the drafter's forward through SDPA (flex has no CPU backward)
+        width = (len(config.target_layer_ids) + (name == "dspark")) * config.hidden_size  # DSpark: + the target's last hidden state
+        features = torch.randn(2, 20, width, generator=g)
+        weights = None if name == "dspark" else dflash_loss.loss_weights(GAMMA)  # DSpark weighs its slots itself
+        loss_fn = MicroBatchLoss(settings, config, compute, weights, drafter.target_lm_head)
+        loss, _ = loss_fn(drafter, features, input_ids, loss_mask, input_ids, (0, 0, 0, 0))
+        assert loss.item() > 0
+    assert dflash_compiled == [compile_drafter == "on" or (compile_drafter == "auto" and attention_backend == "flex")]
+    assert bool(dspark_chunks) == dflash_compiled[0]

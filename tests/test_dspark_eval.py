@@ -319,7 +319,8 @@ def test_cli_refuses_the_confidence_gate_without_a_dspark_confidence_head(dspark
 
 def test_bench_times_a_dspark_training_step(monkeypatch, capsys):
     """bench_dflash.py --drafter dspark in its tiny CPU mode: a DSpark drafter of gamma 15 (DFlash's B = 16
-    drafts per verify) trained through chunked_dspark_loss at both headline shapes; a DFlash loss lever is refused."""
+    drafts per verify) trained through chunked_dspark_loss at both headline shapes; fused_ce_compiled compiles its
+    chunks (compiled=True, run eagerly here); a DFlash loss lever is refused."""
     import bench_dflash
     import dflash_bench_training
 
@@ -327,8 +328,8 @@ def test_bench_times_a_dspark_training_step(monkeypatch, capsys):
     original = dflash_bench_training.chunked_dspark_loss
 
     def recorded(*args, **kwargs):
-        calls.append((args[0].shape, kwargs["chunk_size"]))
-        return original(*args, **kwargs)
+        calls.append((args[0].shape, kwargs["chunk_size"], kwargs["compiled"]))
+        return original(*args, **{**kwargs, "compiled": False})  # no inductor compile on a 2-core CPU
 
     monkeypatch.setattr(dflash_bench_training, "chunked_dspark_loss", recorded)
     argv = ["--device", "cpu", "--tiny", "--quick", "--drafter_only", "--drafter", "dspark", "--steps", "1", "--warmup", "0", "--no_append"]
@@ -339,11 +340,15 @@ def test_bench_times_a_dspark_training_step(monkeypatch, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| baseline |")]
     assert [row.split(" | ")[1:4] for row in rows] == [["8", "64", "2"], ["16", "128", "1"]], out
     assert all(float(row.split(" | ")[4]) > 0 for row in rows)  # ms/step: the step ran
-    assert "(2 layers, block 15)" in out and {shape[2] for shape, _ in calls} == {15}  # [batch, N, gamma, hidden], gamma 15
-    assert {chunk_size for _, chunk_size in calls} == {4096}
+    assert "(2 layers, block 15)" in out and {shape[2] for shape, _, _ in calls} == {15}  # [batch, N, gamma, hidden], gamma 15
+    assert {(chunk_size, compiled) for _, chunk_size, compiled in calls} == {(4096, False)}
     with pytest.raises(ValueError, match="--drafter dspark trains with chunked_dspark_loss only"):
         bench_dflash.main(argv + ["--variant", "fused_ce"])
     calls.clear()
     bench_dflash.main(argv + ["--variant", "loss_chunk_64"])  # the chunk size is DSpark's loss lever
     torch.set_num_threads(threads)
-    assert calls and {chunk_size for _, chunk_size in calls} == {64}
+    assert calls and {(chunk_size, compiled) for _, chunk_size, compiled in calls} == {(64, False)}
+    calls.clear()
+    bench_dflash.main(argv + ["--variant", "fused_ce_compiled"])  # the loss's chunks compiled, as DFlash's lever
+    torch.set_num_threads(threads)
+    assert calls and {compiled for _, _, compiled in calls} == {True}
