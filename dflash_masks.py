@@ -14,7 +14,7 @@ Notation used in every shape comment:
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 # ----------------------------------------------------------------------------------------------
 # Anchors, blocks, labels
@@ -255,7 +255,28 @@ def dense_anchor_block_mask(
     return mask_mod(b, 0, q_idx, kv_idx)  # [batch, 1, Q, KV]
 
 
-MASK_BUILD_ELEMENTS = 1 << 26  # most [batch, Q, KV] mask elements one `create_block_mask` call materialises (~0.5 GB per int64 temporary)
+SPARSE_BLOCK_SIZE = 128  # the query and key tile of a BlockMask: create_block_mask's and from_kv_blocks' default
+
+
+def _rows_per_tile(first: torch.Tensor, end: torch.Tensor, batch: int, q_tiles: int, kv_tiles: int) -> torch.Tensor:
+    """How many query rows of each query tile reach each KV tile, from one range of KV tiles per row.
+
+    Args:
+        first, end: [batch, rows] or [rows] (the same for every batch row) int64, rows = q_tiles *
+            SPARSE_BLOCK_SIZE: row r (of query tile r // SPARSE_BLOCK_SIZE) reaches KV tiles
+            first .. end - 1, none where end <= first.
+    Returns:
+        [batch, q_tiles, kv_tiles] int64.
+    """
+    end = torch.maximum(first, end)  # an empty range adds +1 and -1 at the same place: nothing
+    rows = end.shape[-1]
+    offset = torch.arange(rows, device=end.device) // SPARSE_BLOCK_SIZE * (kv_tiles + 1)  # [rows]: its tile's row of counts
+    # A difference array per query tile: +1 where a row's range starts, -1 past its end, summed along the KV tiles.
+    counts = torch.zeros(batch, q_tiles * (kv_tiles + 1), dtype=torch.int32, device=end.device)
+    ones = torch.ones(batch, rows, dtype=torch.int32, device=end.device)
+    counts.scatter_add_(1, (offset + first).expand(batch, rows), ones)
+    counts.scatter_add_(1, (offset + end).expand(batch, rows), -ones)
+    return counts.view(batch, q_tiles, kv_tiles + 1).cumsum(dim=-1)[..., :kv_tiles]
 
 
 def create_anchor_block_mask(
@@ -265,33 +286,75 @@ def create_anchor_block_mask(
 
     Built once per batch and layer rule, outside compiled code, and passed to every layer of that rule.
 
-    It stays eager on purpose: it runs once per step, not per layer, and costs a few transient
-    [batch, Q, KV] bool tensors, freed before the drafter forward. Measured on CPU at one row, 512
-    anchors x 16 and a 3072 context (Q 8192, KV 11264): eager 2.2 s and ~0.8 GB peak, compiled 0.35 s
-    after a 29 s compile; on a GPU both take milliseconds (`bench_compile_race.py mask`). Eager, it is
-    one compiled function less to race on and to warm (dflash_compile.py), and any thread (a prefetch
-    thread) may build masks without touching dynamo.
+    Built at tile granularity (SPARSE_BLOCK_SIZE x SPARSE_BLOCK_SIZE), never element by element:
+    each query row sees the union of two key intervals, and tiles are classified from those.
+    - Context: [lo, a_j) for a valid anchor (empty for a padded slot); lo = 0, or with a window
+      max(0, q_pos - window + 1) at q_pos = a_j + (q % B). Causality and the two-sided window's
+      other side never bind there: every context key is < a_j <= q_pos.
+    - Own block: S + j*B + [i_lo, i_hi), its keys at positions a_j + i: i_lo = max(0, i - window + 1)
+      with a window, else 0; i_hi = i + 1 if causal, min(B, i + window) with a two-sided window, else B.
+    A tile is visible if an interval of any of its rows meets it, and full if each of its rows covers
+    it with one interval: the two never touch (key S - 1 lies in neither, as a_j <= S - 1), so
+    their union covers no tile that neither covers alone.
+    The tiles, their order and the padding of the index lists are create_block_mask's over
+    `anchor_block_mask_mod` (tiles past Q or KV are never full: it pads the mask with False), as
+    tests/test_masks.py checks; flex applies `anchor_block_mask_mod` inside the partial tiles.
+
+    Valid anchors must lie in 0..S-1 (`sample_anchors` gives 0..S-2). Memory and time are
+    O(batch * Q + batch * Q/128 * KV/128), where create_block_mask materialises [batch, Q, KV] and
+    int64 temporaries of that size. Measured on a shared 2-core CPU, one thread, against
+    create_block_mask in row chunks: 8-19 ms against 4.9-7.2 s at batch 64, 128 anchors x 16, a 512
+    context (the SmolLM2 recipe); 3-7 ms against 1.7-2.0 s at one row, 512 anchors x 16, a 3072 context.
+    It runs eagerly: any thread (a prefetch thread) may build masks without touching dynamo.
+
+    Args:
+        anchors, anchor_valid: [batch, N] from `sample_anchors` (any device; the mask is built there).
+        context_len: S.  block_size: B.
+        causal, window: the layer's `DFlashConfig.attention_rule`; default the full rule.
+    Returns:
+        BlockMask of shape [batch, 1, N*B, S + N*B], tiles of SPARSE_BLOCK_SIZE, mask_mod
+        `anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size, causal, window)`.
     """
     batch, num_anchors = anchors.shape
+    device = anchors.device
+    tile = SPARSE_BLOCK_SIZE
     q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
-    mask_mod = anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size, causal, window)
-    # torch materialises the whole [batch, Q, KV] mask (and int64 temporaries of that size) before it
-    # reduces it to 128 x 128 blocks: 4.8 GB per int64 temporary at 512 anchors x 16 and a 64k context.
-    # Query rows in chunks of whole 128-row blocks bound that to MASK_BUILD_ELEMENTS; the blocks are the same.
-    # Measured on a CPU, one row, 512 anchors: peak 1.96 GB whole, 0.65 GB chunked at 16k tokens; 0.65 GB at 64k.
-    rows = max(128, MASK_BUILD_ELEMENTS // (batch * kv_len) // 128 * 128)
-    if rows >= q_len:
-        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchors.device)
-    parts = []
-    for start in range(0, q_len, rows):
-        chunk_mod = lambda b, h, q_idx, kv_idx, start=start: mask_mod(b, h, q_idx + start, kv_idx)  # noqa: E731
-        parts.append(create_block_mask(chunk_mod, batch, None, min(rows, q_len - start), kv_len, device=anchors.device))
-    kv_blocks = parts[0].kv_indices.shape[-1]
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    q_idx = torch.arange(q_tiles * tile, device=device)  # rows past Q pad the last query tile and see nothing
+    real = q_idx < q_len  # [Q tiles * tile]
+    block = torch.where(real, q_idx // block_size, 0)
+    i = q_idx % block_size  # position inside the block
+    anchor = anchors[:, block]  # [batch, Q tiles * tile]
+    context_hi = torch.where(anchor_valid[:, block] & real, anchor, 0)
+    context_lo = torch.zeros_like(anchor) if window is None else (anchor + i - window + 1).clamp(min=0)
+    own_lo = torch.zeros_like(i) if window is None else (i - window + 1).clamp(min=0)
+    if causal:
+        own_hi = i + 1
+    elif window is not None:
+        own_hi = (i + window).clamp(max=block_size)
+    else:
+        own_hi = torch.full_like(i, block_size)
+    own_start = context_len + block * block_size
+    own_lo, own_hi = own_start + own_lo, torch.where(real, own_start + own_hi, 0)  # [Q tiles * tile]: the same in every batch row
+    # A row's interval [lo, hi) meets KV tiles lo // tile .. (hi - 1) // tile and covers ceil(lo / tile) .. hi // tile - 1.
+    met, covered = 0, 0
+    for lo, hi in ((context_lo, context_hi), (own_lo, own_hi)):
+        met = met + _rows_per_tile(lo // tile, torch.where(hi > lo, (hi - 1) // tile + 1, 0), batch, q_tiles, kv_tiles)
+        covered = covered + _rows_per_tile(-(-lo // tile), hi // tile, batch, q_tiles, kv_tiles)
+    full = covered == tile  # [batch, Q tiles, KV tiles]: every row of the query tile sees every key of the KV tile
+    partial = (met > 0) & ~full  # BlockMask lists partial tiles apart from full ones
+
+    def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[batch, Q tiles, KV tiles] bool -> (count [batch, 1, Q tiles], indices [batch, 1, Q tiles, KV tiles]) int32:
+        the listed tiles ascending, then the others ascending, as create_block_mask orders them."""
+        tiles = tiles[:, None].to(torch.int32)
+        indices = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+        return tiles.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
+
     return BlockMask.from_kv_blocks(
-        torch.cat([part.kv_num_blocks for part in parts], dim=2),  # [batch, 1, Q blocks]
-        torch.cat([part.kv_indices[..., :kv_blocks] for part in parts], dim=2),  # [batch, 1, Q blocks, KV blocks]
-        torch.cat([part.full_kv_num_blocks for part in parts], dim=2),
-        torch.cat([part.full_kv_indices[..., :kv_blocks] for part in parts], dim=2),
-        mask_mod=mask_mod,
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=tile,
+        mask_mod=anchor_block_mask_mod(anchors, anchor_valid, context_len, block_size, causal, window),
         seq_lengths=(q_len, kv_len),
     )

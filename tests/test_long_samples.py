@@ -1,44 +1,15 @@
 """Long samples: the memory levers of the training forward compute the same function as the plain one.
 
-The chunked BlockMask build gives the blocks of the one-shot build; the chunked, checkpointed context
-path and checkpointed decoder layers give the plain forward's loss and gradients (float tolerance).
+The chunked, checkpointed context path and checkpointed decoder layers give the plain forward's loss
+and gradients (float tolerance).
 """
 
 import pytest
 import torch
 from test_model import VOCAB, _batch, tiny_drafter
 
-import dflash_masks
 from dflash_loss import loss_weights, weighted_block_loss
-from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
-
-BLOCK_MASK_FIELDS = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
-
-
-@pytest.mark.parametrize("causal, window", [(False, None), (True, 96)])
-def test_block_mask_built_in_query_chunks_equals_one_build(monkeypatch, causal, window):
-    seq_len, block_size = 1000, 16
-    loss_mask = torch.zeros(2, seq_len, dtype=torch.bool)
-    loss_mask[:, 100:] = True
-    loss_mask[1, 700:] = False  # a shorter row: padded anchor slots
-    anchors, valid = sample_anchors(loss_mask, 40, torch.Generator().manual_seed(0))
-    whole = create_anchor_block_mask(anchors, valid, seq_len, block_size, causal, window)
-    kv_len = seq_len + 40 * block_size
-    monkeypatch.setattr(dflash_masks, "MASK_BUILD_ELEMENTS", 2 * kv_len * 200)  # 128-row chunks: 5 builds of Q = 640
-    chunked = create_anchor_block_mask(anchors, valid, seq_len, block_size, causal, window)
-    assert chunked.seq_lengths == whole.seq_lengths == (640, kv_len)
-    for name in BLOCK_MASK_FIELDS:
-        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
-    assert int(whole.kv_num_blocks.sum()) > 0
+from dflash_masks import block_labels, sample_anchors
 
 
 def loss_and_grads(drafter, chunk_size=0, checkpointed=False, seq_len=70):
