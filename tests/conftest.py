@@ -1,9 +1,14 @@
 """Shared pytest fixtures. Slow loads (tokenizers, the SmolLM2 GGUF target) are session-scoped."""
 
+import json
+import os
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -164,6 +169,118 @@ def train_env(tmp_path_factory) -> dict:
         MALLOC_TRIM_THRESHOLD_="4294967296",
     )
     return env
+
+
+class ForkedRun:
+    """One script run started by `ForkServer.popen`, used like subprocess.Popen(..., text=True) with
+    pipes: wait, communicate, poll, kill, returncode; its output is read back from files."""
+
+    def __init__(self, server, pid: int, stdout: Path, stderr: Path | None):
+        self.server, self.pid, self.stdout_path, self.stderr_path = server, pid, stdout, stderr
+        self.returncode = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.server.ended(self.pid, timeout=0):
+            self.returncode = self.server.exited[self.pid]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.server.ended(self.pid, timeout)
+            self.returncode = self.server.exited[self.pid]
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        text = [read_as_subprocess_text(path) if path else None for path in (self.stdout_path, self.stderr_path)]
+        return text[0], text[1]
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def read_as_subprocess_text(path: Path) -> str:
+    """A file's bytes as subprocess's text mode gives a pipe's: decoded, newlines translated (a bare \\r too)."""
+    return path.read_bytes().decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
+class ForkServer:
+    """Starts `python SCRIPT ARGS` runs of the repository as forks of one process that has imported
+    the scripts' modules once (tests/fork_server.py): each run is a process of its own, with its own
+    output and exit status, without the ~8 s of CPU that a fresh interpreter spends on importing
+    torch, transformers and DeepSpeed. Every run gets the server's environment (`env`): a run that
+    needs another one (modules read some variables when they are imported) starts a subprocess."""
+
+    def __init__(self, env: dict, folder: Path, preload: tuple[str, ...]):
+        command = [sys.executable, str(Path(__file__).with_name("fork_server.py")), *preload]
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.folder, self.started, self.exited, self.pending = folder, [], {}, b""
+
+    def popen(self, script: str, args: list[str], cwd=REPO_ROOT, merge_stderr: bool = False) -> ForkedRun:
+        """Start `python script *args` in cwd; stderr into stdout with merge_stderr (stderr=STDOUT)."""
+        n = len(self.started)
+        stdout = self.folder / f"run{n}.stdout"
+        stderr = None if merge_stderr else self.folder / f"run{n}.stderr"
+        request = dict(script=script, args=[str(a) for a in args], cwd=str(cwd), stdout=str(stdout), stderr=str(stderr or stdout))
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
+        self.process.stdin.flush()
+        while True:  # the server answers each start in order; exits of earlier runs may come first
+            message = self.next_message(None)
+            if "returncode" not in message:
+                self.started.append(message["pid"])
+                return ForkedRun(self, message["pid"], stdout, stderr)
+
+    def run(self, script: str, args: list[str], timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+        """subprocess.run(..., capture_output=True, text=True) of a forked run; killed on timeout."""
+        run = self.popen(script, args, **kwargs)
+        try:
+            stdout, stderr = run.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            raise
+        return subprocess.CompletedProcess([script, *args], run.returncode, stdout, stderr)
+
+    def ended(self, pid: int, timeout: float | None) -> bool:
+        """Whether run `pid` has ended, waiting up to `timeout` seconds (None: for as long as it takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.exited:
+            try:
+                self.next_message(deadline)
+            except subprocess.TimeoutExpired:
+                if timeout == 0:
+                    return False
+                raise
+        return True
+
+    def next_message(self, deadline: float | None) -> dict:
+        """The server's next line; exits are recorded in self.exited. TimeoutExpired past `deadline`."""
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self.pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                raise subprocess.TimeoutExpired("forked run", wait)
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the fork server exited with status {self.process.wait()}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        message = json.loads(line)
+        if "returncode" in message:
+            self.exited[message["pid"]] = message["returncode"]
+        return message
+
+    def close(self) -> None:
+        self.process.stdin.close()  # the server kills any run still going (left by a failed test) and ends
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def train_runs(train_env, tmp_path_factory) -> ForkServer:
+    """train_dflash.py runs in `train_env`, each a fork of one process that imported it (ForkServer)."""
+    server = ForkServer(train_env, tmp_path_factory.mktemp("forked_runs"), ("train_dflash",))
+    yield server
+    server.close()
 
 
 def run_args(target_dir, data, output_dir, **overrides) -> list[str]:
