@@ -211,9 +211,12 @@ class ForkedRun:
         text = [read_as_subprocess_text(path) if path else None for path in (self.stdout_path, self.stderr_path)]
         return text[0], text[1]
 
-    def kill(self) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def read_as_subprocess_text(path: Path) -> str:
@@ -221,24 +224,46 @@ def read_as_subprocess_text(path: Path) -> str:
     return path.read_bytes().decode().replace("\r\n", "\n").replace("\r", "\n")
 
 
+# What a forked run's environment may set differently from its server's: variables read by the
+# project's modules (imported afresh in each run) or when a run sets up torch.distributed, none of
+# them by a library when it is imported (those libraries are imported once, in the server).
+RUN_ENV = {
+    "DFLASH_DEBUG_LOG",
+    "DFLASH_TRACEBACK",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+}
+
+
 class ForkServer:
     """Starts `python SCRIPT ARGS` runs of the repository as forks of one process that has imported
-    the scripts' modules once (tests/fork_server.py): each run is a process of its own, with its own
-    output and exit status, without the ~8 s of CPU that a fresh interpreter spends on importing
-    torch, transformers and DeepSpeed. Every run gets the server's environment (`env`): a run that
-    needs another one (modules read some variables when they are imported) starts a subprocess."""
+    the scripts' libraries once (tests/fork_server.py): each run is a process of its own that imports
+    the project's code afresh, with its own output and exit status, without the ~6 s of CPU that a
+    fresh interpreter spends on importing torch, transformers and DeepSpeed. Every run gets the
+    server's environment (`env`), or one that differs from it in RUN_ENV only: a run that needs
+    another one (the libraries read some variables when they are imported) starts a subprocess."""
 
     def __init__(self, env: dict, folder: Path, preload: tuple[str, ...]):
         command = [sys.executable, str(Path(__file__).with_name("fork_server.py")), *preload]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.folder, self.started, self.exited, self.pending = folder, [], {}, b""
+        self.env, self.folder, self.started, self.exited, self.pending = env, folder, [], {}, b""
 
-    def popen(self, script: str, args: list[str], cwd=REPO_ROOT, merge_stderr: bool = False) -> ForkedRun:
-        """Start `python script *args` in cwd; stderr into stdout with merge_stderr (stderr=STDOUT)."""
+    def popen(self, script: str, args: list[str], cwd=REPO_ROOT, env=None, stdout=None, merge_stderr=False) -> ForkedRun:
+        """Start `python script *args` in cwd with `env` (default: the server's); its output into
+        the file `stdout` (default: a file of its own), stderr into stdout with merge_stderr."""
+        env = self.env if env is None else env
+        other = {key for key in {*env, *self.env} if env.get(key) != self.env.get(key)} - RUN_ENV
+        if other:
+            raise ValueError(f"a forked run cannot set {sorted(other)} apart from its server: start a subprocess")
         n = len(self.started)
-        stdout = self.folder / f"run{n}.stdout"
+        stdout = Path(stdout or self.folder / f"run{n}.stdout")
         stderr = None if merge_stderr else self.folder / f"run{n}.stderr"
-        request = dict(script=script, args=[str(a) for a in args], cwd=str(cwd), stdout=str(stdout), stderr=str(stderr or stdout))
+        request = dict(script=script, args=[str(a) for a in args], cwd=str(cwd), env=env, stdout=str(stdout), stderr=str(stderr or stdout))
         self.process.stdin.write((json.dumps(request) + "\n").encode())
         self.process.stdin.flush()
         while True:  # the server answers each start in order; exits of earlier runs may come first
@@ -293,7 +318,7 @@ class ForkServer:
 
 @pytest.fixture(scope="session")
 def train_runs(train_env, tmp_path_factory) -> ForkServer:
-    """train_dflash.py runs in `train_env`, each a fork of one process that imported it (ForkServer)."""
+    """train_dflash.py runs in `train_env`, each a fork of one process that imported its libraries (ForkServer)."""
     server = ForkServer(train_env, tmp_path_factory.mktemp("forked_runs"), ("train_dflash",))
     yield server
     server.close()
@@ -344,12 +369,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(args, env, world, log_dir, rank_env=None):
+def launch_ranks(args, env, world, log_dir, rank_env=None, runs=None):
     """Start the ranks of one run as plain processes, each with torchrun's environment, around a
     TCPStore hosted here (as torchrun's agent hosts it). Not torchrun itself: its agent kills the
     other ranks as soon as one dies, which would hide whether the trainer notices by itself; and
-    each rank can have an environment of its own (`rank_env[rank]`, added to `env`). Returns (the
-    store, which must outlive the ranks; the processes), each rank's output in log_dir/rank{r}.log."""
+    each rank can have an environment of its own (`rank_env[rank]`, added to `env`). With `runs` (a
+    ForkServer) the ranks are its forked runs. Returns (the store, which must outlive the ranks; the
+    processes), each rank's output in log_dir/rank{r}.log."""
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     procs = []
@@ -365,6 +391,9 @@ def launch_ranks(args, env, world, log_dir, rank_env=None):
             MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="True",
         )
+        if runs:
+            procs.append(runs.popen("train_dflash.py", args, env=own_env, stdout=log_dir / f"rank{rank}.log", merge_stderr=True))
+            continue
         output = open(log_dir / f"rank{rank}.log", "w")
         procs.append(
             subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO_ROOT, env=own_env, stdout=output, stderr=subprocess.STDOUT)

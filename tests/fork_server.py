@@ -1,14 +1,17 @@
-"""Runs the repository's scripts as forks of one process that has imported them once.
+"""Runs the repository's scripts as forks of one process that has imported their libraries once.
 
 `python tests/fork_server.py train_dflash [...]`, started in the repository root with the
-environment of the runs: it imports the named scripts' modules (torch, transformers, DeepSpeed,
-...: ~8 s of CPU per process), then reads one JSON request per line on stdin,
-{"script", "args", "cwd", "stdout", "stderr"}, and forks a child for each. The child is what
-`python SCRIPT ARGS` started in `cwd` would be (sys.argv, sys.path[0], `__main__`, its output in
-the named files, its exit status), except that the imports are done; the scripts themselves run
-afresh as `__main__`. The server answers {"pid"} for each start and {"pid", "returncode"} (as
-subprocess gives it) for each exit; it never runs a torch op, so every fork starts clean.
-Only for runs whose environment is the server's: modules read some variables when imported.
+environment of the runs: it imports the named scripts, which import torch, transformers,
+DeepSpeed, ... (~6 s of CPU per process), then forgets every module of the repository itself, so
+that each run imports the project's code afresh, as a fresh interpreter does (through its own
+sys.path, reading its own environment). It reads one JSON request per line on stdin,
+{"script", "args", "cwd", "env", "stdout", "stderr"}, and forks a child for each: the child is what
+`python SCRIPT ARGS` started in `cwd` would be (sys.argv, sys.path[0], `__main__`, os.environ, its
+output in the named files, its exit status), only without the libraries' import time. The server
+answers {"pid"} for each start and {"pid", "returncode"} (as subprocess gives it) for each exit; it
+never runs a torch op, so every fork starts clean. The libraries read some environment variables
+when they are imported: a run's environment may differ from the server's only where nothing
+imported here reads it (conftest's ForkServer checks).
 """
 
 import importlib
@@ -30,6 +33,8 @@ def run_child(request: dict) -> None:
     for fd in {stdout, stderr}:
         os.close(fd)
     os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
     script = os.path.abspath(request["script"])
     sys.argv = [request["script"], *request["args"]]
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it
@@ -37,11 +42,20 @@ def run_child(request: dict) -> None:
     sys.exit(0)  # the script returned: exit as the interpreter would at its end (atexit handlers included)
 
 
+def forget_the_project(root: str) -> None:
+    """Drop the modules whose files lie in the repository (not its virtual environment)."""
+    for name, module in list(sys.modules.items()):
+        path = os.path.abspath(getattr(module, "__file__", None) or "/")
+        if path.startswith(root + os.sep) and "site-packages" not in path:
+            del sys.modules[name]
+
+
 def main() -> None:
-    sys.path[0] = os.getcwd()  # the repository root, not tests/
+    root = os.getcwd()
+    sys.path[0] = root  # the repository root, not tests/
     for name in sys.argv[1:]:
         importlib.import_module(name)
-        del sys.modules[name]  # each run executes the script as __main__, as the command line does
+    forget_the_project(root)
     pending, children = b"", set()
     while True:
         ready, _, _ = select.select([0], [], [], 0.05)

@@ -1,7 +1,7 @@
 """train_dflash.py end to end on CPU: loss falls on real text, resume is exact, 2-process ZeRO-2 runs,
 bad input gives a clear error. Each run is a process of its own: the launches users type (accelerate
 launch, launch.py, a run with a Hub endpoint of its own) are subprocesses, the other runs forks of one
-process that has imported train_dflash.py's modules once (conftest's `train_runs`)."""
+process that has imported train_dflash.py's libraries once (conftest's `train_runs`)."""
 
 import base64
 import gzip
