@@ -1,9 +1,14 @@
 """Shared pytest fixtures. Slow loads (tokenizers, the SmolLM2 GGUF target) are session-scoped."""
 
+import json
+import os
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,6 +18,22 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # flat scripts: tests import `dflash_target` etc. from the repo root
+
+
+def share_the_cores_among_xdist_workers() -> None:
+    """Under pytest-xdist (-n N), each worker's torch gets its share of the cores, and so does every
+    process it starts without an OMP_NUM_THREADS of its own: with -n 2 on 2 cores and
+    OMP_NUM_THREADS=2, four compute threads ran on two cores, and OpenMP threads that wait for a
+    descheduled peer spin (measured: a module of tiny-model tests took ~35% more CPU). Never raises
+    the thread count that the environment set."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    if workers > 1 and threads < torch.get_num_threads():
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+share_the_cores_among_xdist_workers()
 
 
 @pytest.fixture(autouse=True)
@@ -166,6 +187,143 @@ def train_env(tmp_path_factory) -> dict:
     return env
 
 
+class ForkedRun:
+    """One script run started by `ForkServer.popen`, used like subprocess.Popen(..., text=True) with
+    pipes: wait, communicate, poll, kill, returncode; its output is read back from files."""
+
+    def __init__(self, server, pid: int, stdout: Path, stderr: Path | None):
+        self.server, self.pid, self.stdout_path, self.stderr_path = server, pid, stdout, stderr
+        self.returncode = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.server.ended(self.pid, timeout=0):
+            self.returncode = self.server.exited[self.pid]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.server.ended(self.pid, timeout)
+            self.returncode = self.server.exited[self.pid]
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        text = [read_as_subprocess_text(path) if path else None for path in (self.stdout_path, self.stderr_path)]
+        return text[0], text[1]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def read_as_subprocess_text(path: Path) -> str:
+    """A file's bytes as subprocess's text mode gives a pipe's: decoded, newlines translated (a bare \\r too)."""
+    return path.read_bytes().decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
+# What a forked run's environment may set differently from its server's: variables read by the
+# project's modules (imported afresh in each run) or when a run sets up torch.distributed, none of
+# them by a library when it is imported (those libraries are imported once, in the server).
+RUN_ENV = {
+    "DFLASH_DEBUG_LOG",
+    "DFLASH_TRACEBACK",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+}
+
+
+class ForkServer:
+    """Starts `python SCRIPT ARGS` runs of the repository as forks of one process that has imported
+    the scripts' libraries once (tests/fork_server.py): each run is a process of its own that imports
+    the project's code afresh, with its own output and exit status, without the ~6 s of CPU that a
+    fresh interpreter spends on importing torch, transformers and DeepSpeed. Every run gets the
+    server's environment (`env`), or one that differs from it in RUN_ENV only: a run that needs
+    another one (the libraries read some variables when they are imported) starts a subprocess."""
+
+    def __init__(self, env: dict, folder: Path, preload: tuple[str, ...]):
+        command = [sys.executable, str(Path(__file__).with_name("fork_server.py")), *preload]
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.env, self.folder, self.started, self.exited, self.pending = env, folder, [], {}, b""
+
+    def popen(self, script: str, args: list[str], cwd=REPO_ROOT, env=None, stdout=None, merge_stderr=False) -> ForkedRun:
+        """Start `python script *args` in cwd with `env` (default: the server's); its output into
+        the file `stdout` (default: a file of its own), stderr into stdout with merge_stderr."""
+        env = self.env if env is None else env
+        other = {key for key in {*env, *self.env} if env.get(key) != self.env.get(key)} - RUN_ENV
+        if other:
+            raise ValueError(f"a forked run cannot set {sorted(other)} apart from its server: start a subprocess")
+        n = len(self.started)
+        stdout = Path(stdout or self.folder / f"run{n}.stdout")
+        stderr = None if merge_stderr else self.folder / f"run{n}.stderr"
+        request = dict(script=script, args=[str(a) for a in args], cwd=str(cwd), env=env, stdout=str(stdout), stderr=str(stderr or stdout))
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
+        self.process.stdin.flush()
+        while True:  # the server answers each start in order; exits of earlier runs may come first
+            message = self.next_message(None)
+            if "returncode" not in message:
+                self.started.append(message["pid"])
+                return ForkedRun(self, message["pid"], stdout, stderr)
+
+    def run(self, script: str, args: list[str], timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+        """subprocess.run(..., capture_output=True, text=True) of a forked run; killed on timeout."""
+        run = self.popen(script, args, **kwargs)
+        try:
+            stdout, stderr = run.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            raise
+        return subprocess.CompletedProcess([script, *args], run.returncode, stdout, stderr)
+
+    def ended(self, pid: int, timeout: float | None) -> bool:
+        """Whether run `pid` has ended, waiting up to `timeout` seconds (None: for as long as it takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.exited:
+            try:
+                self.next_message(deadline)
+            except subprocess.TimeoutExpired:
+                if timeout == 0:
+                    return False
+                raise
+        return True
+
+    def next_message(self, deadline: float | None) -> dict:
+        """The server's next line; exits are recorded in self.exited. TimeoutExpired past `deadline`."""
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self.pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                raise subprocess.TimeoutExpired("forked run", wait)
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the fork server exited with status {self.process.wait()}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        message = json.loads(line)
+        if "returncode" in message:
+            self.exited[message["pid"]] = message["returncode"]
+        return message
+
+    def close(self) -> None:
+        self.process.stdin.close()  # the server kills any run still going (left by a failed test) and ends
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def train_runs(train_env, tmp_path_factory) -> ForkServer:
+    """train_dflash.py runs in `train_env`, each a fork of one process that imported its libraries (ForkServer)."""
+    server = ForkServer(train_env, tmp_path_factory.mktemp("forked_runs"), ("train_dflash",))
+    yield server
+    server.close()
+
+
 def run_args(target_dir, data, output_dir, **overrides) -> list[str]:
     """train_dflash.py flags of a tiny multi-rank run: 18 samples in batches of 2 (9 micro-batches per
     epoch, so with 2 drafter ranks the last micro-step of every epoch has one zero-loss filler), 2
@@ -211,12 +369,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(args, env, world, log_dir, rank_env=None):
+def launch_ranks(args, env, world, log_dir, rank_env=None, runs=None):
     """Start the ranks of one run as plain processes, each with torchrun's environment, around a
     TCPStore hosted here (as torchrun's agent hosts it). Not torchrun itself: its agent kills the
     other ranks as soon as one dies, which would hide whether the trainer notices by itself; and
-    each rank can have an environment of its own (`rank_env[rank]`, added to `env`). Returns (the
-    store, which must outlive the ranks; the processes), each rank's output in log_dir/rank{r}.log."""
+    each rank can have an environment of its own (`rank_env[rank]`, added to `env`). With `runs` (a
+    ForkServer) the ranks are its forked runs. Returns (the store, which must outlive the ranks; the
+    processes), each rank's output in log_dir/rank{r}.log."""
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     procs = []
@@ -232,6 +391,9 @@ def launch_ranks(args, env, world, log_dir, rank_env=None):
             MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="True",
         )
+        if runs:
+            procs.append(runs.popen("train_dflash.py", args, env=own_env, stdout=log_dir / f"rank{rank}.log", merge_stderr=True))
+            continue
         output = open(log_dir / f"rank{rank}.log", "w")
         procs.append(
             subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO_ROOT, env=own_env, stdout=output, stderr=subprocess.STDOUT)

@@ -71,9 +71,11 @@ def fresh_flex_state(monkeypatch, tmp_path):
 
 # ---- ranks: 4 processes on one cold shared cache -------------------------------------------------
 
-WORKER = textwrap.dedent(
+# The 4 ranks are forks of one process that has imported torch, transformers and the drafter (~6 s of
+# CPU each in a fresh interpreter) and compiled nothing: each rank sets up its compile cache itself.
+RANKS = textwrap.dedent(
     """
-    import json, logging, sys, threading, time
+    import json, logging, os, sys, threading, time, traceback
     from pathlib import Path
     import torch
     import dflash_compile as dc
@@ -81,38 +83,52 @@ WORKER = textwrap.dedent(
     sys.path.insert(0, "tests")
     from test_model import _batch, tiny_drafter
 
-    root, rank, world = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    shapes = json.loads(sys.argv[4])
-    dc.setup_compile_cache("shared", root, rank, compile_threads=1)
-    handler = logging.FileHandler(root / f"lock_log_{rank}.txt")
-    handler.setFormatter(logging.Formatter("%(created).6f %(message)s"))
-    dc.log.addHandler(handler)
-    dc.log.setLevel(logging.INFO)
-    torch.set_num_threads(1)
-    seen = {}
-    thread = threading.Thread(target=lambda: seen.update(threads=torch._inductor.config.compile_threads))
-    thread.start(); thread.join()
+    def rank_main(root, rank, world, shapes):
+        dc.setup_compile_cache("shared", root, rank, compile_threads=1)
+        handler = logging.FileHandler(root / f"lock_log_{rank}.txt")
+        handler.setFormatter(logging.Formatter("%(created).6f %(message)s"))
+        dc.log.addHandler(handler)
+        dc.log.setLevel(logging.INFO)
+        torch.set_num_threads(1)
+        seen = {}
+        thread = threading.Thread(target=lambda: seen.update(threads=torch._inductor.config.compile_threads))
+        thread.start(); thread.join()
 
-    (root / f"ready_{rank}").touch()  # start line: nobody compiles before all 4 are ready
-    while len(list(root.glob("ready_*"))) < world:
-        time.sleep(0.02)
-    dc.warm_up_flex_attention("cpu", dflash_masks.create_anchor_block_mask, **shapes, dtype=torch.float32, training=False)
+        (root / f"ready_{rank}").touch()  # start line: nobody compiles before all 4 are ready
+        while len(list(root.glob("ready_*"))) < world:
+            time.sleep(0.02)
+        dc.warm_up_flex_attention("cpu", dflash_masks.create_anchor_block_mask, **shapes, dtype=torch.float32, training=False)
 
-    drafter = tiny_drafter(block_size=4)
-    input_ids, loss_mask = _batch()
-    features = torch.randn(2, input_ids.shape[1], 2 * 16)
-    anchors, valid = dflash_masks.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(rank))
-    with torch.no_grad():
-        flex = drafter(features, input_ids, anchors, valid, attention_backend="flex")
-        sdpa = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
-    counters = torch._dynamo.utils.counters["inductor"]
-    print(json.dumps({
-        "max_diff": (flex - sdpa).abs().max().item(),
-        "stats": dc.flex_compile_stats(),
-        "fx_cache_miss": counters["fxgraph_cache_miss"],
-        "fx_cache_hit": counters["fxgraph_cache_hit"],
-        "compile_threads_other_thread": seen["threads"],
-    }))
+        drafter = tiny_drafter(block_size=4)
+        input_ids, loss_mask = _batch()
+        features = torch.randn(2, input_ids.shape[1], 2 * 16)
+        anchors, valid = dflash_masks.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            flex = drafter(features, input_ids, anchors, valid, attention_backend="flex")
+            sdpa = drafter(features, input_ids, anchors, valid, attention_backend="sdpa")
+        counters = torch._dynamo.utils.counters["inductor"]
+        (root / f"result_{rank}.json").write_text(json.dumps({
+            "max_diff": (flex - sdpa).abs().max().item(),
+            "stats": dc.flex_compile_stats(),
+            "fx_cache_miss": counters["fxgraph_cache_miss"],
+            "fx_cache_hit": counters["fxgraph_cache_hit"],
+            "compile_threads_other_thread": seen["threads"],
+        }))
+
+    root, world, shapes = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    ranks = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                rank_main(root, rank, world, shapes)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        ranks[pid] = rank
+    failed = [ranks[pid] for pid in ranks if os.waitpid(pid, 0)[1] != 0]
+    sys.exit(f"ranks {failed} failed" if failed else 0)
     """
 )
 
@@ -121,21 +137,11 @@ def test_four_processes_on_a_cold_shared_cache_compile_one_at_a_time(tmp_path, r
     root = tmp_path / "inductor"  # cold: nothing compiled here yet
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo_root), "TORCHINDUCTOR_CACHE_DIR": str(root)}
     env.pop(COMPILE_LOCK_DIR_ENV, None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(root), str(rank), "4", json.dumps(SHAPES)],
-            cwd=repo_root,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(4)
-    ]
-    outputs = [p.communicate(timeout=420) for p in procs]
-    for rank, (p, (_, err)) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{err[-4000:]}"
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    ranks = subprocess.run(
+        [sys.executable, "-c", RANKS, str(root), "4", json.dumps(SHAPES)], cwd=repo_root, env=env, capture_output=True, text=True, timeout=420
+    )
+    assert ranks.returncode == 0, ranks.stderr[-4000:]
+    results = [json.loads((root / f"result_{rank}.json").read_text()) for rank in range(4)]
 
     for r in results:
         assert r["max_diff"] < 1e-5, r  # compiled flex == SDPA with the dense mask, through the whole drafter

@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -116,8 +115,12 @@ def test_a_step_at_sp2_gives_the_loss_and_gradients_of_sp1(tmp_path):
     attention), the loss, the accepted shares and every parameter's gradient (averaged over the ranks,
     as DeepSpeed averages them) equal the unsharded step's. Measured max abs differences (float32
     summation order): loss 0 / 2.4e-7 / 9.5e-7 (of 7.0 / 3.3 / 10.4), gradients 3e-8 / 3e-8 / 1.2e-7,
-    for the three CASES. ~35 s on 2 busy cores, most of it the two processes' imports."""
-    mp.spawn(sharded_step_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for the three CASES. The two ranks are forks of this process, after the trainer's modules
+    (DeepSpeed's with them) are imported here: spawned, each imported them again (~10 s of CPU
+    each). Each rank runs torch on one thread, so it uses no OpenMP pool from before the fork."""
+    import train_dflash  # noqa: F401  (sets DS_ACCELERATOR before it imports DeepSpeed)
+
+    mp.start_processes(sharded_step_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="fork")
     results = torch.load(tmp_path / "results.pt")
     for case, (reference, sharded) in zip(CASES, results):
         (loss1, accepted1, grads1), (loss2, accepted2, grads2) = reference, sharded
@@ -131,7 +134,7 @@ def test_a_step_at_sp2_gives_the_loss_and_gradients_of_sp1(tmp_path):
         assert max(g.abs().max().item() for g in grads1.values()) > 1e-3, "gradients that are not all ~0"
 
 
-def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
+def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target, gsm8k_path, train_env, train_runs, tmp_path):
     """3 optimizer steps on the tiny Qwen3 target (2 samples of <= 192 tokens per step, 16 anchors,
     2 drafter layers), once on one rank and once on 2 ranks launched with
     accelerate_configs/cpu_sp2.yaml (one sequence-parallel group, SP=2 from the accelerate config):
@@ -141,14 +144,7 @@ def test_sp2_training_exports_the_drafter_of_the_sp1_run(trainable_qwen3_target,
     feeding the 2 (--target_ranks 1, run by hand). ~55 s on 2 busy cores."""
     args = dict(max_samples=6, max_steps=3, num_train_epochs=1, logging_steps=1)
     started = time.time()
-    one = subprocess.run(
-        [sys.executable, "train_dflash.py", *run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp1", **args)],
-        cwd=REPO,
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    one = train_runs.run("train_dflash.py", run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp1", **args), timeout=300)
     assert one.returncode == 0, one.stderr[-4000:]
     two = accelerate_launch(
         run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "sp2", **args), train_env, nproc=2, config="accelerate_configs/cpu_sp2.yaml"

@@ -5,7 +5,7 @@ One split run (a module fixture) is checked from several sides: every sample tra
 per epoch, identical weights on both drafter ranks, bit-identical to the colocated run on 2 ranks
 (which the `auto` calibration picks for this tiny target), checkpoint and resume. Killing or
 freezing a rank stops the others within a minute. Runs are subprocesses, launched the way a user
-launches them; the kill tests start the ranks themselves (see `launch_ranks`).
+launches them; the kill tests start the ranks themselves (see `launch_ranks`), as forked runs.
 """
 
 import json
@@ -148,14 +148,14 @@ def test_resume_in_split_mode_is_bit_identical(split_run, trainable_qwen3_target
 
 
 @pytest.mark.parametrize("victim, how", [(2, signal.SIGSTOP), (0, signal.SIGKILL)], ids=["freeze-drafter", "kill-target"])
-def test_a_dead_rank_stops_the_others_within_a_minute(victim, how, trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
+def test_a_dead_rank_stops_the_others_within_a_minute(victim, how, trainable_qwen3_target, gsm8k_path, train_env, train_runs, tmp_path):
     """SIGKILL of the target rank: the drafters' receives fail at once (gloo sees the closed socket).
     SIGSTOP of a drafter rank keeps its sockets open, like a dead peer under NCCL: only the
-    heartbeat can tell, after --liveness_timeout_s."""
+    heartbeat can tell, after --liveness_timeout_s. The ranks are forked runs (conftest's train_runs)."""
     debug = tmp_path / "debug"
     env = dict(train_env, DFLASH_DEBUG_LOG=str(debug))
     args = run_args(trainable_qwen3_target, gsm8k_path, tmp_path / "out", target_ranks=1, num_train_epochs=100, liveness_timeout_s=10)
-    store, procs = launch_ranks(args, env, 3, tmp_path)
+    store, procs = launch_ranks(args, env, 3, tmp_path, runs=train_runs)
     try:
         deadline = time.time() + 240
         while not (Path(f"{debug}.rank1.jsonl").exists() and len(Path(f"{debug}.rank1.jsonl").read_text().splitlines()) >= 3):

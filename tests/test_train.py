@@ -1,5 +1,7 @@
 """train_dflash.py end to end on CPU: loss falls on real text, resume is exact, 2-process ZeRO-2 runs,
-bad input gives a clear error. Each run is a subprocess, launched the way a user launches it."""
+bad input gives a clear error. Each run is a process of its own: the launches users type (accelerate
+launch, launch.py, a run with a Hub endpoint of its own) are subprocesses, the other runs forks of one
+process that has imported train_dflash.py's libraries once (conftest's `train_runs`)."""
 
 import base64
 import gzip
@@ -48,21 +50,19 @@ def tiny_args(target_dir, data, output_dir, **overrides):
     return args
 
 
-def run(args, env, nproc=1, timeout=900):
-    if nproc == 1:
-        command = [sys.executable, "train_dflash.py", *args]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            "accelerate_configs/cpu.yaml",
-            "--num_processes",
-            str(nproc),
-            "train_dflash.py",
-            *args,
-        ]
+def accelerate_launch(args, env, nproc, timeout=900):
+    """`accelerate launch` of train_dflash.py on nproc CPU processes (accelerate_configs/cpu.yaml)."""
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "accelerate_configs/cpu.yaml",
+        "--num_processes",
+        str(nproc),
+        "train_dflash.py",
+        *args,
+    ]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -70,9 +70,10 @@ def read_log(output_dir):
     return [json.loads(line) for line in (Path(output_dir) / "train_log.jsonl").read_text().splitlines()]
 
 
-def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
+def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8k_path, train_runs, tmp_path):
     out = tmp_path / "run"
-    result = run(tiny_args(trainable_qwen3_target, gsm8k_path, out, target_layer_ids="1 3", profile_steps=2, anchor_slots_multiple=8), train_env)
+    args = tiny_args(trainable_qwen3_target, gsm8k_path, out, target_layer_ids="1 3", profile_steps=2, anchor_slots_multiple=8)
+    result = train_runs.run("train_dflash.py", args, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     log = read_log(out)
     assert [row["step"] for row in log] == [5, 10, 15, 20, 25, 30]
@@ -94,7 +95,7 @@ def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
+def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_target, gsm8k_path, train_runs, tmp_path):
     # 2 micro-batches per optimizer step: a checkpoint must fall on an accumulation boundary. Muon's
     # momentum lives in ZeRO's optimizer state: a resume that lost it would train other weights.
     common = dict(
@@ -109,7 +110,7 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_tar
         report_to="tensorboard",
     )
     out = tmp_path / "run"
-    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, **common), train_env)
+    result = train_runs.run("train_dflash.py", tiny_args(tiny_qwen3_target, gsm8k_path, out, **common), timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
     assert not list(out.glob(".tmp-*")), "no temp dirs left behind"
@@ -121,7 +122,8 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_tar
     # a line: the log is cut back to step 3 (no duplicate steps 4 and 6) and the run ends with the same weights.
     with open(out / "train_log.jsonl", "a") as log:
         log.write('{"step": 7, "lo')
-    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, resume_from_checkpoint=out / "checkpoint-3", **common), train_env)
+    args = tiny_args(tiny_qwen3_target, gsm8k_path, out, resume_from_checkpoint=out / "checkpoint-3", **common)
+    result = train_runs.run("train_dflash.py", args, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     resumed = load_file(out / "final" / "model.safetensors")
     assert set(straight) == set(resumed)
@@ -136,7 +138,7 @@ def test_resume_is_bit_identical_and_cuts_the_log_back(optimizer, tiny_qwen3_tar
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(row["step"], pytest.approx(row["loss"])) for row in read_log(out)]
 
 
-def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qwen3_target, train_env, tmp_path):
+def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qwen3_target, train_runs, tmp_path):
     """A 4-step run with checkpoints at steps 2 and 4 and a held-out evaluation, then, on copies of its
     folder: its step-4 model states cut to 1,000 bytes, resumed by name; its step-4 optimizer shard
     cut in half after a crash (no final/), resumed with latest: each one `error:` line naming the
@@ -158,7 +160,7 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
         eval_max_new_tokens=4,
     )
     out = tmp_path / "run"
-    result = run(tiny_args(tiny_qwen3_target, data, out, **common), train_env)
+    result = train_runs.run("train_dflash.py", tiny_args(tiny_qwen3_target, data, out, **common), timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     log = (out / "train_log.jsonl").read_text()
     assert [(row["step"], "eval_tau" in row) for row in read_log(out)] == [(2, False), (4, False), (4, True)]
@@ -179,12 +181,7 @@ def test_a_damaged_checkpoint_or_a_finished_run_leaves_the_log_as_it_was(tiny_qw
         out: tiny_args(tiny_qwen3_target, data, out, resume_from_checkpoint="latest", **common),
         named: tiny_args(tiny_qwen3_target, data, named, resume_from_checkpoint=named / "checkpoint-4", **common),
     }
-    procs = {
-        folder: subprocess.Popen(
-            [sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        for folder, args in commands.items()
-    }
+    procs = {folder: train_runs.popen("train_dflash.py", args) for folder, args in commands.items()}
     stderr = {folder: proc.communicate(timeout=300)[1] for folder, proc in procs.items()}
     for folder, damaged in ((model_cut, model_states), (optim_cut, optimizer)):
         assert procs[folder].returncode == 2, stderr[folder][-3000:]
@@ -289,7 +286,7 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
         eval_prompt_lookup="true",
         max_grad_norm=0,
     )  # no clipping: DeepSpeed's ZeRO-2 step without the gradient norm
-    result = run(args, train_env, nproc=2)
+    result = accelerate_launch(args, train_env, nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2 ranks" in result.stderr and "all_gather_into_tensor" not in result.stderr  # no library deprecation noise
     log = read_log(out)
@@ -400,7 +397,7 @@ def weightless_target(path, **config) -> Path:
     return path
 
 
-def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, train_env, tmp_path):
+def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, train_env, train_runs, tmp_path):
     """A flag of the wrong type, a bad data line, a target without a mask token, a target whose
     config.json is cut short, an --output_dir that cannot be written, a negative --max_steps and
     --num_train_epochs 0 each stop the run with one line that names the problem, as the last line,
@@ -425,12 +422,7 @@ def test_bad_input_stops_the_run_early_with_one_clear_line(qwen3_tokenizer, trai
         "steps": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out5", max_steps=-5),
         "epochs": tiny_args(target, REPO / "data" / "demo_conversations.jsonl", tmp_path / "out6", max_steps=-1, num_train_epochs=0),
     }
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "train_dflash.py", *args], cwd=REPO, env=train_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        for name, args in commands.items()
-    }
+    procs = {name: train_runs.popen("train_dflash.py", args) for name, args in commands.items()}
     # Under launch.py (accelerate's launcher) with one process (its plain launcher) and with two
     # (torchrun's agent), the run's first error is the last line and the exit status is the script's.
     # With two, rank 0 names the bad line; rank 1, whose barrier then fails, says it stops after rank
@@ -629,21 +621,22 @@ def test_only_unexpected_errors_get_the_traceback_hint():
     assert raised_here(ours.value) and not raised_here(library.value)
 
 
-def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tiny_qwen3_target, gsm8k_path, train_env, tmp_path):
+def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tiny_qwen3_target, gsm8k_path, train_runs, tmp_path):
     out = tmp_path / "out"
     (out / "checkpoint-3").mkdir(parents=True)
     (out / "train_log.jsonl").write_text('{"step": 3, "loss": 1.0}\n')
-    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1), train_env)
+    result = train_runs.run("train_dflash.py", tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1), timeout=900)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "holds an earlier run" in result.stderr and "--resume_from_checkpoint latest" in result.stderr
     assert (out / "checkpoint-3").is_dir(), "nothing of the earlier run is deleted"
-    result = run(tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1, target_layer_ids="1 3", overwrite_output_dir="true"), train_env)
+    args = tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1, target_layer_ids="1 3", overwrite_output_dir="true")
+    result = train_runs.run("train_dflash.py", args, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "checkpoint-3").exists() and [row["step"] for row in read_log(out)] == [1]
     assert f"--overwrite_output_dir: deleting the earlier run in {out} (checkpoint-3, train_log.jsonl)" in result.stderr
 
 
-def test_filler_micro_batches_change_neither_the_step_nor_the_logs(tiny_qwen3_target, train_env, tmp_path):
+def test_filler_micro_batches_change_neither_the_step_nor_the_logs(tiny_qwen3_target, train_runs, tmp_path):
     """Two samples in one micro-batch per epoch. With accumulation 2 every optimizer step is that
     micro-batch plus a zero-loss filler; with accumulation 1 it is the micro-batch alone. Both must
     take the same steps (bit-identical weights) and log the same loss and accuracy."""
@@ -653,14 +646,7 @@ def test_filler_micro_batches_change_neither_the_step_nor_the_logs(tiny_qwen3_ta
     )  # no clipping, which would hide a scaled gradient
     runs = {accumulation: tmp_path / f"accumulation{accumulation}" for accumulation in (1, 2)}
     procs = [
-        subprocess.Popen(
-            [sys.executable, "train_dflash.py", *tiny_args(tiny_qwen3_target, data, out, gradient_accumulation_steps=accumulation, **common)],
-            cwd=REPO,
-            env=train_env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        train_runs.popen("train_dflash.py", tiny_args(tiny_qwen3_target, data, out, gradient_accumulation_steps=accumulation, **common))
         for accumulation, out in runs.items()
     ]
     for proc in procs:
@@ -1196,7 +1182,7 @@ def test_target_output_cache_fits_its_need_and_margin_into_available_memory(monk
         TargetOutputCache([gib // per_token], feature_dim=1024, dtype=torch.float32, device=torch.device("meta"), with_labels=False)
 
 
-def test_cached_target_outputs_train_the_same_drafter(tiny_qwen3_target, train_env, tmp_path):
+def test_cached_target_outputs_train_the_same_drafter(tiny_qwen3_target, train_runs, tmp_path):
     """Three epochs with labels from the target's argmax, once with the target run on every batch and
     once with epochs 2 and 3 read from the cache: the same losses and the same weights."""
     data = REPO / "data" / "demo_conversations.jsonl"
@@ -1211,18 +1197,7 @@ def test_cached_target_outputs_train_the_same_drafter(tiny_qwen3_target, train_e
     )
     runs = {cached: tmp_path / f"cached{cached}" for cached in (False, True)}
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "train_dflash.py",
-                *tiny_args(tiny_qwen3_target, data, out, **common, **({"cache_target_outputs": "true"} if cached else {})),
-            ],
-            cwd=REPO,
-            env=train_env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        train_runs.popen("train_dflash.py", tiny_args(tiny_qwen3_target, data, out, **common, **({"cache_target_outputs": "true"} if cached else {})))
         for cached, out in runs.items()
     ]
     stderr = {}
@@ -1249,7 +1224,7 @@ def test_every_shipped_config_parses(config):
     assert path and settings.target_model and settings.train_data == [demo]
 
 
-def test_help_renders_every_flag_in_its_group_with_its_default():
+def test_help_renders_every_flag_in_its_group_with_its_default(train_runs):
     """argparse formats help strings with %: a stray percent sign breaks --help for every flag. The
     flags come in groups, in the order of dflash_cli.SETTING_GROUPS, after --config; every flag
     says its default once; every setting names its group. eval_dflash.py --help has a description
@@ -1259,7 +1234,7 @@ def test_help_renders_every_flag_in_its_group_with_its_default():
     from dflash_cli import SETTING_GROUPS
     from train_dflash import TrainSettings
 
-    result = subprocess.run([sys.executable, "train_dflash.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = train_runs.run("train_dflash.py", ["--help"], timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     text = result.stdout
     assert "option_strings" not in text and "--cache_target_outputs" in text and "--learning_rate" in text
@@ -1281,7 +1256,7 @@ def test_help_renders_every_flag_in_its_group_with_its_default():
     assert "speculators trains with unless told otherwise" in flat and "the drafter's detached confidence) (default: exp)" in flat
     assert "where there is none, a warning and a fresh run; on a run that has finished, a note and nothing else" in flat
     assert "(default: None)" not in flat and text.startswith("usage: train_dflash.py [--config FILE.yaml] [--SETTING VALUE ...]\n")
-    result = subprocess.run([sys.executable, "eval_dflash.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = train_runs.run("eval_dflash.py", ["--help"], timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     flat = " ".join(result.stdout.split())
     assert "Evaluate a DFlash, DFlash2 or DSpark drafter by real speculative decoding on the target" in flat and "(default: None)" not in flat

@@ -6,8 +6,6 @@ not train with yet."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,7 +55,7 @@ def dspark_args(target_dir, output_dir, **overrides) -> list[str]:
     return args
 
 
-def test_a_dspark_run_lowers_its_loss_and_exports_a_drafter_that_reloads(trainable_qwen3_target, train_env, tmp_path):
+def test_a_dspark_run_lowers_its_loss_and_exports_a_drafter_that_reloads(trainable_qwen3_target, train_runs, tmp_path):
     """15 steps on one repeated batch of 2: the logged DSpark loss (0.1 CE + 0.9 L1 + 1.0 BCE) falls at
     every log line (measured 3.30, 3.11, 3.04 at steps 5, 10, 15; the L1 to a peaked target through
     one drafter layer falls slowly), held-out tau is measured at step 10 (--eval_steps) and at the end
@@ -67,14 +65,7 @@ def test_a_dspark_run_lowers_its_loss_and_exports_a_drafter_that_reloads(trainab
     with the settings saved beside it."""
     out = tmp_path / "run"
     held_out = dict(eval_data=REPO / "data" / "demo_heldout_prompts.jsonl", eval_num_prompts=2, eval_max_new_tokens=24, eval_steps=10)
-    result = subprocess.run(
-        [sys.executable, "train_dflash.py", *dspark_args(trainable_qwen3_target, out, **held_out)],
-        cwd=REPO,
-        env=train_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = train_runs.run("train_dflash.py", dspark_args(trainable_qwen3_target, out, **held_out), timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "DSpark: block size 4 = drafts per block" in result.stderr
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
