@@ -1,5 +1,6 @@
 """Shared pytest fixtures. Slow loads (tokenizers, the SmolLM2 GGUF target) are session-scoped."""
 
+import copy
 import json
 import os
 import select
@@ -359,6 +360,34 @@ def run_args(target_dir, data, output_dir, **overrides) -> list[str]:
     for key, value in settings.items():
         args += [f"--{key}", *str(value).split()]
     return args
+
+
+@pytest.fixture(scope="module")
+def one_tokenizer_per_target():
+    """For a module whose tests run a script's main() on the same target folders many times: the
+    tokenizer that dflash_target.load_target_config loads on each call (~0.6 s of CPU for Qwen3's,
+    whose JSON transformers parses in Python) is loaded once per folder (and per version of its
+    files); each call gets a shallow copy of it, so that what a run sets on its tokenizer
+    (regenerate_data: padding_side) starts from the loaded values, as after a fresh load."""
+    from transformers import AutoTokenizer
+
+    import dflash_target
+
+    loaded = {}
+
+    class OncePerFolder:
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            folder = Path(path)
+            files = sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in folder.iterdir() if f.is_file()) if folder.is_dir() else []
+            key = (str(folder.resolve()), tuple(files), tuple(sorted(kwargs.items())))
+            if key not in loaded:
+                loaded[key] = AutoTokenizer.from_pretrained(path, **kwargs)
+            return copy.copy(loaded[key])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dflash_target, "AutoTokenizer", OncePerFolder)
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,9 @@ def tiny_drafter(target, mask_token_id=MASK_ID, block_size=TRAINED_BLOCK, seed=1
     return drafter
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, few shared CI cores
+pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread", "one_tokenizer_per_target"
+)  # tiny models, few shared CI cores; eval_dflash.main() on the same folders
 
 
 @pytest.fixture(scope="module")
