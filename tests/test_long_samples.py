@@ -12,6 +12,8 @@ import dflash_masks
 from dflash_loss import loss_weights, weighted_block_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_target")  # eval's and regenerate's main() on the same folders
+
 BLOCK_MASK_FIELDS = (
     "kv_num_blocks",
     "kv_indices",
