@@ -1,5 +1,6 @@
 """Shared pytest fixtures. Slow loads (tokenizers, the SmolLM2 GGUF target) are session-scoped."""
 
+import copy
 import json
 import os
 import select
@@ -250,7 +251,9 @@ class ForkServer:
 
     def __init__(self, env: dict, folder: Path, preload: tuple[str, ...]):
         command = [sys.executable, str(Path(__file__).with_name("fork_server.py")), *preload]
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.log = folder / "server.log"  # the server's own output (imports, a crash), apart from any test's
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self.env, self.folder, self.started, self.exited, self.pending = env, folder, [], {}, b""
 
     def popen(self, script: str, args: list[str], cwd=REPO_ROOT, env=None, stdout=None, merge_stderr=False) -> ForkedRun:
@@ -264,8 +267,11 @@ class ForkServer:
         stdout = Path(stdout or self.folder / f"run{n}.stdout")
         stderr = None if merge_stderr else self.folder / f"run{n}.stderr"
         request = dict(script=script, args=[str(a) for a in args], cwd=str(cwd), env=env, stdout=str(stdout), stderr=str(stderr or stdout))
-        self.process.stdin.write((json.dumps(request) + "\n").encode())
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write((json.dumps(request) + "\n").encode())
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            self.died()
         while True:  # the server answers each start in order; exits of earlier runs may come first
             message = self.next_message(None)
             if "returncode" not in message:
@@ -303,13 +309,16 @@ class ForkServer:
                 raise subprocess.TimeoutExpired("forked run", wait)
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                raise RuntimeError(f"the fork server exited with status {self.process.wait()}")
+                self.died()
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         message = json.loads(line)
         if "returncode" in message:
             self.exited[message["pid"]] = message["returncode"]
         return message
+
+    def died(self):
+        raise RuntimeError(f"the fork server exited with status {self.process.wait()}:\n{self.log.read_text()[-4000:]}")
 
     def close(self) -> None:
         self.process.stdin.close()  # the server kills any run still going (left by a failed test) and ends
@@ -351,6 +360,34 @@ def run_args(target_dir, data, output_dir, **overrides) -> list[str]:
     for key, value in settings.items():
         args += [f"--{key}", *str(value).split()]
     return args
+
+
+@pytest.fixture(scope="module")
+def one_tokenizer_per_target():
+    """For a module whose tests run a script's main() on the same target folders many times: the
+    tokenizer that dflash_target.load_target_config loads on each call (~0.6 s of CPU for Qwen3's,
+    whose JSON transformers parses in Python) is loaded once per folder (and per version of its
+    files); each call gets a shallow copy of it, so that what a run sets on its tokenizer
+    (regenerate_data: padding_side) starts from the loaded values, as after a fresh load."""
+    from transformers import AutoTokenizer
+
+    import dflash_target
+
+    loaded = {}
+
+    class OncePerFolder:
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            folder = Path(path)
+            files = sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in folder.iterdir() if f.is_file()) if folder.is_dir() else []
+            key = (str(folder.resolve()), tuple(files), tuple(sorted(kwargs.items())))
+            if key not in loaded:
+                loaded[key] = AutoTokenizer.from_pretrained(path, **kwargs)
+            return copy.copy(loaded[key])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dflash_target, "AutoTokenizer", OncePerFolder)
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from conftest import write_qwen3_tokenizer
 from test_eval import tiny_drafter, tiny_target
 from test_sampling import PROMPT, SEEDS, TEMPERATURE, TOKENS, TOP_P, TV_BOUND, VOCAB, exact_marginals, tv
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
@@ -259,7 +260,7 @@ def dspark_dirs(tmp_path_factory):
         pad_token_id=tokenizer.pad_token_id,
     )
     target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
+    write_qwen3_tokenizer(root / "target")  # the hub's files: they load faster than what save_pretrained writes
     config = drafter_config_for_target(
         target.config, mask_token_id=151669, num_draft_layers=1, block_size=GAMMA, target_layer_ids=[0, 2], drafter="dspark", markov_rank=4
     )

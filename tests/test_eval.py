@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import write_qwen3_tokenizer
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import eval_dflash
@@ -54,7 +55,9 @@ def tiny_drafter(target, mask_token_id=MASK_ID, block_size=TRAINED_BLOCK, seed=1
     return drafter
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models, few shared CI cores
+pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread", "one_tokenizer_per_target"
+)  # tiny models, few shared CI cores; eval_dflash.main() on the same folders
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +251,7 @@ def qwen3_dirs(tmp_path_factory):
         pad_token_id=tokenizer.pad_token_id,
     )
     target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
+    write_qwen3_tokenizer(root / "target")  # the hub's files: they load faster than what save_pretrained writes
     drafter = tiny_drafter(target, mask_token_id=151669, block_size=6)
     drafter.save_pretrained(root / "drafter")
     records = [
@@ -590,7 +593,7 @@ def qwen3_target_dir(root, tokenizer, seed, **sizes):
         ).save_pretrained(root)
     else:
         tiny_target(vocab_size=151936, seed=seed, **extra).save_pretrained(root)
-    tokenizer.save_pretrained(root)
+    write_qwen3_tokenizer(root)  # the hub's files: they load faster than what save_pretrained writes
     return root
 
 

@@ -11,6 +11,8 @@ from test_model import VOCAB, _batch, tiny_drafter
 from dflash_loss import loss_weights, weighted_block_loss
 from dflash_masks import block_labels, sample_anchors
 
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_target")  # eval's and regenerate's main() on the same folders
+
 
 def loss_and_grads(drafter, chunk_size=0, checkpointed=False, seq_len=70):
     """One training step's loss and the drafter's gradients on a fixed batch with two rows of unequal length."""

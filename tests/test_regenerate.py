@@ -21,6 +21,8 @@ from dflash_data import build_train_dataset, prompt_hash
 
 NUM_PROMPTS = 10
 
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_target")  # ~30 runs of main() on two target folders
+
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory, qwen3_tokenizer) -> str:

@@ -4,8 +4,9 @@ target's argmax labels (--label_source target_argmax), which travel with the fea
 One split run (a module fixture) is checked from several sides: every sample trained exactly once
 per epoch, identical weights on both drafter ranks, bit-identical to the colocated run on 2 ranks
 (which the `auto` calibration picks for this tiny target), checkpoint and resume. Killing or
-freezing a rank stops the others within a minute. Runs are subprocesses, launched the way a user
-launches them; the kill tests start the ranks themselves (see `launch_ranks`), as forked runs.
+freezing a rank stops the others within a minute. The split run is launched the way a user launches
+it (accelerate launch); the runs compared with it and the kill tests start the ranks themselves (see
+`launch_ranks`), as forked runs of one process that has imported the trainer's libraries.
 """
 
 import json
@@ -28,6 +29,24 @@ REPO = Path(__file__).resolve().parents[1]
 def accelerate_launch(args, env, nproc, timeout=300, config="accelerate_configs/cpu.yaml"):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", str(nproc), "train_dflash.py", *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def forked_launch(args, env, nproc, log_dir, runs, timeout=300):
+    """The ranks of a run as forked runs of `runs` (conftest's launch_ranks), for runs that are
+    compared with the split run rather than launched as users launch them; a CompletedProcess whose
+    returncode is the first failing rank's (else 0) and whose stderr holds every rank's output."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    store, procs = launch_ranks(args, env, nproc, log_dir, runs=runs)
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        del store
+    output = "".join((log_dir / f"rank{rank}.log").read_text() for rank in range(nproc))
+    return subprocess.CompletedProcess(args, next((code for code in codes if code), 0), "", output)
 
 
 def read_jsonl(path):
@@ -116,28 +135,32 @@ def test_every_sample_once_per_epoch_and_identical_drafters(split_run):
     assert len(digests[1]) == 1 and digests[1] == digests[2], "ZeRO-2 keeps the drafter ranks' weights identical"
 
 
-def test_auto_picks_colocated_here_and_matches_the_split_run_bit_for_bit(split_run, trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
+def test_auto_picks_colocated_here_and_matches_the_split_run_bit_for_bit(
+    split_run, trainable_qwen3_target, gsm8k_path, train_env, train_runs, tmp_path
+):
     """Colocated on 2 ranks trains the same batches per drafter rank with the same anchors as the
     split run with 2 drafter ranks, so the weights must match exactly: the transport changes
     nothing. Here the target's forward runs several times faster than a drafter step (`SHARED`), so the
-    calibration keeps every rank busy with both (N=0)."""
+    calibration keeps every rank busy with both (N=0). The ranks are forked runs (`forked_launch`)."""
     out, _, _ = split_run
     colocated = tmp_path / "colocated"
-    result = accelerate_launch(run_args(trainable_qwen3_target, gsm8k_path, colocated, target_ranks="auto", **SHARED), train_env, nproc=2)
+    args = run_args(trainable_qwen3_target, gsm8k_path, colocated, target_ranks="auto", **SHARED)
+    result = forked_launch(args, train_env, 2, tmp_path / "logs", train_runs)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--target_ranks auto over 2 ranks" in result.stderr and "N=1: 1 target + 1 drafter ranks" in result.stderr
     assert "=> --target_ranks 0" in result.stderr and "Split mode" not in result.stderr
     assert_same_weights(final_weights(out), final_weights(colocated))
 
 
-def test_resume_in_split_mode_is_bit_identical(split_run, trainable_qwen3_target, gsm8k_path, train_env, tmp_path):
+def test_resume_in_split_mode_is_bit_identical(split_run, trainable_qwen3_target, gsm8k_path, train_env, train_runs, tmp_path):
+    """The ranks of the resumed run are forked runs (`forked_launch`)."""
     out, debug, _ = split_run
     resumed, resumed_debug = tmp_path / "resumed", tmp_path / "resumed_debug"
     env = dict(train_env, DFLASH_DEBUG_LOG=str(resumed_debug))
     # auto on resume keeps the checkpoint's split (the batch plan depends on it).
     # From step 2 of 3 in epoch 0: the resumed run finishes that epoch and runs the reshuffled next one.
     args = run_args(trainable_qwen3_target, gsm8k_path, resumed, target_ranks="auto", resume_from_checkpoint=out / "checkpoint-2", **SHARED)
-    result = accelerate_launch(args, env, nproc=3)
+    result = forked_launch(args, env, 3, tmp_path / "logs", train_runs)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--target_ranks auto: 1, as in the checkpoint being resumed" in result.stderr
     assert_same_weights(final_weights(out), final_weights(resumed))

@@ -13,6 +13,8 @@ from dflash_target import convert_to_hf_folder, load_target, resolve_mask_token_
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_target")  # load_target on the same folders, test after test
+
 
 def _batch(vocab_size: int, lengths=(12, 7)) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded random batch: input_ids [batch, S] long, attention_mask [batch, S]."""
@@ -121,13 +123,12 @@ def test_convert_to_hf_folder_reloads_the_same_weights_in_the_asked_dtype(tiny_q
         assert weight.dtype == torch.bfloat16 and torch.equal(weight, originals[name].to(torch.bfloat16)), name
 
 
-def test_hf_folder_names_a_tokenizer_class_transformers_4_has(tmp_path):
+def test_hf_folder_names_a_tokenizer_class_transformers_4_has(smollm2_tokenizer, tmp_path):
     # llama.cpp's converter runs on transformers 4.57, which has no TokenizersBackend, the class
     # transformers 5 writes for SmolLM2's tokenizer; save_hf_folder renames it PreTrainedTokenizerFast
-    from dflash_target import find_smollm2_gguf, write_portable_tokenizer_class
+    from dflash_target import write_portable_tokenizer_class
 
-    directory, gguf_file = find_smollm2_gguf()
-    original = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    original = smollm2_tokenizer  # read only: the session's
     original.save_pretrained(tmp_path)
     with open(tmp_path / "tokenizer_config.json") as f:
         assert json.load(f)["tokenizer_class"] == "TokenizersBackend"

@@ -336,18 +336,30 @@ def test_auto_counts_target_copies_of_a_tensor_parallel_group():
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel_runs(trainable_qwen3_target, gsm8k_path, train_env, tmp_path_factory):
-    """The same 9 optimizer steps (1 drafter rank) twice: 3 processes, --target_ranks auto with
-    --target_tp_size 2 (one group of ranks 0 and 1, which is all auto can pick here), and one
-    colocated process. Held-out evaluation every 3 steps."""
+def tensor_parallel_runs(trainable_qwen3_target, gsm8k_path, train_env, train_runs, tmp_path_factory):
+    """The same 9 optimizer steps (1 drafter rank) twice, at the same time: 3 ranks, --target_ranks
+    auto with --target_tp_size 2 (one group of ranks 0 and 1, which is all auto can pick here), and
+    one colocated process, the reference. All are forked runs of conftest's train_runs (the 3 ranks
+    around a store of their own, `launch_ranks`): what is checked is the trainer's split, not the
+    launcher. Held-out evaluation every 3 steps. {name: (output dir, debug log, output of every rank)}."""
     root = tmp_path_factory.mktemp("tensor_parallel")
-    runs = {}
     common = dict(eval_data=gsm8k_path, eval_steps=3, eval_num_prompts=2, eval_max_new_tokens=8)
-    for name, nproc, extra in [("tp", 3, dict(target_ranks="auto", target_tp_size=2)), ("colocated", 1, {})]:
-        env = dict(train_env, DFLASH_DEBUG_LOG=str(root / f"{name}_debug"))
-        started = time.time()
-        [(code, output)] = finish([launch(run_args(trainable_qwen3_target, gsm8k_path, root / name, **common, **extra), env, nproc)])
-        print(f"{name} run: {time.time() - started:.0f} s")
+    started = time.time()
+    tp_args = run_args(trainable_qwen3_target, gsm8k_path, root / "tp", **common, target_ranks="auto", target_tp_size=2)
+    (root / "tp_logs").mkdir()
+    store, tp = launch_ranks(tp_args, dict(train_env, DFLASH_DEBUG_LOG=str(root / "tp_debug")), 3, root / "tp_logs", runs=train_runs)
+    colocated = train_runs.popen(
+        "train_dflash.py",
+        run_args(trainable_qwen3_target, gsm8k_path, root / "colocated", **common),
+        env=dict(train_env, DFLASH_DEBUG_LOG=str(root / "colocated_debug")),
+        merge_stderr=True,
+    )
+    *tp_results, colocated_result = finish([*tp, colocated])
+    del store
+    print(f"both runs: {time.time() - started:.0f} s")
+    results = {"tp": (next((code for code, _ in tp_results if code), 0), "".join(output for _, output in tp_results)), "colocated": colocated_result}
+    runs = {}
+    for name, (code, output) in results.items():
         assert code == 0, output[-4000:]
         runs[name] = (root / name, root / f"{name}_debug", output)
     return runs

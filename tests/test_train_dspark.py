@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+from conftest import write_qwen3_tokenizer
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -138,7 +139,7 @@ def test_held_out_tau_of_a_dspark_drafter_is_eval_dflash_on_its_export(qwen3_tok
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     target.save_pretrained(tmp_path / "target")
-    qwen3_tokenizer.save_pretrained(tmp_path / "target")
+    write_qwen3_tokenizer(tmp_path / "target")  # the hub's files: they load faster than what save_pretrained writes
     draft_config = drafter_config_for_target(
         target.config, mask_token_id=151669, num_draft_layers=1, block_size=4, target_layer_ids=[0, 1], drafter="dspark", markov_rank=16
     )
