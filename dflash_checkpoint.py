@@ -265,8 +265,8 @@ def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micr
     place. In split mode the target ranks join DeepSpeed's world barriers (join_deepspeed_save).
 
     settings: the run's resolved settings (`train_dflash.TrainSettings`), saved whole as
-    training_settings.json; its output_dir, save_total_limit and sequence_parallel_size say where
-    the checkpoint goes, how many are kept, and what trainer_state.json records besides the step."""
+    training_settings.json; its output_dir, save_total_limit, sequence_parallel_size and batch_order
+    say where the checkpoint goes, how many are kept, and what trainer_state.json records besides the step."""
     final_dir = Path(settings.output_dir) / f"checkpoint-{global_step}"
     tmp_dir = final_dir.with_name(f".tmp-{final_dir.name}")
     if layout.is_lead:
@@ -285,6 +285,8 @@ def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micr
         }
         if settings.sequence_parallel_size > 1:  # the schedule depends on it (dflash_schedule.make_schedule)
             state["sequence_parallel_size"] = settings.sequence_parallel_size
+        if settings.batch_order != "length_grouped":  # so does the order of micro-batches
+            state["batch_order"] = settings.batch_order
         (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
         (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
         shutil.rmtree(final_dir, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Data for DFlash training and evaluation: conversations -> (input_ids, loss_mask).
 
-Used by train_dflash.py (`build_train_dataset`, `collate_batch`, `length_grouped_batches`)
+Used by train_dflash.py (`build_train_dataset`, `collate_batch`, `length_grouped_batches`, `shuffled_batches`)
 and by eval_dflash.py / regenerate_data.py (`load_prompts`).
 
 Input formats, one record per JSONL line (or a JSON file holding a list of records, or a
@@ -734,6 +734,24 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, epoch
     batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
     order = torch.randperm(len(batches) - 1, generator=generator).tolist() if len(batches) > 1 else []
     return batches[:1] + [batches[1 + k] for k in order]
+
+
+def shuffled_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Batches of dataset indices in a fresh random order, lengths mixed (`--batch_order random`).
+
+    A random permutation cut into batches, with the batch holding the longest sample moved first
+    (an OOM shows up at step 1, as in `length_grouped_batches`). Padding costs more than with
+    length grouping; every batch is a random mix of the data, as a packed trainer's would be.
+    Deterministic in (seed, epoch); every index appears exactly once; only the last batch may be
+    smaller than `batch_size`.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    indices = torch.randperm(len(lengths), generator=generator).tolist()
+    batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    if not batches:
+        return batches
+    longest = max(range(len(batches)), key=lambda b: max(lengths[i] for i in batches[b]))
+    return [batches[longest]] + batches[:longest] + batches[longest + 1 :]
 
 
 def prompt_hash(messages: list[dict]) -> str:

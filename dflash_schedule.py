@@ -1,5 +1,5 @@
 """The run's order, the same on every rank: the micro-batches of each epoch and which drafter rank
-trains each (length-grouped, padded with zero-loss fillers so that every drafter rank takes the
+trains each (length-grouped or shuffled, padded with zero-loss fillers so that every drafter rank takes the
 same steps), the optimizer steps of the run, and the steps that save a checkpoint or evaluate.
 
 `settings` below is a `ScheduleSettings`; `data` the run's `train_dflash.TrainData`.
@@ -8,7 +8,9 @@ same steps), the optimizer steps of the run, and the steps that save a checkpoin
 import math
 from dataclasses import dataclass
 
-from dflash_data import length_grouped_batches
+from dflash_data import length_grouped_batches, shuffled_batches
+
+BATCH_ORDERS = ("length_grouped", "random")  # --batch_order: how an epoch's samples form micro-batches
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class ScheduleSettings:
     gradient_accumulation_steps: int  # micro-batches per optimizer step, on each drafter rank
     sequence_parallel_size: int  # drafter ranks that train one micro-batch together
     seed: int  # each epoch's order of micro-batches
+    batch_order: str  # length_grouped (similar lengths share a micro-batch) or random
     max_steps: int  # optimizer steps in all; -1: num_train_epochs sets the length
     num_train_epochs: int
 
@@ -54,7 +57,8 @@ def epoch_batches(lengths: list[int], settings: ScheduleSettings, epoch: int, dr
     drafter ranks of a sequence-parallel group train it together.
     """
     sp = settings.sequence_parallel_size
-    batches = length_grouped_batches(lengths, settings.per_device_batch_size, settings.seed, epoch)
+    make_batches = shuffled_batches if settings.batch_order == "random" else length_grouped_batches
+    batches = make_batches(lengths, settings.per_device_batch_size, settings.seed, epoch)
     batches += [None] * (-len(batches) % (drafter_ranks // sp * settings.gradient_accumulation_steps))
     return [batch for batch in batches for _ in range(sp)]
 
@@ -107,7 +111,7 @@ class Schedule:
 
 def make_schedule(settings: ScheduleSettings, data, resume: ResumePoint, drafters: int) -> Schedule:
     """Steps per epoch and in all (--max_steps or --num_train_epochs); a checkpoint resumes only with
-    the number of drafter ranks and the --sequence_parallel_size that wrote it."""
+    the number of drafter ranks, the --sequence_parallel_size and the --batch_order that wrote it."""
     micro_steps_per_epoch = len(epoch_batches(data.lengths, settings, 0, drafters)) // drafters
     steps_per_epoch = micro_steps_per_epoch // settings.gradient_accumulation_steps
     total_steps = settings.max_steps if settings.max_steps > 0 else steps_per_epoch * settings.num_train_epochs
@@ -121,6 +125,12 @@ def make_schedule(settings: ScheduleSettings, data, resume: ResumePoint, drafter
             f"--resume_from_checkpoint {resume.path} was written with --sequence_parallel_size "
             f"{resume.state.get('sequence_parallel_size', 1)}, this run has {settings.sequence_parallel_size}: the order of "
             f"micro-batches depends on it; resume with the same size"
+        )
+    written_order = resume.state.get("batch_order", "length_grouped")
+    if resume.path and written_order != settings.batch_order:
+        raise ValueError(
+            f"--resume_from_checkpoint {resume.path} was written with --batch_order {written_order}, this run has "
+            f"{settings.batch_order}: the order of micro-batches depends on it; resume with --batch_order {written_order}"
         )
     micro_steps_left = max(0, total_steps - resume.global_step) * settings.gradient_accumulation_steps
     return Schedule(total_steps, steps_per_epoch, math.ceil(total_steps / steps_per_epoch), micro_steps_left)

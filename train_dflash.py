@@ -127,7 +127,17 @@ from dflash_progress import (
     weights_digest,
     window_scalars,
 )
-from dflash_schedule import ResumePoint, Schedule, ScheduleSettings, epoch_batches, is_eval_step, is_save_step, make_schedule, real_micro_batches
+from dflash_schedule import (
+    BATCH_ORDERS,
+    ResumePoint,
+    Schedule,
+    ScheduleSettings,
+    epoch_batches,
+    is_eval_step,
+    is_save_step,
+    make_schedule,
+    real_micro_batches,
+)
 from dflash_split import DrafterGroupMPU, broadcast_drafter_weights, broadcast_scalars
 from dflash_target import SMOLLM2_PACKAGE, drafter_config_for_target, load_target_config, resolve_mask_token_id
 from dflash_topology import (
@@ -220,6 +230,7 @@ class TrainSettings:
     warmup_ratio: float = field(default=0.04, metadata={"group": "optimisation", "help": "Fraction of steps of linear warmup before the decay"})
     max_grad_norm: float | None = field(default=None, metadata={"group": "optimisation", "help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU (default: 1.0 with adamw; 0 with muon, where ZeRO computes the update in the backward and would clip the update itself)"})
     seed: int = field(default=0, metadata={"group": "optimisation", "help": "Seed for data order, anchors and init"})
+    batch_order: str = field(default="length_grouped", metadata={"group": "optimisation", "help": "How each epoch's samples form micro-batches: length_grouped (similar lengths together: little padding) or random (a fresh random mix each epoch, as packed trainers draw; more padding unless --pad_to_multiple_of already fixes the shape)"})
     deepspeed_config: str = field(default="ds_configs/zero2.json", metadata={"group": "optimisation", "help": "DeepSpeed config; 'auto' fields are filled from these settings"})
     # speed and memory
     dtype: str = field(default="auto", metadata={"group": "speed", "help": "Target and drafter compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32. bfloat16 trains ~1.4x faster than float32 on a CPU with AVX512-BF16"})
@@ -369,7 +380,12 @@ class TrainSettings:
             raise ValueError(f"--sliding_window must be >= 1 (a query always sees itself), got {self.sliding_window}")
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
             raise ValueError(f"--loss_decay_gamma must be > 0, got {self.loss_decay_gamma}")
-        for name, choices in (("loss", (*LOSSES, "dspark")), ("loss_weighting", LOSS_WEIGHTINGS), ("loss_normalize", LOSS_NORMALIZERS)):
+        for name, choices in (
+            ("loss", (*LOSSES, "dspark")),
+            ("loss_weighting", LOSS_WEIGHTINGS),
+            ("loss_normalize", LOSS_NORMALIZERS),
+            ("batch_order", BATCH_ORDERS),
+        ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if not 0 <= self.dpace_alpha <= 1:

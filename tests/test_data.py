@@ -7,6 +7,7 @@ never mutates them (copies before changing a template).
 import copy
 import json
 import logging
+import os
 
 import datasets
 import pytest
@@ -19,6 +20,7 @@ from dflash_data import (
     length_grouped_batches,
     load_prompts,
     normalize_record,
+    shuffled_batches,
     tokenize_conversation,
 )
 
@@ -404,6 +406,70 @@ def test_length_grouped_batches():
     assert padding_fraction(batches) < 0.05
     odd = length_grouped_batches(lengths[:13], batch_size=4, seed=0, epoch=0)
     assert sorted(i for b in odd for i in b) == list(range(13)) and sorted(len(b) for b in odd) == [1, 4, 4, 4]
+
+
+def test_shuffled_batches_mix_lengths_and_put_the_longest_first():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 3000, (1000,), generator=generator).tolist()
+    batches = shuffled_batches(lengths, batch_size=8, seed=0, epoch=0)
+    assert sorted(i for batch in batches for i in batch) == list(range(1000))  # every index exactly once
+    assert all(len(b) == 8 for b in batches)
+    assert max(lengths) in [lengths[i] for i in batches[0]]  # the longest sample's batch first: an OOM shows up at step 1
+    assert batches == shuffled_batches(lengths, batch_size=8, seed=0, epoch=0)
+    assert batches != shuffled_batches(lengths, batch_size=8, seed=0, epoch=1)
+    assert batches != shuffled_batches(lengths, batch_size=8, seed=1, epoch=0)
+    # a random mix, not grouped: each batch's lengths spread as the data's do
+    grouped = length_grouped_batches(lengths, batch_size=8, seed=0, epoch=0)
+
+    def mean_spread(groups):
+        return sum(max(lengths[i] for i in g) - min(lengths[i] for i in g) for g in groups) / len(groups)
+
+    assert mean_spread(batches) > 1500 > 200 > mean_spread(grouped)
+    odd = shuffled_batches(lengths[:13], batch_size=4, seed=0, epoch=0)
+    assert sorted(i for b in odd for i in b) == list(range(13)) and sorted(len(b) for b in odd) == [1, 4, 4, 4]
+    assert shuffled_batches([], batch_size=4, seed=0, epoch=0) == []
+
+
+def test_the_batch_order_sets_each_epochs_micro_batches_and_a_checkpoint_keeps_it(monkeypatch, tmp_path):
+    """--batch_order random draws each epoch's micro-batches with shuffled_batches, length_grouped
+    (the default) with length_grouped_batches; trainer_state.json records a non-default order and a
+    resume with another order is refused in one line naming the checkpoint and both orders."""
+    from dflash_schedule import ResumePoint, epoch_batches, make_schedule
+    from train_dflash import ScheduleSettings, TrainData, TrainSettings, settings_for
+
+    lengths = [(7 * i) % 23 + 1 for i in range(40)]
+    data = TrainData(dataset=None, lengths=lengths, eval_prompts=None, chat_kwargs=None)
+
+    def settings(order):
+        return TrainSettings(target_model="x", train_data=["x"], output_dir=str(tmp_path), per_device_batch_size=4, batch_order=order)
+
+    for order, make in (("random", shuffled_batches), ("length_grouped", length_grouped_batches)):
+        schedule = settings_for(ScheduleSettings, settings(order))
+        assert schedule.batch_order == order
+        assert epoch_batches(lengths, schedule, 3, drafter_ranks=1) == make(lengths, 4, 0, 3)
+    with pytest.raises(ValueError, match="--batch_order must be one of length_grouped, random, got 'sorted'"):
+        settings("sorted")
+    from dflash_checkpoint import save_checkpoint
+
+    class Engine:  # DeepSpeed's part of the save, replaced
+        def save_checkpoint(self, path, tag):
+            os.makedirs(os.path.join(path, tag))
+
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: None)
+    layout = type("Layout", (), dict(is_lead=True, drafter_group=None, dp_rank=0, dp_world=1, target_ranks_per_node=0))()
+    for written, resumed in (("random", "length_grouped"), ("length_grouped", "random")):
+        save_checkpoint(Engine(), settings(written), layout, 2, 0, 2)
+        path = str(tmp_path / "checkpoint-2")
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+        assert state.get("batch_order", "length_grouped") == written and ("batch_order" in state) == (written == "random")
+        assert make_schedule(settings_for(ScheduleSettings, settings(written)), data, ResumePoint(path, state), 1).micro_steps_left > 0
+        with pytest.raises(ValueError) as refused:
+            make_schedule(settings_for(ScheduleSettings, settings(resumed)), data, ResumePoint(path, state), 1)
+        assert str(refused.value) == (
+            f"--resume_from_checkpoint {path} was written with --batch_order {written}, this run has {resumed}: "
+            f"the order of micro-batches depends on it; resume with --batch_order {written}"
+        )
 
 
 # ----------------------------------------------------------------------------------------

@@ -42,10 +42,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-ROWS = ("spec_default", "spec_paper", "ours_recipe", "ours_best")
+ROWS = ("spec_default", "spec_paper", "spec_adamw", "ours_recipe", "ours_best")
 ROW_TEXT = {
     "spec_default": "speculators 0.9.0, its defaults (5 layers, D-PACE, Muon, sliding 2048, causal in-block)",
     "spec_paper": "speculators 0.9.0, the paper's objective (exp decay gamma 7, CE, full attention)",
+    "spec_adamw": "speculators 0.9.0, its defaults with AdamW 8e-4, no decay, cosine, 4% warmup",
     "ours_recipe": "ours, the recipe as shipped (configs/smollm2-gsm8k-gpu.yaml)",
     "ours_best": "ours, the recipe + the best lever",
 }

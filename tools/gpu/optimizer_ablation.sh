@@ -11,9 +11,17 @@
 #   muon_linear_5layers   muon_linear at speculators' 5 layers
 #   dflash2_muon_linear   --drafter dflash2 with muon_linear
 #   muon_linear_seed1     muon_linear with --seed 1 (a second seed for a lever worth < 0.15)
+#   muon_linear_random    muon_linear with --batch_order random: each micro-batch a fresh random mix of replies, as
+#                         speculators packs them, instead of replies of similar length together
+#   spec_adamw            speculators' row with our optimizer and schedule (AdamW 8e-4, no decay, cosine, 4% warmup):
+#                         what speculators' lead owes to its optimizer, seen from its side
 # Predictions, written before the first run (T=0, 100 held-out questions): spec_default 3.2-3.3; base 2.95
 # (+-0.06, its repeats); muon +0.20 to +0.35 over base; muon_linear +0.0 to +0.1 over muon; sliding -0.05 to
 # +0.05; 5 layers 0.10-0.18 below 8; at T=0.8 the argmax proposal +0.3 to +0.5 over sampled drafts.
+# Measured (2026-12-07 09:49): spec_default 3.24, muon_linear 3.02, argmax -0.04 against sampled drafts at T=0.8.
+# Predictions for the rows after it, written before their first run (T=0, same questions): muon_linear_sliding
+# +0.05 to +0.15 over muon_linear; muon_linear_random -0.05 to +0.10; muon_linear_5layers -0.05 to +0.10 (fewer
+# weights to fit 6,973 replies with); spec_adamw 0.10-0.25 below spec_default.
 #
 #   RUNS="spec_default base muon" bash tools/gpu/optimizer_ablation.sh [OUT] [RECIPE_DIR]
 #   ARGMAX_RUNS="base muon"   also evaluate these at T=0.8 with --proposal argmax (OUT/RUN/eval_argmax_t0.8.json)
@@ -46,6 +54,7 @@ args_of() {  # run name: our trainer's flags on top of the recipe
     muon_linear_5layers) echo "$MUON $LINEAR --num_draft_layers 5" ;;
     dflash2_muon_linear) echo "--drafter dflash2 $MUON $LINEAR" ;;
     muon_linear_seed1) echo "$MUON $LINEAR --seed 1" ;;
+    muon_linear_random) echo "$MUON $LINEAR --batch_order random" ;;
     *) echo "optimizer_ablation.sh: unknown run $1" >&2; return 2 ;;
   esac
 }

@@ -14,6 +14,7 @@
 #                 inside the block (its default for DFlash)
 #   spec_paper    speculators with the paper's objective: --per-position-loss-weight fixed-exp-decay
 #                 --dflash-decay-gamma 7 --loss-fn ce, every layer full attention (bidirectional block)
+#   spec_adamw    spec_default with our optimizer and schedule: AdamW 8e-4, no weight decay, cosine, 4% warmup
 #   ours_recipe   configs/smollm2-gsm8k-gpu.yaml as shipped (8 layers, AdamW 8e-4 cosine, target-argmax labels)
 #   ours_best     the recipe plus BEST_ARGS (default --loss_weighting dpace: +0.26 held-out tau in the
 #                 654-step runs of BENCHMARKS.md, at no cost per step)
@@ -183,9 +184,10 @@ for row in $ROWS; do
     spec_default) flags=() ;;
     spec_paper) flags=(--per-position-loss-weight fixed-exp-decay --dflash-decay-gamma 7 --loss-fn ce
                        --full-attention-indices $(seq 0 $((SPEC_LAYERS - 1)))) ;;
+    spec_adamw) flags=(--optimizer adamw --lr 8e-4 --weight-decay 0 --scheduler-type cosine --scheduler-warmup-ratio 0.04) ;;
     ours_recipe) flags=() ;;
     ours_best) read -ra flags <<< "$BEST_ARGS" ;;
-    *) echo "speculators_compare.sh: unknown row $row (spec_default spec_paper ours_recipe ours_best)" >&2; exit 2 ;;
+    *) echo "speculators_compare.sh: unknown row $row (spec_default spec_paper spec_adamw ours_recipe ours_best)" >&2; exit 2 ;;
   esac
   if [[ $row == spec_* ]]; then
     if [[ ! -f $OUT/$row/summary.json ]]; then
