@@ -728,7 +728,7 @@ def report(
     on_cuda: bool,
     elapsed_s: float,
 ) -> str:
-    """The markdown entry of this run: the setting, then tables (a), (b) and (c)."""
+    """The markdown entry of this run: the setting, then tables (a), (b) and (c), each that has rows."""
     matmul_tflops, matmul_note = matmul
     drafter_rows, target_rows, colocated_rows = rows
     target_config = s["target"]
@@ -744,9 +744,13 @@ def report(
         f"(a) drafter train step (fwd+bwd+AdamW on fp32 masters and grad clipping, one GPU; 'opt. /7' and 'proj. GB' "
         f"project ZeRO-2 over 7 drafter ranks, the public anchor's setting, without its communication: 1/7 of the "
         f"optimizer time, and peak minus 6/7 of the 16 B/param of fp32 master, grad and Adam state):\n\n{drafter_table(drafter_rows, matmul_tflops, on_cuda, trainable)}\n"
-        f"(b) target supply ({max(config.target_layer_ids) + 1} of {target_config.num_hidden_layers} layers, hook capture of "
-        f"layers {config.target_layer_ids}):\n\n{target_table(target_rows)}\n"
-        f"(c) colocated on 1 GPU (target forward + drafter step):\n\n{colocated_table(colocated_rows)}"
+        + (  # (b) and (c) only when measured (not with --drafter_only)
+            f"(b) target supply ({max(config.target_layer_ids) + 1} of {target_config.num_hidden_layers} layers, hook capture of "
+            f"layers {config.target_layer_ids}):\n\n{target_table(target_rows)}\n"
+            if target_rows
+            else ""
+        )
+        + (f"(c) colocated on 1 GPU (target forward + drafter step):\n\n{colocated_table(colocated_rows)}" if colocated_rows else "")
         + "".join(profile_section(r, s) for r in drafter_rows if "profile" in r)
     )
 

@@ -69,6 +69,7 @@ def test_profile_writes_a_trace_and_the_ops_and_phase_tables(tmp_path, capsys):
         report
     )  # the drafter and shapes in the heading
     assert report.count("### Profile:") == 1, report  # one variant, one shape
+    assert "(b) target supply" not in report and "(c) colocated" not in report  # --drafter_only: no empty tables
     section = report.split("### Profile: baseline at 8 anchors, seq 64, batch 2 (tiny config)", 1)[1]
     assert [row[0] for row in table_rows(section, "Time per phase:")] == ["forward", "loss", "backward", "optimizer"]
     assert [row[0] for row in table_rows(section, "Top 30 ops:")] == [row[0] for row in ops]

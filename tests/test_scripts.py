@@ -129,6 +129,7 @@ def _ok(smoke_runs, script):
 def test_bench_dflash_tiny(smoke_runs):
     result, _ = _ok(smoke_runs, "bench_dflash.py")
     assert "| baseline | 8 | 64 | 2 |" in result.stdout  # (a) drafter step, headline tiny shape
+    assert "(b) target supply" in result.stdout and "(c) colocated on 1 GPU" in result.stdout  # measured without --drafter_only
     for lever in ("dpace", "loss_kl", "loss_tv", "loss_nla", "loss_lk"):  # --objectives: every loss objective beside CE
         assert f"| baseline+{lever} | 16 | 128 | 1 |" in result.stdout
 
