@@ -239,8 +239,14 @@ class CandidateSelector(nn.Module):
         Returns:
             [..., K] float32.
         """
-        context = self.predecessor_codebook[predecessor_ids] * self.hidden_projection(hidden)  # [..., rank]
-        pair = (self.successor_codebook[candidate_ids] @ context[..., None])[..., 0]  # [..., K]
+        # Looked up as embeddings rather than indexed (`codebook[ids]`): indexing's backward is an
+        # index_put_ whose CUDA kernel adds an id's rows one after another, rounding to the codebook's
+        # dtype at each add, and the top-K candidates repeat the frequent ids across most positions (127
+        # ms of an eager 768 ms DFlash2 step at SmolLM2 shapes on an H100). embedding's backward sums each
+        # id's rows in fp32, in parallel segments. The forward is the same; on a CPU in fp32 the gradient
+        # too, bit for bit.
+        context = F.embedding(predecessor_ids, self.predecessor_codebook) * self.hidden_projection(hidden)  # [..., rank]
+        pair = (F.embedding(candidate_ids, self.successor_codebook) @ context[..., None])[..., 0]  # [..., K]
         return unary.float() + pair.float()
 
     def walk(

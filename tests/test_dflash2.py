@@ -439,6 +439,57 @@ def test_selector_objective_equals_a_plain_reference():
     assert all(p.grad is not None and not p.grad.any() for p in selector.parameters())
 
 
+def test_selector_codebook_gradients_equal_indexing_without_index_put():
+    """The selector's scores and every gradient equal those of plain indexing (`codebook[ids]`) bit for
+    bit in fp32, with ids repeated as the top-K repeats frequent tokens; and its backward runs no
+    index_put_ (the serial per-id accumulation indexing's backward is) and reaches both codebooks
+    through embedding's backward."""
+    selector = tiny_dflash2(scale=0.5).candidate_selector
+    g = torch.Generator().manual_seed(5)
+    rows, top_k = 40, selector.top_k
+    hidden = torch.randn(rows, HIDDEN, generator=g, requires_grad=True)
+    predecessors = torch.randint(0, 4, (rows,), generator=g)  # 4 ids for 40 rows
+    candidates = torch.stack([torch.randperm(8, generator=g)[:top_k] for _ in range(rows)])  # [rows, K], 8 ids for 200 slots
+    unary = torch.randn(rows, top_k, generator=g, requires_grad=True)
+    grad_scores = torch.randn(rows, top_k, generator=g)
+
+    def run(scores_of):
+        selector.zero_grad(set_to_none=True)
+        hidden.grad = unary.grad = None
+        scores = scores_of()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            scores.backward(grad_scores)
+        ops = {event.key for event in profile.key_averages()}
+        grads = {name: p.grad.clone() for name, p in selector.named_parameters()}
+        return scores.detach(), hidden.grad.clone(), unary.grad.clone(), grads, ops, scores.grad_fn
+
+    def indexed():
+        context = selector.predecessor_codebook[predecessors] * selector.hidden_projection(hidden)
+        return unary.float() + (selector.successor_codebook[candidates] @ context[..., None])[..., 0].float()
+
+    ours, plain = run(lambda: selector(hidden, predecessors, candidates, unary)), run(indexed)
+    for got, expected in zip(ours[:3], plain[:3]):
+        assert torch.equal(got, expected)
+    assert ours[3].keys() == plain[3].keys() and all(torch.equal(ours[3][name], plain[3][name]) for name in plain[3])
+    assert ours[3]["successor_codebook"][8:].abs().sum() == 0 and ours[3]["successor_codebook"][:8].abs().sum() > 0
+    assert "aten::_index_put_impl_" in plain[4]  # the check sees indexing's backward
+    assert not {"aten::index_put_", "aten::_index_put_impl_"} & ours[4], sorted(ours[4])
+    # Which node hands each codebook its gradient.
+    feeding, stack, seen = {}, [ours[5]], set()
+    while stack:
+        node = stack.pop()
+        for parent, _ in node.next_functions:
+            if parent is None or id(parent) in seen:
+                continue
+            seen.add(id(parent))
+            variable = getattr(parent, "variable", None)
+            if variable is not None:
+                feeding[id(variable)] = node.name()
+            stack.append(parent)
+    assert feeding[id(selector.successor_codebook)] == "EmbeddingBackward0"
+    assert feeding[id(selector.predecessor_codebook)] == "EmbeddingBackward0"
+
+
 @pytest.mark.parametrize("normalize", ["weights", "count"])
 def test_selector_is_weighted_and_normalised_as_the_drafter_loss(normalize):
     """Under D-PACE the selector's rows carry the drafter's D-PACE weights, from the drafter's own
