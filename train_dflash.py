@@ -48,6 +48,7 @@ of loading an 8B target.
 """
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -221,11 +222,11 @@ class TrainSettings:
     max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps in all, overriding --num_train_epochs; -1 (the default): --num_train_epochs sets the length"})
     per_device_batch_size: int = field(default=1, metadata={"group": "optimisation", "help": "Sequences per micro-batch per rank"})
     gradient_accumulation_steps: int = field(default=1, metadata={"group": "optimisation", "help": "Micro-batches per optimizer step"})
-    optimizer: str = field(default="adamw", metadata={"group": "optimisation", "help": "adamw (every parameter) or muon (DeepSpeed's Muon on every matrix, AdamW on the norm gains; docs/training.md#the-optimizer)"})
+    optimizer: str = field(default="adamw", metadata={"group": "optimisation", "help": "adamw (every parameter) or muon (DeepSpeed's Muon on every matrix, AdamW on the norm gains and DSpark's Markov and confidence heads; docs/training.md#the-optimizer)"})
     learning_rate: float = field(default=6e-4, metadata={"group": "optimisation", "help": "Peak learning rate; with --optimizer muon the AdamW-equivalent rate: the norm gains take it, each matrix takes it x 0.2 x sqrt(its input width) (torch's match_rms_adamw)"})
     weight_decay: float | None = field(default=None, metadata={"group": "optimisation", "help": "Decoupled weight decay (default: 0 with adamw; 0.1 on the matrices with muon)"})
     muon_momentum: float = field(default=0.95, metadata={"group": "optimisation", "help": "--optimizer muon: Nesterov momentum of the matrices"})
-    muon_adamw_weight_decay: float = field(default=0.01, metadata={"group": "optimisation", "help": "--optimizer muon: weight decay of the parameters AdamW trains beside Muon (the norm gains)"})
+    muon_adamw_weight_decay: float = field(default=0.01, metadata={"group": "optimisation", "help": "--optimizer muon: weight decay of the parameters AdamW trains beside Muon (the norm gains, DSpark's heads)"})
     lr_scheduler: str = field(default="cosine", metadata={"group": "optimisation", "help": "Decay after the warmup: cosine (to 0) or linear (to 0)"})
     warmup_ratio: float = field(default=0.04, metadata={"group": "optimisation", "help": "Fraction of steps of linear warmup before the decay"})
     max_grad_norm: float | None = field(default=None, metadata={"group": "optimisation", "help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU (default: 1.0 with adamw; 0 with muon, where ZeRO computes the update in the backward and would clip the update itself)"})
@@ -440,7 +441,6 @@ class TrainSettings:
             (self.loss_weighting != "exp", f"--loss_weighting {self.loss_weighting}; its weights are exp(-k/gamma) (--loss_decay_gamma)"),
             (self.loss_normalize != "weights", f"--loss_normalize {self.loss_normalize}; each term is divided by its sum of weights"),
             (self.label_source != "data", f"--label_source {self.label_source}; its cross-entropy is on the data's tokens"),
-            (self.optimizer != "adamw", f"--optimizer {self.optimizer}; use adamw (DeepSpec's; Muon would take the Markov head's matrices)"),
         )
         for refuse, what in refused:
             if refuse:
@@ -989,8 +989,31 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
 def uses_muon(name: str, param: torch.Tensor) -> bool:
     """Whether DeepSpeed's Muon trains `param`: every weight of two or more dimensions whose name holds
     neither "embed" nor "lm_head" (DeepSpeed's own rule, `deepspeed.set_optimizer_flags`; the drafter
-    registers no embedding or LM head, so that is every matrix); the rest (norm gains) go to AdamW."""
-    return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
+    registers no embedding or LM head, so that is every backbone matrix), nor DSpark's "markov_head" or
+    "confidence_head"; the rest (norm gains, DSpark's heads) go to AdamW."""
+    # DSpark's heads are an embedding table and two output heads (onto the vocabulary, onto one logit):
+    # what Muon's rule leaves to AdamW, as DeepSpec trains them.
+    return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head", "markov_head", "confidence_head"))
+
+
+@contextlib.contextmanager
+def muon_tags_by_our_rule():
+    """While `deepspeed.initialize` runs inside it, the parameters DeepSpeed tags for Muon (`use_muon`, by
+    its name rule in `deepspeed.set_optimizer_flags`, which takes no exclusions) are those `uses_muon`
+    picks: its rule less DSpark's heads, which then go to AdamW (DeepSpeed splits each group by the tag)."""
+    deepspeeds_rule = deepspeed.set_optimizer_flags
+
+    def tag(config_class, model: torch.nn.Module) -> None:
+        deepspeeds_rule(config_class, model)
+        for name, param in model.named_parameters():
+            if getattr(param, "use_muon", False):
+                param.use_muon = uses_muon(name, param)
+
+    deepspeed.set_optimizer_flags = tag  # deepspeed.initialize looks it up in its module at each call
+    try:
+        yield
+    finally:
+        deepspeed.set_optimizer_flags = deepspeeds_rule
 
 
 def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list[dict]:
@@ -1002,7 +1025,7 @@ def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list
     lr x 0.2 x sqrt(cols): e.g. at lr 1e-3, 4.8e-3 for a matrix reading SmolLM2's 576 hidden units,
     1.07e-2 for fc reading 5 x 576. Both decay a weight by (1 - lr x weight_decay) with their own lr,
     so each group's decay is weight_decay x lr / its lr. The groups' ratios stay fixed under the
-    schedule (a LambdaLR scales every group alike). Norm gains: AdamW at lr, decay
+    schedule (a LambdaLR scales every group alike). Norm gains and DSpark's heads: AdamW at lr, decay
     --muon_adamw_weight_decay. Returns a list of {"params", "lr", "weight_decay", "name"} dicts.
     """
     groups: dict[str, dict] = {}
@@ -1019,7 +1042,7 @@ def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list
 
 
 def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, schedule: Schedule, compute: Compute, resume: ResumePoint):
-    """The optimizer (AdamW, or DeepSpeed's Muon with AdamW on the norm gains) and its schedule
+    """The optimizer (AdamW, or DeepSpeed's Muon with AdamW on the norm gains and DSpark's heads) and its schedule
     (linear warmup, then cosine or linear decay to 0) under DeepSpeed ZeRO-2 over the drafter group;
     the resumed checkpoint's state and this rank's RNG. Returns (engine, scheduler)."""
     total_steps, warmup_steps = schedule.total_steps, math.ceil(settings.warmup_ratio * schedule.total_steps)
@@ -1039,13 +1062,14 @@ def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, 
                 "torch_adam": True,  # torch's AdamW on the norm gains: no fused-op build
             },
         }
-        engine, _, _, scheduler = deepspeed.initialize(
-            model=drafter,
-            model_parameters=muon_param_groups(drafter, settings),
-            config=ds_config,
-            mpu=DrafterGroupMPU(layout),
-            lr_scheduler=lambda optimizer: decay(optimizer, warmup_steps, total_steps),
-        )
+        with muon_tags_by_our_rule():
+            engine, _, _, scheduler = deepspeed.initialize(
+                model=drafter,
+                model_parameters=muon_param_groups(drafter, settings),
+                config=ds_config,
+                mpu=DrafterGroupMPU(layout),
+                lr_scheduler=lambda optimizer: decay(optimizer, warmup_steps, total_steps),
+            )
     else:
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
         scheduler = decay(optimizer, warmup_steps, total_steps)

@@ -12,6 +12,7 @@ from conftest import free_port
 
 from dflash_checkpoint import check_same_optimizer
 from dflash_model import DFlashConfig, DFlashDraftModel
+from dspark_model import DSparkConfig, DSparkDraftModel
 from train_dflash import TrainSettings, muon_param_groups, parse_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +53,21 @@ def test_muon_groups_scale_each_matrix_as_torch_match_rms_adamw():
     assert id(drafter.fc.weight) in in64 and id(drafter.layers[0].mlp.down_proj.weight) in in64
 
 
+DSPARK_HEADS = ["confidence_head.proj.bias", "confidence_head.proj.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
+
+
+def test_muon_groups_keep_dspark_heads_on_adamw():
+    settings = TrainSettings(target_model="t", train_data=["d"], optimizer="muon", learning_rate=1e-3)
+    base = tiny_drafter().config.to_dict()
+    drafter = DSparkDraftModel(DSparkConfig(**{**base, "markov_rank": 8}))
+    groups = {g["name"]: g for g in muon_param_groups(drafter, settings)}
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    on_adamw = sorted(names[id(p)] for p in groups["adamw"]["params"])
+    assert [n for n in on_adamw if "head" in n] == DSPARK_HEADS
+    assert all(n.endswith("norm.weight") for n in on_adamw if "head" not in n)  # and the norm gains, as for DFlash
+    assert id(drafter.fc.weight) in {id(p) for p in groups["muon_in64"]["params"]}
+
+
 # One ZeRO-2 step of start_deepspeed's optimizer on a given gradient (a loss linear in the weights),
 # in a process of its own (torch.distributed, world of 1 on gloo); prints the weights before and after.
 STEP_SCRIPT = r"""
@@ -60,14 +76,18 @@ sys.path.insert(0, sys.argv[1])
 import train_dflash as t
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_schedule import ResumePoint
+from dspark_model import DSparkConfig, DSparkDraftModel
 torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
 world = torch.distributed.group.WORLD
 layout = types.SimpleNamespace(dp_world=1, dp_rank=0, drafter_group=world, drafter_ranks=[0], self_group=world, split=False)
 torch.manual_seed(0)
-config = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      num_hidden_layers=2, vocab_size=64, block_size=4, num_target_layers=4, rope_theta=10000.0,
-                          dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]})
-drafter = DFlashDraftModel(config)
+shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             num_hidden_layers=2, vocab_size=64, block_size=4, num_target_layers=4, rope_theta=10000.0,
+             dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]})
+if sys.argv[6] == "dspark":  # with its Markov head (rank 8) and confidence head
+    drafter = DSparkDraftModel(DSparkConfig(markov_rank=8, **shape))
+else:
+    drafter = DFlashDraftModel(DFlashConfig(**shape))
 settings = t.TrainSettings(target_model="t", train_data=["d"], optimizer=sys.argv[3], learning_rate=1e-3, warmup_ratio=0.0,
                            lr_scheduler="linear", max_grad_norm=float(sys.argv[4]) if sys.argv[4] != "default" else None)
 compute = t.Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
@@ -82,8 +102,8 @@ torch.save({"before": before, "after": after, "grads": grads, "lr": scheduler.ge
 """
 
 
-def zero2_step(tmp_path, optimizer: str, max_grad_norm: str = "default") -> dict:
-    out = tmp_path / f"step_{optimizer}.pt"
+def zero2_step(tmp_path, optimizer: str, max_grad_norm: str = "default", drafter: str = "dflash") -> dict:
+    out = tmp_path / f"step_{optimizer}_{drafter}.pt"
     port = str(free_port())
     env = {
         "DS_ACCELERATOR": "cpu",
@@ -97,7 +117,7 @@ def zero2_step(tmp_path, optimizer: str, max_grad_norm: str = "default") -> dict
         "MASTER_PORT": port,
     }
     result = subprocess.run(
-        [sys.executable, "-c", STEP_SCRIPT, str(REPO), port, optimizer, max_grad_norm, str(out)],
+        [sys.executable, "-c", STEP_SCRIPT, str(REPO), port, optimizer, max_grad_norm, str(out), drafter],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -132,6 +152,23 @@ def test_deepspeed_muon_step_equals_torch_muon_unclipped(tmp_path):
         ratio = (ours.norm() / theirs.norm()).item()
         cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0).item()
         assert abs(ratio - 1) < 0.02 and cosine > 0.998, f"{n}: DeepSpeed's Muon step differs from torch's: size x{ratio:.4f}, cosine {cosine:.5f}"
+
+
+def test_deepspeed_muon_steps_dspark_heads_with_adamw(tmp_path):
+    """DeepSpeed tags Muon's parameters by its own name rule, which would take DSpark's Markov and
+    confidence heads: under start_deepspeed they take torch's AdamW step, the backbone Muon's."""
+    step = zero2_step(tmp_path, "muon", drafter="dspark")
+    before, after, grads = step["before"], step["after"], step["grads"]
+    assert sorted(n for n in before if "head" in n) == DSPARK_HEADS
+    reference = {n: before[n].clone().requires_grad_() for n in DSPARK_HEADS}
+    for n, p in reference.items():
+        p.grad = grads[n].clone()
+    torch.optim.AdamW(list(reference.values()), lr=1e-3, weight_decay=0.01).step()
+    for n in DSPARK_HEADS:
+        torch.testing.assert_close(after[n] - before[n], reference[n].detach() - before[n], rtol=1e-4, atol=1e-8)
+    # A backbone matrix took Muon's step: RMS ~0.2 x lr (match_rms_adamw), where AdamW's first step moves each weight by ~lr.
+    moved = (after["fc.weight"] - before["fc.weight"]).pow(2).mean().sqrt().item()
+    assert 0.1e-3 < moved < 0.4e-3, moved
 
 
 def test_muon_refuses_clipping_and_schedules_decay_to_zero(tmp_path):

@@ -15,6 +15,14 @@
 #                         speculators packs them, instead of replies of similar length together
 #   spec_adamw            speculators' row with our optimizer and schedule (AdamW 8e-4, no decay, cosine, 4% warmup):
 #                         what speculators' lead owes to its optimizer, seen from its side
+#   dspark_muon_linear    --drafter dspark with muon_linear's optimizer and schedule, gamma 15: the DFlash rows' 15 drafts
+#                         per verify (16 tokens verified); DSpark's own loss (0.1 CE on the replies' tokens, 0.9 L1
+#                         against the target, 1.0 BCE, weights exp(-k/4)), so no D-PACE and --label_source data (the
+#                         replies are the target's greedy ones); its Markov and confidence heads on AdamW
+#   dspark_noheads_muon_linear  the same without the Markov and confidence heads (--markov_rank 0
+#                         --enable_confidence_head false): DFlash's backbone with the anchor as the first prediction
+#                         slot, trained with DSpark's loss. Against dspark_muon_linear: what the heads add; against
+#                         muon_linear: what the loss (and the anchor's slot) add
 # Predictions, written before the first run (T=0, 100 held-out questions): spec_default 3.2-3.3; base 2.95
 # (+-0.06, its repeats); muon +0.20 to +0.35 over base; muon_linear +0.0 to +0.1 over muon; sliding -0.05 to
 # +0.05; 5 layers 0.10-0.18 below 8; at T=0.8 the argmax proposal +0.3 to +0.5 over sampled drafts.
@@ -22,6 +30,13 @@
 # Predictions for the rows after it, written before their first run (T=0, same questions): muon_linear_sliding
 # +0.05 to +0.15 over muon_linear; muon_linear_random -0.05 to +0.10; muon_linear_5layers -0.05 to +0.10 (fewer
 # weights to fit 6,973 replies with); spec_adamw 0.10-0.25 below spec_default.
+# Predictions for the DSpark rows, written before their first run (same questions, tau against muon_linear's 3.02
+# and 2.05): the paper claims +16-18% over DFlash at T=1, llama.cpp saw no gain, and here a loss against the
+# target's distribution (--loss lk) gave -0.06 at T=0 and +0.08 at T=0.8 beside CE (docs/quality.md). So:
+# dspark_noheads_muon_linear -0.20 to +0.05 at T=0, -0.05 to +0.15 at T=0.8; dspark_muon_linear +0.05 to +0.30
+# over dspark_noheads_muon_linear at both temperatures (the Markov term conditions each draft on the one before,
+# where parallel drafts disagree most), its argmax proposal at T=0.8 within 0.1 of its sampled drafts; training
+# ~1.6x muon_linear's minutes (BENCHMARKS.md, DSpark at SmolLM2 shapes: 4.2 against 2.6 ms/sample).
 #
 #   RUNS="spec_default base muon" bash tools/gpu/optimizer_ablation.sh [OUT] [RECIPE_DIR]
 #   ARGMAX_RUNS="base muon"   also evaluate these at T=0.8 with --proposal argmax (OUT/RUN/eval_argmax_t0.8.json)
@@ -43,8 +58,12 @@ RUNS=${RUNS:-spec_default base muon muon_linear muon_linear_sliding}
 ARGMAX_RUNS=${ARGMAX_RUNS:-}
 FP32_RUNS=${FP32_RUNS:-}
 TINY=${TINY:-0}
-MUON="--loss_weighting dpace --optimizer muon --learning_rate 1e-3"
+MUON_ONLY="--optimizer muon --learning_rate 1e-3"
+MUON="--loss_weighting dpace $MUON_ONLY"
 LINEAR="--lr_scheduler linear --warmup_ratio 0.01"
+# DSpark's block of gamma drafts gamma tokens (DFlash's of B, B - 1): gamma 15 drafts as many per verify as the recipe's B 16.
+# Its loss weighs its slots itself and takes CE on the data's tokens (train_dflash.py refuses dpace, target_argmax).
+DSPARK="--drafter dspark --block_size 15 --label_source data"
 args_of() {  # run name: our trainer's flags on top of the recipe
   case $1 in
     base) echo "--loss_weighting dpace" ;;
@@ -55,6 +74,8 @@ args_of() {  # run name: our trainer's flags on top of the recipe
     dflash2_muon_linear) echo "--drafter dflash2 $MUON $LINEAR" ;;
     muon_linear_seed1) echo "$MUON $LINEAR --seed 1" ;;
     muon_linear_random) echo "$MUON $LINEAR --batch_order random" ;;
+    dspark_muon_linear) echo "$DSPARK $MUON_ONLY $LINEAR" ;;
+    dspark_noheads_muon_linear) echo "$DSPARK --markov_rank 0 --enable_confidence_head false $MUON_ONLY $LINEAR" ;;
     *) echo "optimizer_ablation.sh: unknown run $1" >&2; return 2 ;;
   esac
 }

@@ -221,14 +221,15 @@ for row in $ROWS; do
     drafter=$OUT/$row/final
   fi
   # The temperatures side by side: a 135M target's decode leaves the GPU mostly idle (tau is unaffected;
-  # the tokens/s in the JSON are then not speeds).
+  # the tokens/s in the JSON are then not speeds). Each drafter verifies every draft of a pass, eval_dflash.py's
+  # default: a DFlash drafter's block (BLOCK, 16: 15 drafts, unless BEST_ARGS sets another), gamma + 1 for DSpark's.
   todo=0
   for t in $TEMPS; do [[ -f $OUT/eval_${row}_t$t.json ]] || todo=1; done
   ((todo)) && { enough $NEED_EVAL "eval_$row" || finish 3; }
   for t in $TEMPS; do
     [[ -f $OUT/eval_${row}_t$t.json ]] && continue
     timed "eval_${row}_t$t" timeout -s KILL $(($(left) - 5)) python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$drafter" --data "$HELDOUT" \
-      --num_prompts "$EVAL_PROMPTS" --max_new_tokens "$EVAL_MAX_NEW" --block_size "$BLOCK" --baseline none \
+      --num_prompts "$EVAL_PROMPTS" --max_new_tokens "$EVAL_MAX_NEW" --baseline none \
       --temperature "$t" --top_p 1.0 --seed 0 --output "$OUT/eval_${row}_t$t.json" > "$OUT/eval_${row}_t$t.log" 2>&1 &
   done
   wait
