@@ -436,3 +436,12 @@ def launch_ranks(args, env, world, log_dir, rank_env=None, runs=None):
             subprocess.Popen([sys.executable, "train_dflash.py", *args], cwd=REPO_ROOT, env=own_env, stdout=output, stderr=subprocess.STDOUT)
         )
     return store, procs
+
+
+def stop_ranks(procs) -> None:
+    """Kill the processes of a run (`launch_ranks`' ranks, say) still running and reap them: a failed or timed-out
+    test leaves no rank behind."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_ranks, run_args
+from conftest import launch_ranks, run_args, stop_ranks
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,10 +40,7 @@ def forked_launch(args, env, nproc, log_dir, runs, timeout=300):
     try:
         codes = [proc.wait(timeout=timeout) for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_ranks(procs)
         del store
     output = "".join((log_dir / f"rank{rank}.log").read_text() for rank in range(nproc))
     return subprocess.CompletedProcess(args, next((code for code in codes if code), 0), "", output)
@@ -198,10 +195,7 @@ def test_a_dead_rank_stops_the_others_within_a_minute(victim, how, trainable_qwe
         else:
             assert all("Traceback" in text or "stopping rank" in text for text in output.values())
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_ranks(procs)
         del store
 
 

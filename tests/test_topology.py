@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, TINY_QWEN3, free_port, launch_ranks, write_qwen3_tokenizer
+from conftest import REPO_ROOT, TINY_QWEN3, free_port, launch_ranks, stop_ranks, write_qwen3_tokenizer
 from conftest import run_args as tiny_run_args
 from safetensors.torch import load_file
 
@@ -75,10 +75,7 @@ def finish(procs, timeout=300):
             output, _ = proc.communicate(timeout=max(1, deadline - time.time()))
             results.append((proc.returncode, output))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_ranks(procs)
     return results
 
 
@@ -148,10 +145,7 @@ def test_a_drafter_rank_reads_no_layer_and_trains_without_the_layer_shards(deep_
     try:
         codes = [proc.wait(timeout=240) for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_ranks(procs)
         del store
     logs = {rank: (tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1)}
     assert codes == [0, 0], logs[1][-3000:] + logs[0][-3000:]
