@@ -302,3 +302,27 @@ def test_the_gpu_shell_scripts_parse():
     for script in scripts:  # some parse errors (inside [[ ]]) leave bash -n's exit code 0: stderr tells
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert result.returncode == 0 and not result.stderr, f"{script.name}: {result.stderr}"
+
+
+def test_the_ablation_table_pairs_each_run_with_the_first_by_question(tmp_path):
+    """optimizer_ablation.sh's table: speculators' row names its evaluation after itself, ours after ours_best;
+    the paired line is the mean and standard error of the per-question differences on the shared questions."""
+
+    def evaluation(folder, name, taus):
+        folder.mkdir(parents=True, exist_ok=True)
+        per_prompt = [{"prompt_index": i, "acceptance_length": t} for i, t in enumerate(taus)]
+        mean = sum(taus) / len(taus)
+        (folder / f"eval_{name}_t0.json").write_text(json.dumps({"acceptance_length": mean, "per_prompt": per_prompt}))
+
+    evaluation(tmp_path / "spec_default", "spec_default", [3.0, 2.0, 4.0])
+    evaluation(tmp_path / "elsewhere" / "ours", "ours_best", [3.5, 2.0, 4.3, 9.9])  # a 4th question spec lacks: not paired
+    result = subprocess.run(
+        [sys.executable, "tools/gpu/ablation_table.py", "--runs", str(tmp_path), "spec_default", str(tmp_path / "elsewhere" / "ours")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # differences 0.5, 0.0, 0.3: mean 0.2667, sample sd 0.2517, standard error 0.1453; ahead on 2 of 3
+    assert "| ours | +0.27 +- 0.15 (ahead on 2 of 3) | - |" in result.stdout
+    assert "| spec_default | 3.00 | - |" in result.stdout

@@ -11,12 +11,16 @@ With --runs, the table of tools/gpu/optimizer_ablation.sh: per run folder OUT_DI
 speculators_compare.sh output with one row), held-out tau at T=0 and T=0.8 (sampled drafts, and the
 argmax proposal where OUT_DIR/RUN/eval_argmax_t0.8.json exists), acceptance by position at T=0, how the
 T=0 outputs compare with plain greedy decoding (identical / diverging at near-ties / otherwise; and in
-float32 where OUT_DIR/RUN/eval_fp32_t0.json exists), training minutes and peak GB (its results.json):
+float32 where OUT_DIR/RUN/eval_fp32_t0.json exists), training minutes and peak GB (its results.json); then each
+later run paired by question against the first (the mean of the per-question tau differences, its standard error,
+and on how many questions the later run is ahead), at T=0 and T=0.8. A RUN may be a path to another run's folder
+(an earlier machine's output):
 
     python3 tools/gpu/ablation_table.py --runs OUT_DIR RUN [RUN ...]
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -37,6 +41,25 @@ def compared(evaluation: dict) -> str:
     return f"{evaluation['identical_prompts']} / {evaluation['near_tie_divergences']} / {evaluation['other_divergences']}"
 
 
+def evaluation_of(out: Path, run: str, temperature: str) -> dict:
+    """A run's evaluation at T=temperature ("0" or "0.8"): speculators' rows name it after the row, ours after ours_best."""
+    folder = out / run
+    row = folder.name if folder.name.startswith("spec_") else "ours_best"
+    return read(folder / f"eval_{row}_t{temperature}.json")
+
+
+def paired(first: dict, other: dict) -> str:
+    """'+d +- se (ahead on k of n)': per-question tau differences other - first on the questions both evaluated."""
+    taus = [{r["prompt_index"]: r["acceptance_length"] for r in e.get("per_prompt", [])} for e in (first, other)]
+    shared = sorted(set(taus[0]) & set(taus[1]))
+    if len(shared) < 2:
+        return "-"
+    diffs = [taus[1][q] - taus[0][q] for q in shared]
+    mean = sum(diffs) / len(diffs)
+    error = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+    return f"{mean:+.2f} +- {error:.2f} (ahead on {sum(d > 0 for d in diffs)} of {len(diffs)})"
+
+
 def runs_table(out: Path, runs: list[str]) -> None:
     print(
         "| run | tau T=0 | tau T=0.8 | T=0.8 argmax | acceptance by position, T=0 (1-8) | vs greedy: identical / near-tie / other "
@@ -44,17 +67,21 @@ def runs_table(out: Path, runs: list[str]) -> None:
     )
     for run in runs:
         folder = out / run
-        row = run if run.startswith("spec_") else "ours_best"
-        greedy, sampled = read(folder / f"eval_{row}_t0.json"), read(folder / f"eval_{row}_t0.8.json")
+        greedy, sampled = evaluation_of(out, run, "0"), evaluation_of(out, run, "0.8")
         fp32 = read(folder / "eval_fp32_t0.json")
         rates = greedy.get("acceptance_rate_by_position") or []
         numbers = next(iter(read(folder / "results.json").get("rows", [])), {})
         minutes, peak = numbers.get("train_minutes"), numbers.get("peak_memory_gb")
         print(
-            f"| {run} | {tau(greedy)} | {tau(sampled)} | {tau(read(folder / 'eval_argmax_t0.8.json'))} | "
+            f"| {Path(run).name} | {tau(greedy)} | {tau(sampled)} | {tau(read(folder / 'eval_argmax_t0.8.json'))} | "
             f"{' '.join(f'{r:.2f}'.lstrip('0') for r in rates[:8]) or '-'} | {compared(greedy)}; {compared(fp32)} | "
             f"{'-' if minutes is None else f'{minutes:.1f}'} | {'-' if peak is None else f'{peak:.1f}'} |"
         )
+    if len(runs) > 1:
+        print(f"\n| paired by question against {Path(runs[0]).name} | T=0 | T=0.8 |\n|---|---|---|")
+        for run in runs[1:]:
+            cells = [paired(evaluation_of(out, runs[0], t), evaluation_of(out, run, t)) for t in ("0", "0.8")]
+            print(f"| {Path(run).name} | {cells[0]} | {cells[1]} |")
 
 
 def main() -> None:

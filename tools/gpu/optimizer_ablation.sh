@@ -30,6 +30,8 @@
 # Predictions for the rows after it, written before their first run (T=0, same questions): muon_linear_sliding
 # +0.05 to +0.15 over muon_linear; muon_linear_random -0.05 to +0.10; muon_linear_5layers -0.05 to +0.10 (fewer
 # weights to fit 6,973 replies with); spec_adamw 0.10-0.25 below spec_default.
+# Measured (2026-12-07 12:51): muon_linear_sliding 3.04 (+0.04 +- 0.03 paired over muon_linear); dflash2_muon_linear
+# 3.35, its argmax proposal at T=0.8 -0.18 against sampled drafts.
 # Predictions for the DSpark rows, written before their first run (same questions, tau against muon_linear's 3.02
 # and 2.05): the paper claims +16-18% over DFlash at T=1, llama.cpp saw no gain, and here a loss against the
 # target's distribution (--loss lk) gave -0.06 at T=0 and +0.08 at T=0.8 beside CE (docs/quality.md). So:
