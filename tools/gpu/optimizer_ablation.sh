@@ -13,6 +13,9 @@
 #   muon_linear_seed1     muon_linear with --seed 1 (a second seed for a lever worth < 0.15)
 #   muon_linear_random    muon_linear with --batch_order random: each micro-batch a fresh random mix of replies, as
 #                         speculators packs them, instead of replies of similar length together
+#   muon_linear_wd1       muon_linear with weight decay 1.0 on the matrices (10x; the gains keep 0.01): over the run
+#                         the matrices shrink by ~28% instead of ~3%, a regulariser for drafters that fit their
+#                         training replies far better than held-out ones
 #   spec_adamw            speculators' row with our optimizer and schedule (AdamW 8e-4, no decay, cosine, 4% warmup):
 #                         what speculators' lead owes to its optimizer, seen from its side
 #   dspark_muon_linear    --drafter dspark with muon_linear's optimizer and schedule, gamma 15: the DFlash rows' 15 drafts
@@ -32,6 +35,8 @@
 # weights to fit 6,973 replies with); spec_adamw 0.10-0.25 below spec_default.
 # Measured (2026-12-07 12:51): muon_linear_sliding 3.04 (+0.04 +- 0.03 paired over muon_linear); dflash2_muon_linear
 # 3.35, its argmax proposal at T=0.8 -0.18 against sampled drafts.
+# Prediction for muon_linear_wd1, written before its first run (T=0, same questions): -0.05 to +0.10 over
+# muon_linear; its training estimate lower (fits its training replies less).
 # Predictions for the DSpark rows, written before their first run (same questions, tau against muon_linear's 3.02
 # and 2.05): the paper claims +16-18% over DFlash at T=1, llama.cpp saw no gain, and here a loss against the
 # target's distribution (--loss lk) gave -0.06 at T=0 and +0.08 at T=0.8 beside CE (docs/quality.md). So:
@@ -76,6 +81,7 @@ args_of() {  # run name: our trainer's flags on top of the recipe
     dflash2_muon_linear) echo "--drafter dflash2 $MUON $LINEAR" ;;
     muon_linear_seed1) echo "$MUON $LINEAR --seed 1" ;;
     muon_linear_random) echo "$MUON $LINEAR --batch_order random" ;;
+    muon_linear_wd1) echo "$MUON $LINEAR --weight_decay 1.0" ;;
     dspark_muon_linear) echo "$DSPARK $MUON_ONLY $LINEAR" ;;
     dspark_noheads_muon_linear) echo "$DSPARK --markov_rank 0 --enable_confidence_head false $MUON_ONLY $LINEAR" ;;
     *) echo "optimizer_ablation.sh: unknown run $1" >&2; return 2 ;;
