@@ -26,6 +26,9 @@
 #                         --enable_confidence_head false): DFlash's backbone with the anchor as the first prediction
 #                         slot, trained with DSpark's loss. Against dspark_muon_linear: what the heads add; against
 #                         muon_linear: what the loss (and the anchor's slot) add
+#   dspark_equal_minutes  dspark_muon_linear at muon_linear's minutes: 405 steps instead of 654, its schedule over
+#                         those (a DSpark step costs 1.6x a DFlash one at these shapes: 4.2 against 2.6 ms/sample,
+#                         BENCHMARKS.md 2026-12-07 10:13; side by side on one GPU the minutes themselves don't compare)
 # Predictions, written before the first run (T=0, 100 held-out questions): spec_default 3.2-3.3; base 2.95
 # (+-0.06, its repeats); muon +0.20 to +0.35 over base; muon_linear +0.0 to +0.1 over muon; sliding -0.05 to
 # +0.05; 5 layers 0.10-0.18 below 8; at T=0.8 the argmax proposal +0.3 to +0.5 over sampled drafts.
@@ -44,6 +47,8 @@
 # over dspark_noheads_muon_linear at both temperatures (the Markov term conditions each draft on the one before,
 # where parallel drafts disagree most), its argmax proposal at T=0.8 within 0.1 of its sampled drafts; training
 # ~1.6x muon_linear's minutes (BENCHMARKS.md, DSpark at SmolLM2 shapes: 4.2 against 2.6 ms/sample).
+# dspark_equal_minutes 0.05-0.15 below dspark_muon_linear (62% of its steps; in the full recipe the 24-question
+# tau rose 3.80 -> 3.91 from epoch 4 to 6).
 #
 #   RUNS="spec_default base muon" bash tools/gpu/optimizer_ablation.sh [OUT] [RECIPE_DIR]
 #   ARGMAX_RUNS="base muon"   also evaluate these at T=0.8 with --proposal argmax (OUT/RUN/eval_argmax_t0.8.json)
@@ -83,6 +88,7 @@ args_of() {  # run name: our trainer's flags on top of the recipe
     muon_linear_random) echo "$MUON $LINEAR --batch_order random" ;;
     muon_linear_wd1) echo "$MUON $LINEAR --weight_decay 1.0" ;;
     dspark_muon_linear) echo "$DSPARK $MUON_ONLY $LINEAR" ;;
+    dspark_equal_minutes) echo "$DSPARK $MUON_ONLY $LINEAR --max_steps 405" ;;  # after the scripts' own --max_steps: it wins
     dspark_noheads_muon_linear) echo "$DSPARK --markov_rank 0 --enable_confidence_head false $MUON_ONLY $LINEAR" ;;
     *) echo "optimizer_ablation.sh: unknown run $1" >&2; return 2 ;;
   esac
