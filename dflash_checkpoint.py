@@ -287,6 +287,8 @@ def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micr
             state["sequence_parallel_size"] = settings.sequence_parallel_size
         if settings.batch_order != "length_grouped":  # so does the order of micro-batches
             state["batch_order"] = settings.batch_order
+        if settings.optimizer == "muon":  # which weights Muon trains: its state fits only the same split
+            state["muon_params"] = muon_param_names(engine.module)
         (tmp_dir / "trainer_state.json").write_text(json.dumps(state))
         (tmp_dir / "training_settings.json").write_text(json.dumps(asdict(settings), indent=2))
         shutil.rmtree(final_dir, ignore_errors=True)
@@ -298,9 +300,28 @@ def save_checkpoint(engine, settings, layout, global_step: int, epoch: int, micr
     torch.distributed.barrier(group=layout.drafter_group)
 
 
+def muon_param_names(drafter: torch.nn.Module) -> list[str]:
+    """The names of the drafter's parameters that DeepSpeed's Muon trains (tagged `use_muon`), sorted."""
+    return sorted(name for name, param in drafter.named_parameters() if getattr(param, "use_muon", False))
+
+
 def resume_engine(engine, resume: ResumePoint, dp_rank: int) -> None:
     """Load `resume`'s DeepSpeed state (weights, optimizer, scheduler) into `engine`, and this drafter
-    rank's Python and torch RNG state as it was at the checkpoint."""
+    rank's Python and torch RNG state as it was at the checkpoint.
+
+    Raises ValueError (one line) when the checkpoint does not fit: a Muon run whose checkpoint put other
+    weights on Muon (trainer_state.json's muon_params, written by a version with another rule), or a
+    drafter of other shapes."""
+    saved = resume.state.get("muon_params")
+    if saved is not None and saved != muon_param_names(engine.module):
+        now = set(muon_param_names(engine.module))
+        differ = sorted(set(saved) ^ now)
+        raise ValueError(
+            f"checkpoint {resume.path} was trained with Muon on {len(saved)} weights, and this version puts {len(now)} "
+            f"on Muon (first difference: {differ[0]}, {'now on AdamW' if differ[0] in saved else 'now on Muon'}): its "
+            "optimizer state cannot continue here; resume with the version that wrote it, or start over "
+            "(--overwrite_output_dir, or a new --output_dir)"
+        )
     try:
         engine.load_checkpoint(resume.path, tag="deepspeed")
     except RuntimeError as error:  # loads (`check_checkpoint`), but does not fit this run's drafter

@@ -987,20 +987,23 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
 
 
 def uses_muon(name: str, param: torch.Tensor) -> bool:
-    """Whether DeepSpeed's Muon trains `param`: every weight of two or more dimensions whose name holds
-    neither "embed" nor "lm_head" (DeepSpeed's own rule, `deepspeed.set_optimizer_flags`; the drafter
-    registers no embedding or LM head, so that is every backbone matrix), nor DSpark's "markov_head" or
-    "confidence_head"; the rest (norm gains, DSpark's heads) go to AdamW."""
-    # DSpark's heads are an embedding table and two output heads (onto the vocabulary, onto one logit):
-    # what Muon's rule leaves to AdamW, as DeepSpec trains them.
-    return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head", "markov_head", "confidence_head"))
+    """Whether DeepSpeed's Muon trains `param`, by speculators' rule: a matrix (2-D, both sides > 1) whose
+    name holds none of "embed", "lm_head", "codebook", "markov_head", "confidence_head". That is every
+    backbone matrix; the rest go to AdamW: norm gains, DFlash2's selector codebooks and its convolutions'
+    3-D base kernels, DSpark's heads. DeepSpeed's own rule (`deepspeed.set_optimizer_flags`) would take
+    every weight of two or more dimensions not named embed or lm_head."""
+    # Codebooks and the Markov head are vocabulary-sized embedding tables and the confidence head an output
+    # head: Muon orthogonalises the update of a linear map, which these are not (speculators and DeepSpec
+    # train them with AdamW). A base kernel is K per-channel taps around the identity, not one matrix.
+    excluded = ("embed", "lm_head", "codebook", "markov_head", "confidence_head")
+    return param.ndim == 2 and min(param.shape) > 1 and not any(key in name.lower() for key in excluded)
 
 
 @contextlib.contextmanager
 def muon_tags_by_our_rule():
     """While `deepspeed.initialize` runs inside it, the parameters DeepSpeed tags for Muon (`use_muon`, by
     its name rule in `deepspeed.set_optimizer_flags`, which takes no exclusions) are those `uses_muon`
-    picks: its rule less DSpark's heads, which then go to AdamW (DeepSpeed splits each group by the tag)."""
+    picks, the rest going to AdamW (DeepSpeed splits each group by the tag)."""
     deepspeeds_rule = deepspeed.set_optimizer_flags
 
     def tag(config_class, model: torch.nn.Module) -> None:
@@ -1025,7 +1028,7 @@ def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list
     lr x 0.2 x sqrt(cols): e.g. at lr 1e-3, 4.8e-3 for a matrix reading SmolLM2's 576 hidden units,
     1.07e-2 for fc reading 5 x 576. Both decay a weight by (1 - lr x weight_decay) with their own lr,
     so each group's decay is weight_decay x lr / its lr. The groups' ratios stay fixed under the
-    schedule (a LambdaLR scales every group alike). Norm gains and DSpark's heads: AdamW at lr, decay
+    schedule (a LambdaLR scales every group alike). The rest (`uses_muon`): AdamW at lr, decay
     --muon_adamw_weight_decay. Returns a list of {"params", "lr", "weight_decay", "name"} dicts.
     """
     groups: dict[str, dict] = {}

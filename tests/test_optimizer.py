@@ -4,14 +4,17 @@ the learning-rate schedules; the refusals (clipping a Muon update, resuming anot
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import free_port
 
-from dflash_checkpoint import check_same_optimizer
+from dflash2_model import DFlash2Config, DFlash2DraftModel
+from dflash_checkpoint import check_same_optimizer, muon_param_names, resume_engine
 from dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_schedule import ResumePoint
 from dspark_model import DSparkConfig, DSparkDraftModel
 from train_dflash import TrainSettings, muon_param_groups, parse_settings
 
@@ -66,6 +69,42 @@ def test_muon_groups_keep_dspark_heads_on_adamw():
     assert [n for n in on_adamw if "head" in n] == DSPARK_HEADS
     assert all(n.endswith("norm.weight") for n in on_adamw if "head" not in n)  # and the norm gains, as for DFlash
     assert id(drafter.fc.weight) in {id(p) for p in groups["muon_in64"]["params"]}
+
+
+def test_muon_groups_keep_dflash2_codebooks_and_base_kernels_on_adamw():
+    """speculators' rule: Muon trains matrices; the selector's vocabulary-sized codebooks and the
+    convolutions' 3-D base kernels (per-channel taps) go to AdamW, its projections to Muon."""
+    settings = TrainSettings(target_model="t", train_data=["d"], optimizer="muon", learning_rate=1e-3)
+    base = tiny_drafter().config.to_dict()
+    drafter = DFlash2DraftModel(DFlash2Config(**{**base, "conv_group_size": 8}))
+    groups = {g["name"]: g for g in muon_param_groups(drafter, settings)}
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    on_adamw = {names[id(p)] for p in groups["adamw"]["params"]}
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"} <= on_adamw
+    assert "layers.0.attention_conv.base_kernel" in on_adamw and "layers.1.mlp_conv.base_kernel" in on_adamw
+    assert all(n.endswith(("norm.weight", "codebook", "base_kernel")) for n in on_adamw), on_adamw
+    on_muon = {names[id(p)] for g in groups.values() if g["name"] != "adamw" for p in g["params"]}
+    assert {"candidate_selector.hidden_projection.weight", "layers.0.attention_conv.kernel_projection.weight"} <= on_muon
+    assert on_adamw | on_muon == set(names.values())
+
+
+def test_resume_refuses_a_muon_checkpoint_of_another_split(tmp_path):
+    """A Muon checkpoint records which weights Muon trained; a version that splits them otherwise
+    refuses it in one line before DeepSpeed loads an optimizer state that does not fit."""
+    drafter = tiny_drafter()
+    for param in drafter.parameters():
+        param.use_muon = param.ndim == 2
+    loaded = []
+    engine = types.SimpleNamespace(module=drafter, load_checkpoint=lambda path, tag: loaded.append(path))
+    now = muon_param_names(drafter)
+    assert now and "fc.weight" in now and not any("norm" in n for n in now)
+    saved = [n for n in now if n != "fc.weight"]  # as if an older rule had left fc to AdamW
+    match = rf"Muon on {len(now) - 1} weights, and this version puts {len(now)} on Muon \(first difference: fc.weight, now on Muon\)"
+    with pytest.raises(ValueError, match=match) as error:
+        resume_engine(engine, ResumePoint(str(tmp_path), {"muon_params": saved}), 0)
+    assert "\n" not in str(error.value) and not loaded
+    resume_engine(engine, ResumePoint(str(tmp_path), {"muon_params": now}), 0)  # the same split loads
+    assert loaded == [str(tmp_path)]
 
 
 # One ZeRO-2 step of start_deepspeed's optimizer on a given gradient (a loss linear in the weights),

@@ -37,7 +37,8 @@
 # +0.05 to +0.15 over muon_linear; muon_linear_random -0.05 to +0.10; muon_linear_5layers -0.05 to +0.10 (fewer
 # weights to fit 6,973 replies with); spec_adamw 0.10-0.25 below spec_default.
 # Measured (2026-12-07 12:51): muon_linear_sliding 3.04 (+0.04 +- 0.03 paired over muon_linear); dflash2_muon_linear
-# 3.35, its argmax proposal at T=0.8 -0.18 against sampled drafts.
+# 3.35 (its selector codebooks and conv base kernels then on Muon; AdamW trains them now), its argmax proposal at
+# T=0.8 -0.18 against sampled drafts. Prediction for dflash2_muon_linear rerun with them on AdamW: +0.0 to +0.15 over 3.35.
 # Prediction for muon_linear_wd1, written before its first run (T=0, same questions): -0.05 to +0.10 over
 # muon_linear; its training estimate lower (fits its training replies less).
 # Predictions for the DSpark rows, written before their first run (same questions, tau against muon_linear's 3.02
@@ -88,7 +89,8 @@ args_of() {  # run name: our trainer's flags on top of the recipe
     muon_linear_random) echo "$MUON $LINEAR --batch_order random" ;;
     muon_linear_wd1) echo "$MUON $LINEAR --weight_decay 1.0" ;;
     dspark_muon_linear) echo "$DSPARK $MUON_ONLY $LINEAR" ;;
-    dspark_equal_minutes) echo "$DSPARK $MUON_ONLY $LINEAR --max_steps 405" ;;  # after the scripts' own --max_steps: it wins
+    # after speculators_compare.sh's own --max_steps, so it wins; 62% of the TINY trial's 3 steps: 2
+    dspark_equal_minutes) echo "$DSPARK $MUON_ONLY $LINEAR --max_steps $([[ $TINY == 1 ]] && echo 2 || echo 405)" ;;
     dspark_noheads_muon_linear) echo "$DSPARK --markov_rank 0 --enable_confidence_head false $MUON_ONLY $LINEAR" ;;
     *) echo "optimizer_ablation.sh: unknown run $1" >&2; return 2 ;;
   esac
