@@ -1019,6 +1019,20 @@ def muon_tags_by_our_rule():
         deepspeed.set_optimizer_flags = deepspeeds_rule
 
 
+def muon_newton_schulz_in_fp32() -> None:
+    """Make DeepSpeed's Muon run its Newton-Schulz iteration in fp32, for a drafter trained on a CPU.
+
+    DeepSpeed 0.19.8 runs the iteration in bf16 wherever the accelerator reports bf16 support, and its CPU
+    accelerator does; but a CPU without bf16 matrix units multiplies bf16 ~100x slower than fp32 (5
+    iterations on a 1536 x 576 gradient: 51 s against 0.4 s on 2 cores), which made a Muon step of the
+    CPU demo 20x its AdamW step (7.9 s/step in fp32, against ~100). fp32 only adds precision: the step
+    still agrees with torch.optim.Muon's, which iterates in bf16 (tests/test_optimizer.py). Patched before
+    the first step (the iteration is compiled, reading the dtype when it is traced)."""
+    from deepspeed.runtime.zero.muon import original_muon
+
+    original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
+
+
 def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list[dict]:
     """The drafter's parameters in groups for DeepSpeed's Muon, with learning rates that give each
     matrix the update size of torch.optim.Muon(adjust_lr_fn="match_rms_adamw") at --learning_rate.
@@ -1065,6 +1079,8 @@ def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, 
                 "torch_adam": True,  # torch's AdamW on the norm gains: no fused-op build
             },
         }
+        if not compute.on_cuda:
+            muon_newton_schulz_in_fp32()
         with muon_tags_by_our_rule():
             engine, _, _, scheduler = deepspeed.initialize(
                 model=drafter,

@@ -186,11 +186,12 @@ def test_deepspeed_muon_step_equals_torch_muon_unclipped(tmp_path):
         if before[n].ndim < 2:  # the norm gains: torch's AdamW on both sides
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-8)
             continue
-        # The two Newton-Schulz iterations round differently (measured: sizes within 0.9%, cosine >= 0.9989). A no-op
-        # flag (AdamW's first step, ~lr x sqrt(numel): 5x larger) or a clipped update (gradient norm ~400: 1/400) is far outside.
+        # torch's Newton-Schulz iteration runs in bf16, DeepSpeed's here in fp32 (`muon_newton_schulz_in_fp32`): measured
+        # sizes within 0.4%, cosine >= 0.99984; with DeepSpeed's own bf16 on a CPU, cosine down to 0.9989. A no-op flag
+        # (AdamW's first step, ~lr x sqrt(numel): 5x larger) or a clipped update (gradient norm ~400: 1/400) is far outside.
         ratio = (ours.norm() / theirs.norm()).item()
         cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0).item()
-        assert abs(ratio - 1) < 0.02 and cosine > 0.998, f"{n}: DeepSpeed's Muon step differs from torch's: size x{ratio:.4f}, cosine {cosine:.5f}"
+        assert abs(ratio - 1) < 0.01 and cosine > 0.9997, f"{n}: DeepSpeed's Muon step differs from torch's: size x{ratio:.4f}, cosine {cosine:.5f}"
 
 
 def test_deepspeed_muon_steps_dspark_heads_with_adamw(tmp_path):
