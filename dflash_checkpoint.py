@@ -312,10 +312,9 @@ def resume_engine(engine, resume: ResumePoint, dp_rank: int) -> None:
     Raises ValueError (one line) when the checkpoint does not fit: a Muon run whose checkpoint put other
     weights on Muon (trainer_state.json's muon_params, written by a version with another rule), or a
     drafter of other shapes."""
-    saved = resume.state.get("muon_params")
-    if saved is not None and saved != muon_param_names(engine.module):
-        now = set(muon_param_names(engine.module))
-        differ = sorted(set(saved) ^ now)
+    saved, now = resume.state.get("muon_params"), muon_param_names(engine.module)
+    if saved is not None and saved != now:
+        differ = sorted(set(saved) ^ set(now))
         raise ValueError(
             f"checkpoint {resume.path} was trained with Muon on {len(saved)} weights, and this version puts {len(now)} "
             f"on Muon (first difference: {differ[0]}, {'now on AdamW' if differ[0] in saved else 'now on Muon'}): its "

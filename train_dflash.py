@@ -222,11 +222,11 @@ class TrainSettings:
     max_steps: int = field(default=-1, metadata={"group": "optimisation", "help": "Optimizer steps in all, overriding --num_train_epochs; -1 (the default): --num_train_epochs sets the length"})
     per_device_batch_size: int = field(default=1, metadata={"group": "optimisation", "help": "Sequences per micro-batch per rank"})
     gradient_accumulation_steps: int = field(default=1, metadata={"group": "optimisation", "help": "Micro-batches per optimizer step"})
-    optimizer: str = field(default="adamw", metadata={"group": "optimisation", "help": "adamw (every parameter) or muon (DeepSpeed's Muon on every matrix, AdamW on the norm gains and DSpark's Markov and confidence heads; docs/training.md#the-optimizer)"})
+    optimizer: str = field(default="adamw", metadata={"group": "optimisation", "help": "adamw (every parameter) or muon (DeepSpeed's Muon on the backbone's matrices, AdamW on the rest: norm gains, DFlash2's codebooks and base kernels, DSpark's heads; docs/training.md#the-optimizer)"})
     learning_rate: float = field(default=6e-4, metadata={"group": "optimisation", "help": "Peak learning rate; with --optimizer muon the AdamW-equivalent rate: the norm gains take it, each matrix takes it x 0.2 x sqrt(its input width) (torch's match_rms_adamw)"})
     weight_decay: float | None = field(default=None, metadata={"group": "optimisation", "help": "Decoupled weight decay (default: 0 with adamw; 0.1 on the matrices with muon)"})
     muon_momentum: float = field(default=0.95, metadata={"group": "optimisation", "help": "--optimizer muon: Nesterov momentum of the matrices"})
-    muon_adamw_weight_decay: float = field(default=0.01, metadata={"group": "optimisation", "help": "--optimizer muon: weight decay of the parameters AdamW trains beside Muon (the norm gains, DSpark's heads)"})
+    muon_adamw_weight_decay: float = field(default=0.01, metadata={"group": "optimisation", "help": "--optimizer muon: weight decay of the parameters AdamW trains beside Muon (norm gains, DFlash2's codebooks and base kernels, DSpark's heads)"})
     lr_scheduler: str = field(default="cosine", metadata={"group": "optimisation", "help": "Decay after the warmup: cosine (to 0) or linear (to 0)"})
     warmup_ratio: float = field(default=0.04, metadata={"group": "optimisation", "help": "Fraction of steps of linear warmup before the decay"})
     max_grad_norm: float | None = field(default=None, metadata={"group": "optimisation", "help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU (default: 1.0 with adamw; 0 with muon, where ZeRO computes the update in the backward and would clip the update itself)"})
@@ -1059,7 +1059,7 @@ def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list
 
 
 def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, schedule: Schedule, compute: Compute, resume: ResumePoint):
-    """The optimizer (AdamW, or DeepSpeed's Muon with AdamW on the norm gains and DSpark's heads) and its schedule
+    """The optimizer (AdamW, or DeepSpeed's Muon with AdamW on what `uses_muon` leaves) and its schedule
     (linear warmup, then cosine or linear decay to 0) under DeepSpeed ZeRO-2 over the drafter group;
     the resumed checkpoint's state and this rank's RNG. Returns (engine, scheduler)."""
     total_steps, warmup_steps = schedule.total_steps, math.ceil(settings.warmup_ratio * schedule.total_steps)

@@ -21,6 +21,7 @@ and on how many questions the later run is ahead), at T=0 and T=0.8. A RUN may b
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,9 +56,8 @@ def paired(first: dict, other: dict) -> str:
     if len(shared) < 2:
         return "-"
     diffs = [taus[1][q] - taus[0][q] for q in shared]
-    mean = sum(diffs) / len(diffs)
-    error = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
-    return f"{mean:+.2f} +- {error:.2f} (ahead on {sum(d > 0 for d in diffs)} of {len(diffs)})"
+    error = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return f"{statistics.mean(diffs):+.2f} +- {error:.2f} (ahead on {sum(d > 0 for d in diffs)} of {len(diffs)})"
 
 
 def runs_table(out: Path, runs: list[str]) -> None:
