@@ -326,3 +326,13 @@ def test_the_ablation_table_pairs_each_run_with_the_first_by_question(tmp_path):
     # differences 0.5, 0.0, 0.3: mean 0.2667, sample sd 0.2517, standard error 0.1453; ahead on 2 of 3
     assert "| ours | +0.27 +- 0.15 (ahead on 2 of 3) | - |" in result.stdout
     assert "| spec_default | 3.00 | - |" in result.stdout
+    # A RUN relative to the working directory (not in OUT_DIR) is read from there; a missing one is named on stderr.
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools/gpu/ablation_table.py"), "--runs", "new_machine", "spec_default", "elsewhere/ours", "nowhere"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "| ours | +0.27 +- 0.15 (ahead on 2 of 3) | - |" in result.stdout
+    assert "no run folder new_machine/nowhere" in result.stderr

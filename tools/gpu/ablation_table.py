@@ -42,9 +42,14 @@ def compared(evaluation: dict) -> str:
     return f"{evaluation['identical_prompts']} / {evaluation['near_tie_divergences']} / {evaluation['other_divergences']}"
 
 
+def run_folder(out: Path, run: str) -> Path:
+    """OUT_DIR/RUN, or RUN itself where that is a folder and OUT_DIR/RUN is not (a path from the working directory)."""
+    return Path(run) if Path(run).is_dir() and not (out / run).is_dir() else out / run
+
+
 def evaluation_of(out: Path, run: str, temperature: str) -> dict:
     """A run's evaluation at T=temperature ("0" or "0.8"): speculators' rows name it after the row, ours after ours_best."""
-    folder = out / run
+    folder = run_folder(out, run)
     row = folder.name if folder.name.startswith("spec_") else "ours_best"
     return read(folder / f"eval_{row}_t{temperature}.json")
 
@@ -66,7 +71,9 @@ def runs_table(out: Path, runs: list[str]) -> None:
         "(bf16; fp32) | training min | peak GB |\n|---|---|---|---|---|---|---|---|"
     )
     for run in runs:
-        folder = out / run
+        folder = run_folder(out, run)
+        if not folder.is_dir():
+            print(f"ablation_table.py: no run folder {folder} (nor {run} from here): its row stays empty", file=sys.stderr)
         greedy, sampled = evaluation_of(out, run, "0"), evaluation_of(out, run, "0.8")
         fp32 = read(folder / "eval_fp32_t0.json")
         rates = greedy.get("acceptance_rate_by_position") or []
