@@ -336,3 +336,46 @@ def test_the_ablation_table_pairs_each_run_with_the_first_by_question(tmp_path):
     )
     assert "| ours | +0.27 +- 0.15 (ahead on 2 of 3) | - |" in result.stdout
     assert "no run folder new_machine/nowhere" in result.stderr
+
+
+def test_the_optimizer_ablation_starts_a_run_only_when_the_gpu_has_room_for_it(tmp_path):
+    """optimizer_ablation.sh's scheduler, with its neighbours stubbed (each row sleeps and logs when it ran): at
+    GPU_GB 60 a DFlash2 row (35 GB) and a 5-layer row (17) share the GPU, and the 25-GB row waits until one ends
+    (three at once ran out of memory on an H100); at GPU_GB 1000 and AT_ONCE 2, two at a time."""
+    tree = tmp_path / "repo"
+    (tree / "tools/gpu").mkdir(parents=True)
+    (tree / "tools/gpu/optimizer_ablation.sh").write_text((REPO / "tools/gpu/optimizer_ablation.sh").read_text())
+    for stub in ("setup.sh", "helpers.sh"):
+        (tree / "tools/gpu" / stub).write_text("SMOLLM2=stub\n")
+    # A row: log start, sleep (the 5-layer row the shortest), log end. ROWS/BEST_ARGS come from the script.
+    (tree / "tools/gpu/speculators_compare.sh").write_text(
+        'name=$(basename "$1"); echo "start $name $(date +%s.%N)" >> "$LOG"\n'
+        "case $BEST_ARGS in *num_draft_layers*) sleep 1 ;; *) sleep 3 ;; esac\n"
+        'echo "end $name $(date +%s.%N)" >> "$LOG"\n'
+    )
+    (tree / "tools/gpu/ablation_table.py").write_text("")
+
+    def intervals(**env_extra):
+        log = tmp_path / f"log_{env_extra['GPU_GB']}"
+        env = dict(os.environ, LOG=str(log), TINY="1", RUNS="dflash2_muon_linear muon_linear_5layers muon_linear_random", **env_extra)
+        subprocess.run(
+            ["bash", "tools/gpu/optimizer_ablation.sh", str(tmp_path / "out"), str(tmp_path / "recipe")],
+            cwd=tree,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        times = {}
+        for line in log.read_text().splitlines():
+            what, name, at = line.split()
+            times.setdefault(name, {})[what] = float(at)
+        return times
+
+    t = intervals(GPU_GB="60")
+    assert t["muon_linear_5layers"]["start"] < t["dflash2_muon_linear"]["end"]  # 35 + 17 = 52 GB: together
+    assert t["muon_linear_random"]["start"] >= t["muon_linear_5layers"]["end"]  # 35 + 17 + 25 > 60: it waits
+    assert t["muon_linear_random"]["start"] < t["dflash2_muon_linear"]["end"]  # 35 + 25 = 60: then beside DFlash2
+    t = intervals(GPU_GB="1000", AT_ONCE="2")
+    assert t["muon_linear_5layers"]["start"] < t["dflash2_muon_linear"]["end"]
+    assert t["muon_linear_random"]["start"] >= min(t["muon_linear_5layers"]["end"], t["dflash2_muon_linear"]["end"])

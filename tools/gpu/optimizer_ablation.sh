@@ -39,6 +39,8 @@
 # Measured (2026-12-07 12:51): muon_linear_sliding 3.04 (+0.04 +- 0.03 paired over muon_linear); dflash2_muon_linear
 # 3.35 (its selector codebooks and conv base kernels then on Muon; AdamW trains them now), its argmax proposal at
 # T=0.8 -0.18 against sampled drafts. Prediction for dflash2_muon_linear rerun with them on AdamW: +0.0 to +0.15 over 3.35.
+# Measured (2026-12-07 16:00): muon_linear_random 3.09 (+0.07 +- 0.03 paired over muon_linear), muon_linear_5layers
+# 2.97 (-0.06 +- 0.03); dflash2_muon_linear ran out of memory beside them (GPU_GB since).
 # Prediction for muon_linear_wd1, written before its first run (T=0, same questions): -0.05 to +0.10 over
 # muon_linear; its training estimate lower (fits its training replies less).
 # Predictions for the DSpark rows, written before their first run (same questions, tau against muon_linear's 3.02
@@ -54,8 +56,10 @@
 #   RUNS="spec_default base muon" bash tools/gpu/optimizer_ablation.sh [OUT] [RECIPE_DIR]
 #   ARGMAX_RUNS="base muon"   also evaluate these at T=0.8 with --proposal argmax (OUT/RUN/eval_argmax_t0.8.json)
 #   FP32_RUNS="muon"          also evaluate these at T=0 in float32 (OUT/RUN/eval_fp32_t0.json): the strict lossless check
-#   AT_ONCE=2                 at most this many runs at a time, started in RUNS order (default: all at once; an
-#                             H100's 80 GB holds speculators' row, ~39 GB, beside one of ours, ~23 GB)
+#   AT_ONCE=2                 at most this many runs at a time, started in RUNS order (default: as many as GPU_GB holds)
+#   GPU_GB=76                 a run starts only when the peaks of the runs in flight (gb_of below, measured) and its own
+#                             fit in this many GB (default: the first GPU's memory less 3 GB; 3 rows of 34 + 18 + 25 GB
+#                             ran out of memory on an H100's 79)
 #   EVAL_PROMPTS=50           evaluate on the first 50 held-out questions (default 100), every run alike
 #   TINY=1 ...                the CPU trial (speculators_compare.sh's TINY settings)
 # A 135M target leaves the GPU mostly idle, so runs share it; the replies are regenerated first when missing. Rerun the same command to finish what a lost machine left:
@@ -96,6 +100,19 @@ args_of() {  # run name: our trainer's flags on top of the recipe
   esac
 }
 for run in $RUNS; do [[ $run == spec_* ]] || args_of "$run" > /dev/null || exit 2; done
+gb_of() {  # run name: its training's peak GPU memory in GB, as measured at these shapes (BENCHMARKS.md), rounded up
+  case $1 in
+    spec_*) echo 40 ;;
+    dflash2_*) echo 35 ;;
+    dspark_*) echo 30 ;;
+    *5layers*) echo 17 ;;
+    *) echo 25 ;;
+  esac
+}
+if [[ -z ${GPU_GB:-} ]]; then
+  total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -1)
+  GPU_GB=$([[ $TINY == 1 || -z $total_mib ]] && echo 1000000 || echo $((total_mib / 1024 - 3)))
+fi
 
 # 1. The replies, once, before the runs that all read them.
 if [[ $TINY != 1 && ! -f $RECIPE/data/greedy.jsonl ]]; then
@@ -114,7 +131,17 @@ extra_eval() {  # run, name, eval_dflash.py flags...
   python3 eval_dflash.py --target_model "$SMOLLM2" --draft_model "$drafter" --data "$HELDOUT" --num_prompts "$PROMPTS" \
     --max_new_tokens "$MAX_NEW" --baseline none --seed 0 --output "$OUT/$run/eval_$name.json" "$@" > "$OUT/$run/eval_$name.log" 2>&1
 }
+declare -A run_gb=()  # pid of a run in flight -> its peak GB
 for run in $RUNS; do
+  need=$(gb_of "$run")
+  while :; do  # wait until the runs in flight leave room for this one (and AT_ONCE allows one more)
+    in_flight=0
+    for pid in "${!run_gb[@]}"; do
+      if kill -0 "$pid" 2> /dev/null; then in_flight=$((in_flight + run_gb[$pid])); else unset "run_gb[$pid]"; fi
+    done
+    ((${#run_gb[@]} == 0 || (in_flight + need <= GPU_GB && ${#run_gb[@]} < ${AT_ONCE:-1000}))) && break
+    sleep 1
+  done
   (
     if [[ $run == spec_* ]]; then
       ROWS=$run CALL_SECONDS=100000 bash tools/gpu/speculators_compare.sh "$OUT/$run" "$RECIPE"
@@ -125,7 +152,8 @@ for run in $RUNS; do
     [[ " $FP32_RUNS " == *" $run "* ]] && extra_eval "$run" fp32_t0 --temperature 0 --dtype float32 &
     wait
   ) > "$OUT/$run.log" 2>&1 &
-  while (($(jobs -rp | wc -l) >= ${AT_ONCE:-1000})); do sleep 5; done
+  run_gb[$!]=$need
+  echo "optimizer_ablation.sh: $run started ($need GB expected; $((in_flight + need)) of $GPU_GB GB in flight)"
 done
 wait
 python3 tools/gpu/ablation_table.py --runs "$OUT" $RUNS | tee "$OUT/table.md"
