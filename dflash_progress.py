@@ -85,10 +85,23 @@ def record_error(line: str) -> None:
             json.dump({"message": {"message": line, "extraInfo": extra}}, f)
 
 
+def out_of_memory_line(error: torch.OutOfMemoryError) -> str:
+    """One line for a device out of memory: what torch says of the device (the request, what is free, the other
+    processes holding memory; not its allocator advice) and the settings that lower a step's memory."""
+    said = str(error).split(" Of the allocated memory")[0].strip()
+    return (
+        f"the GPU ran out of memory ({said}). Lower --per_device_batch_size, --num_anchors or --max_seq_length, or "
+        "trade time for memory with --checkpoint_drafter_layers or --context_chunk_size N (docs/training.md); other "
+        "processes on the same GPU count too (nvidia-smi). Checkpoints already written are kept: rerun with "
+        "--resume_from_checkpoint latest"
+    )
+
+
 def exit_after_failure(error: BaseException) -> None:
     """How a rank ends after `error`: it tells the other ranks first (they stop within seconds
     instead of waiting for this rank's heartbeat to lapse), then prints one `error: ...` line for a
-    bad setting or data (a ValueError; exit status 2), or the traceback of anything else (status 1),
+    bad setting or data (a ValueError; exit status 2) or a device out of memory (status 1), or the traceback of
+    anything else (status 1),
     and records the line for launch.py. A rank that fails only because another failed first says so
     in one line (dflash_liveness) and prints nothing more. DFLASH_TRACEBACK=1 shows every
     traceback. Never returns."""
@@ -99,6 +112,11 @@ def exit_after_failure(error: BaseException) -> None:
         code = 1  # the "stopping rank ... after an earlier failure" line names the cause; this rank's traceback would bury it
     elif isinstance(error, StoppedByLauncher) and quiet:
         line = f"error: {error}"  # no rank posted a failure: it died without one, or the user stopped the launch
+        print(line, file=sys.stderr)
+        record_error(line)
+        code = 1
+    elif isinstance(error, torch.OutOfMemoryError) and quiet:
+        line = f"error: {out_of_memory_line(error)}"
         print(line, file=sys.stderr)
         record_error(line)
         code = 1

@@ -1266,3 +1266,27 @@ def test_help_renders_every_flag_in_its_group_with_its_default(train_runs):
     assert "Evaluate a DFlash, DFlash2 or DSpark drafter by real speculative decoding on the target" in flat and "(default: None)" not in flat
     assert "--num_prompts NUM_PROMPTS Use only the first N prompts of --data (default: every prompt)." in flat
     assert "--num-prompts" not in flat
+
+
+def test_a_rank_out_of_gpu_memory_ends_with_one_line_naming_the_settings_that_lower_it(tmp_path):
+    """A CUDA out-of-memory error (raised here by hand: a CPU never raises it) ends a rank with one `error:` line
+    that keeps what torch says of the device (the request, the other processes) and names the memory settings;
+    no traceback, exit status 1, and the line recorded for launch.py's summary."""
+    said = (
+        "CUDA out of memory. Tried to allocate 940.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which 914.94 MiB is "
+        "free. Process 1097 has 18.38 GiB memory in use. Of the allocated memory 32.36 GiB is allocated by PyTorch. If "
+        "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
+    error_file = tmp_path / "error.json"
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_TRACEBACK"}
+    env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    code = f"import torch; from dflash_progress import exit_after_failure; exit_after_failure(torch.OutOfMemoryError({said!r}))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: the GPU ran out of memory (CUDA out of memory. Tried to allocate 940.00 MiB.")
+    assert "Process 1097 has 18.38 GiB memory in use.)" in line and "PYTORCH_CUDA_ALLOC_CONF" not in line
+    for flag in ("--per_device_batch_size", "--num_anchors", "--max_seq_length", "--checkpoint_drafter_layers", "--resume_from_checkpoint latest"):
+        assert flag in line
+    assert json.loads(error_file.read_text())["message"]["message"] == line
