@@ -16,6 +16,11 @@
 #   muon_linear_wd1       muon_linear with weight decay 1.0 on the matrices (10x; the gains keep 0.01): over the run
 #                         the matrices shrink by ~28% instead of ~3%, a regulariser for drafters that fit their
 #                         training replies far better than held-out ones
+#   muon_linear_count     muon_linear with --loss_normalize count: the weighted CE sum over the valid positions, as
+#                         speculators reduces it, instead of over the sum of D-PACE weights (a per-step scale)
+#   muon_linear_eager_target  muon_linear with the target eager and without CUDA graphs (--compile_target off
+#                         --target_cuda_graphs false): features and labels from the kernels evaluation runs, as
+#                         speculators computes them
 #   spec_adamw            speculators' row with our optimizer and schedule (AdamW 8e-4, no decay, cosine, 4% warmup):
 #                         what speculators' lead owes to its optimizer, seen from its side
 #   dspark_muon_linear    --drafter dspark with muon_linear's optimizer and schedule, gamma 15: the DFlash rows' 15 drafts
@@ -43,6 +48,9 @@
 # 2.97 (-0.06 +- 0.03); dflash2_muon_linear ran out of memory beside them (GPU_GB since).
 # Prediction for muon_linear_wd1, written before its first run (T=0, same questions): -0.05 to +0.10 over
 # muon_linear; its training estimate lower (fits its training replies less).
+# Predictions for muon_linear_count and muon_linear_eager_target, written before their first run (T=0, same
+# questions): each within +-0.03 of muon_linear (Muon's update size does not follow the loss's scale; an fp32
+# evaluation, a larger numeric change than eager kernels, moved tau by 0.03).
 # Predictions for the DSpark rows, written before their first run (same questions, tau against muon_linear's 3.02
 # and 2.05): the paper claims +16-18% over DFlash at T=1, llama.cpp saw no gain, and here a loss against the
 # target's distribution (--loss lk) gave -0.06 at T=0 and +0.08 at T=0.8 beside CE (docs/quality.md). So:
@@ -92,6 +100,8 @@ args_of() {  # run name: our trainer's flags on top of the recipe
     muon_linear_seed1) echo "$MUON $LINEAR --seed 1" ;;
     muon_linear_random) echo "$MUON $LINEAR --batch_order random" ;;
     muon_linear_wd1) echo "$MUON $LINEAR --weight_decay 1.0" ;;
+    muon_linear_count) echo "$MUON $LINEAR --loss_normalize count" ;;
+    muon_linear_eager_target) echo "$MUON $LINEAR --compile_target off --target_cuda_graphs false" ;;
     dspark_muon_linear) echo "$DSPARK $MUON_ONLY $LINEAR" ;;
     # after speculators_compare.sh's own --max_steps, so it wins; 62% of the TINY trial's 3 steps: 2
     dspark_equal_minutes) echo "$DSPARK $MUON_ONLY $LINEAR --max_steps $([[ $TINY == 1 ]] && echo 2 || echo 405)" ;;
