@@ -28,24 +28,43 @@ def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask[:, :-1] & loss_mask[:, 1:]
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample anchor positions without replacement, per row.
+ANCHOR_SAMPLINGS = ("per_sequence", "pooled")  # --anchor_sampling: sample_anchors per row, or pooled over the micro-batch
 
-    Eligible positions are those of `eligible_anchors`. Rows with fewer eligible positions than
-    `num_anchors` get padded slots (anchor 0, valid False) at the end, so the shape is static.
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None, pooled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample anchor positions without replacement.
+
+    Eligible positions are those of `eligible_anchors`.
+    - Per row (the default): N of each row's eligible positions, uniformly; a row with fewer gets all of
+      them, so a short reply trains every block every epoch and a long one a share of its blocks.
+    - `pooled`: batch x N of the micro-batch's eligible positions, uniformly over all rows at once, so every
+      position has the same chance and a row's count follows its length, as a trainer that packs replies
+      into one row and draws anchors over the pack does (speculators). The counts vary: each row gets 2N
+      slots, and a row that draws more than 2N keeps 2N of them (at a draw's mean that takes a row 2x the
+      micro-batch's mean eligible count).
+    Padded slots (anchor 0, valid False) come last, so the shape is static.
 
     Args:
         loss_mask: [batch, S] bool.
-        num_anchors: N, slots per row.
+        num_anchors: N, slots per row (pooled: the mean valid anchors per row; 2N slots).
         generator: a CPU `torch.Generator` for reproducible draws.
+        pooled: draw over the whole micro-batch (above).
     Returns:
-        anchors: [batch, N] int64, valid anchors sorted ascending first (sorted anchors give
-            flex_attention denser mask blocks), padded slots after them.
-        anchor_valid: [batch, N] bool.
+        anchors: [batch, N] (pooled: [batch, 2N]) int64, valid anchors sorted ascending first (sorted
+            anchors give flex_attention denser mask blocks), padded slots after them.
+        anchor_valid: the same shape, bool.
     """
     batch, seq_len = loss_mask.shape
     eligible = eligible_anchors(loss_mask)  # [batch, S-1]
     scores = torch.rand(eligible.shape, generator=generator)  # [batch, S-1], drawn on the CPU: reproducible
+    if pooled:  # the batch*N highest scores of the micro-batch are its anchors; the others become ineligible
+        flat = scores.masked_fill(~eligible.cpu(), -1.0).flatten()
+        drawn = min(batch * num_anchors, int((flat >= 0).sum()))
+        chosen = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, flat.topk(drawn).indices, True)
+        eligible = eligible & chosen.view(eligible.shape).to(eligible.device)
+        num_anchors = 2 * num_anchors
     if loss_mask.is_cuda:
         # From pinned memory without blocking: a plain copy from pageable memory would make the host
         # wait for the GPU to finish the target's forward before it can launch the drafter.

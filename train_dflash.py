@@ -112,7 +112,7 @@ from dflash_loss import (
     weighted_block_loss,
 )
 from dflash_loss_kernels import LOSSES, check_fused_loss, resolve_fused_loss
-from dflash_masks import anchor_slots, block_label_valid, block_labels, create_anchor_block_mask, sample_anchors
+from dflash_masks import ANCHOR_SAMPLINGS, anchor_slots, block_label_valid, block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel, SequenceParallel
 from dflash_progress import (
     DEBUG_LOG,
@@ -207,6 +207,7 @@ class TrainSettings:
     enable_confidence_head: bool | None = field(default=None, metadata={"group": "drafter", "help": "--drafter dspark: train the confidence head (a linear on [h_k; W1[previous token]] predicting each slot's acceptance); default: true"})
     # objective
     num_anchors: int = field(default=512, metadata={"group": "objective", "help": "Anchors (blocks) sampled per sequence, re-sampled every epoch (paper 512; tuned recipe 256)"})
+    anchor_sampling: str = field(default="per_sequence", metadata={"group": "objective", "help": "How a micro-batch's anchors are drawn: per_sequence (--num_anchors of each sequence's eligible positions; a short reply gives all of its own) or pooled (batch x --num_anchors drawn uniformly over every eligible position of the micro-batch, so a sequence's share follows its length, as trainers that pack replies draw; 2 x --num_anchors slots per sequence, so ~2x the drafter's work a step)"})
     label_source: str = field(default="data", metadata={"group": "objective", "help": "What each block position learns: data (the reply's next token) or target_argmax (the target's greedy next token: what temperature-0 verification accepts; runs the whole target, not with --target_tp_size > 1; docs/training.md#labels-the-datas-next-token-or-the-targets-argmax)"})
     loss: str | None = field(default=None, metadata={"group": "objective", "help": "Per-position loss: ce (the paper's), or against the target's distribution p: kl, tv (1 - sum min(p, q)), nla (-log sum min(p, q)), lk (KL and TV blended by the acceptance); dspark, DSpark's own (--dspark_*_weight) and the only one --drafter dspark trains with. All but ce send the target's last hidden state too (docs/training.md#beyond-the-paper-d-pace-weights-and-losses-against-the-targets-distribution). Default: ce, dspark with --drafter dspark"})
     loss_weighting: str = field(default="exp", metadata={"group": "objective", "help": "Position weights: exp (w_k = exp(-(k-1)/gamma), the paper's weights) or dpace (D-PACE, the weighting speculators trains with unless told otherwise: the expected accepted tokens each position carries, from the drafter's detached confidence)"})
@@ -375,6 +376,11 @@ class TrainSettings:
             raise ValueError(f"--loss_chunk_size must be >= 1 (rows per LM-head + loss chunk; default 4096), got {self.loss_chunk_size}")
         if self.anchor_slots_multiple < 0:
             raise ValueError(f"--anchor_slots_multiple must be >= 0 (0 = always --num_anchors slots), got {self.anchor_slots_multiple}")
+        if self.anchor_sampling == "pooled" and self.anchor_slots_multiple:
+            raise ValueError(
+                f"--anchor_sampling pooled keeps 2 x --num_anchors slots per sequence; --anchor_slots_multiple "
+                f"{self.anchor_slots_multiple} trims per-sequence draws only: pass --anchor_slots_multiple 0"
+            )
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (an anchor plus at least one drafted token), got {self.block_size}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -386,6 +392,7 @@ class TrainSettings:
             ("loss_weighting", LOSS_WEIGHTINGS),
             ("loss_normalize", LOSS_NORMALIZERS),
             ("batch_order", BATCH_ORDERS),
+            ("anchor_sampling", ANCHOR_SAMPLINGS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -779,7 +786,7 @@ class MicroBatchLoss:
             self.slots_used.append(num_anchors)
         # Anchors and the valid label rows are found where the loss mask is: colocated on a GPU that is
         # the host, so the step never waits for the GPU to learn how many rows its loss has.
-        anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
+        anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator, pooled=settings.anchor_sampling == "pooled")
         own = (anchors, anchor_valid) if sp is None else (sp.shard(anchors), sp.shard(anchor_valid))  # the anchors this rank trains
         dspark = isinstance(config, DSparkConfig)
         label_valid = block_label_valid(loss_mask, *own, config.block_size + dspark)  # [batch, N, B-1]; DSpark: [batch, N, gamma]
@@ -1127,7 +1134,7 @@ def warm_up_flex(
         kv_heads=draft_config.num_key_value_heads // sp,
         head_dim=draft_config.head_dim,
         context_len=-(-max(data.lengths[i] for i in first_batch) // compute.pad_multiple) * compute.pad_multiple,
-        num_anchors=settings.num_anchors,
+        num_anchors=settings.num_anchors * (2 if settings.anchor_sampling == "pooled" else 1),  # sample_anchors' slots
         block_size=draft_config.block_size,
         dtype=dtype,
         rules=tuple(draft_config.attention_rule(i) for i in range(draft_config.num_hidden_layers)),

@@ -604,3 +604,48 @@ def test_prefetch_keeps_order_and_runs_ahead():
         assert len(pulled) == min(a + 3, 7), "items up to depth ahead are already handed to the worker"
     assert out == [(i, -i, 10 * i) for i in range(7)]
     assert on_main == [False] * 7, "the work runs in the worker thread"
+
+
+def test_pooled_anchor_sampling_reaches_the_trainer_and_refuses_trimmed_slots(monkeypatch, tmp_path):
+    """--anchor_sampling pooled: the trainer's micro-batch loss draws batch x N anchors over the micro-batch in 2N
+    slots a sequence (a short row no longer gives all its positions), the loss trains; with --anchor_slots_multiple
+    it is refused in one line; an unknown value is refused naming the choices."""
+    import torch.nn as nn
+    from transformers import Qwen3Config
+
+    import train_dflash
+    from dflash_model import DFlashDraftModel
+    from dflash_target import drafter_config_for_target
+    from train_dflash import Compute, MicroBatchLoss, TrainSettings
+
+    vocab = 64
+    target = Qwen3Config(
+        hidden_size=32, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64, vocab_size=vocab
+    )
+    config = drafter_config_for_target(target, mask_token_id=vocab - 1, num_draft_layers=1, block_size=4)
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(config).train()
+    drafter.attach_target(nn.Embedding(vocab, 32), nn.Linear(32, vocab, bias=False))
+    settings = TrainSettings(
+        target_model="x", train_data=["x"], output_dir=str(tmp_path), num_anchors=6, block_size=4, anchor_sampling="pooled", loss_weighting="dpace"
+    )
+    compute = Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
+    loss_fn = MicroBatchLoss(settings, config, compute, None, drafter.target_lm_head)
+    drawn = []
+    real = train_dflash.sample_anchors
+    monkeypatch.setattr(train_dflash, "sample_anchors", lambda *a, **k: drawn.append(real(*a, **k)) or drawn[-1])
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab - 1, (2, 40), generator=g)
+    loss_mask = torch.zeros(2, 40, dtype=torch.bool)
+    loss_mask[0, 2:7] = True  # 4 eligible: per sequence it would give all 4
+    loss_mask[1, 4:40] = True  # 35 eligible
+    features = torch.randn(2, 40, len(config.target_layer_ids) * 32, generator=g)
+    loss, _ = loss_fn(drafter, features, input_ids, loss_mask, input_ids, (0, 0, 0, 0))
+    loss.backward()
+    anchors, valid = drawn[-1]
+    assert anchors.shape == (2, 12) and valid.sum().item() == 12  # 2 x 6 drawn over 39 positions, 12 slots a row
+    assert torch.isfinite(loss) and drafter.fc.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"--anchor_sampling pooled keeps 2 x --num_anchors slots per sequence; --anchor_slots_multiple 64"):
+        TrainSettings(target_model="x", train_data=["x"], output_dir=str(tmp_path), anchor_sampling="pooled", anchor_slots_multiple=64)
+    with pytest.raises(ValueError, match="--anchor_sampling must be one of per_sequence, pooled, got 'packed'"):
+        TrainSettings(target_model="x", train_data=["x"], output_dir=str(tmp_path), anchor_sampling="packed")

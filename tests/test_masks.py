@@ -174,3 +174,47 @@ def test_flex_attention_output_equals_reference_block_mask_and_sdpa():
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_pooled_anchors_give_every_eligible_position_of_the_micro_batch_the_same_chance():
+    """sample_anchors(pooled=True): batch x N anchors drawn over the whole micro-batch, each eligible position
+    with the same chance (a row's count follows its length), 2N slots a row, valid anchors sorted first; per row
+    (the default) a short row gives all of its positions and a long one N."""
+    from dflash_masks import eligible_anchors, sample_anchors
+
+    batch, seq_len, n = 4, 200, 16
+    loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for row, (start, length) in enumerate([(10, 11), (50, 51), (40, 61), (0, 57)]):  # 10, 50, 60, 56 eligible
+        loss_mask[row, start : start + length] = True
+    eligible = eligible_anchors(loss_mask)  # [batch, S-1]
+    counts = eligible.sum(dim=1)
+    assert counts.tolist() == [10, 50, 60, 56]
+    p = batch * n / counts.sum().item()  # 64 of 176
+    generator = torch.Generator().manual_seed(0)
+    hits = {True: torch.zeros(batch, seq_len - 1), False: torch.zeros(batch, seq_len - 1)}
+    draws = 400
+    for pooled in (True, False):
+        for _ in range(draws):
+            anchors, valid = sample_anchors(loss_mask, n, generator, pooled=pooled)
+            assert anchors.shape == valid.shape == (batch, 2 * n if pooled else n)
+            for row in range(batch):
+                a = anchors[row, valid[row]]
+                assert torch.equal(valid[row], torch.arange(valid.shape[1]) < len(a))  # valid first
+                assert torch.equal(a, a.sort().values) and len(a.unique()) == len(a) and eligible[row, a].all()
+                hits[pooled][row, a] += 1
+            if pooled:  # batch x N, unless a row drew more than its 2N slots (~3 standard deviations here)
+                assert valid.sum().item() == batch * n or (valid.sum(dim=1) == 2 * n).any()
+            else:
+                assert valid.sum().item() == sum(min(n, c) for c in counts.tolist())
+    rate = hits[True].sum(dim=1) / counts / draws  # each row's mean inclusion rate
+    assert torch.allclose(rate, torch.full((batch,), p), atol=0.02), (rate, p)
+    rate = hits[False].sum(dim=1) / counts / draws
+    assert torch.allclose(rate, torch.tensor([1.0, n / 50, n / 60, n / 56]), atol=0.02), rate
+    # Fewer eligible positions than batch x N: all of them. A row drawing more than 2N keeps 2N.
+    anchors, valid = sample_anchors(loss_mask, 100, generator, pooled=True)
+    assert valid.sum(dim=1).tolist() == [10, 50, 60, 56]
+    short = torch.zeros(3, 120, dtype=torch.bool)
+    short[0, :101] = True  # 100 eligible
+    short[1:, :2] = True  # 1 each
+    anchors, valid = sample_anchors(short, 4, generator, pooled=True)  # 12 drawn, >= 10 of them in row 0
+    assert valid[0].all() and anchors.shape == (3, 8) and valid.sum().item() <= 10
