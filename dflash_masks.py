@@ -42,8 +42,8 @@ def sample_anchors(
     - `pooled`: batch x N of the micro-batch's eligible positions, uniformly over all rows at once, so every
       position has the same chance and a row's count follows its length, as a trainer that packs replies
       into one row and draws anchors over the pack does (speculators). The counts vary: each row gets 2N
-      slots, and a row that draws more than 2N keeps 2N of them (at a draw's mean that takes a row 2x the
-      micro-batch's mean eligible count).
+      slots, and a row that draws more keeps 2N of them (on average only a row with more than twice the
+      micro-batch's mean count of eligible positions draws that many).
     Padded slots (anchor 0, valid False) come last, so the shape is static.
 
     Args:

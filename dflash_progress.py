@@ -100,9 +100,8 @@ def out_of_memory_line(error: torch.OutOfMemoryError) -> str:
 def exit_after_failure(error: BaseException) -> None:
     """How a rank ends after `error`: it tells the other ranks first (they stop within seconds
     instead of waiting for this rank's heartbeat to lapse), then prints one `error: ...` line for a
-    bad setting or data (a ValueError; exit status 2) or a device out of memory (status 1), or the traceback of
-    anything else (status 1),
-    and records the line for launch.py. A rank that fails only because another failed first says so
+    bad setting or data (a ValueError; exit status 2) or a device out of memory (status 1), or the
+    traceback of anything else (status 1), and records the line for launch.py. A rank that fails only because another failed first says so
     in one line (dflash_liveness) and prints nothing more. DFLASH_TRACEBACK=1 shows every
     traceback. Never returns."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # on its way out already: the launcher's SIGTERM must not cut the report short
