@@ -6,6 +6,7 @@ lists the flags in groups, each with its default. The settings themselves are `t
 import argparse
 import copy
 import difflib
+import os
 import re
 import types
 import typing
@@ -69,17 +70,31 @@ class SettingsParser(HfArgumentParser):
         super()._parse_dataclass_field(self.setting_groups[group] if group else parser, field)
 
     def error(self, message: str):
-        invalid = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.*)", message)
-        boolean = re.fullmatch(r"argument (\S+?)(?:/\S+)?: Truthy value expected: got (.*) but expected one of (.*) \(case insensitive\)\.", message)
-        if invalid:
-            flag, kind, value = invalid.groups()
-            message = f"{flag} expects {_EXPECTED.get(kind, kind)}, got {value}"
-        elif boolean:
-            flag, value, accepted = boolean.groups()
-            message = f"{flag} expects true or false ({accepted}), got {value!r}"
-        else:
-            message = re.sub(r"^argument (\S+?)(?:/\S+)?: ", r"\1: ", message)
-        raise ValueError(f"{message}; see `python train_dflash.py --help`")
+        raise ValueError(flag_error_line(message, "train_dflash.py"))
+
+
+class ScriptParser(HfArgumentParser):
+    """HfArgumentParser that reports a bad or missing flag as one ValueError line (`flag_error_line`) instead of
+    printing the whole usage text and exiting: the scripts print it as their one `error: ...` line."""
+
+    def error(self, message: str):
+        raise ValueError(flag_error_line(message, os.path.basename(self.prog)))
+
+
+def flag_error_line(message: str, script: str) -> str:
+    """argparse's error message as one line: the flag, what it expects, what it got (or the flags missing, each
+    named once, without its --x-y alias), and where the help is."""
+    invalid = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.*)", message)
+    boolean = re.fullmatch(r"argument (\S+?)(?:/\S+)?: Truthy value expected: got (.*) but expected one of (.*) \(case insensitive\)\.", message)
+    if invalid:
+        flag, kind, value = invalid.groups()
+        message = f"{flag} expects {_EXPECTED.get(kind, kind)}, got {value}"
+    elif boolean:
+        flag, value, accepted = boolean.groups()
+        message = f"{flag} expects true or false ({accepted}), got {value!r}"
+    else:
+        message = re.sub(r"(--[\w]+)/--[\w-]+", r"\1", re.sub(r"^argument (\S+?)(?:/\S+)?: ", r"\1: ", message))
+    return f"{message}; see `python {script} --help`"
 
 
 def did_you_mean(names: list[str], known: list[str], prefix: str = "") -> str:

@@ -46,9 +46,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import HfArgumentParser
 
-from dflash_cli import HelpFormatter
+from dflash_cli import HelpFormatter, ScriptParser
 from dflash_data import check_prompts_fit_context, load_prompts, target_context_length
 from dflash_decoding import (
     NEAR_TIE_RULE,
@@ -496,7 +495,7 @@ def write_results(results: dict, args: EvalArgs, plot_path: str, block_size: int
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the evaluation; returns the results dict (also written to --output)."""
-    parser = HfArgumentParser(
+    parser = ScriptParser(
         EvalArgs,
         formatter_class=HelpFormatter,
         description=(

@@ -55,9 +55,10 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig, HfArgumentParser, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList
 
 from dflash_batch_decoding import SeededSampling, StaticBatchDecoder, reply_seed
+from dflash_cli import ScriptParser
 from dflash_data import check_prompts_fit_context, load_prompts, prompt_hash, require_chat_template, target_context_length
 from dflash_target import load_target_config, load_target_model, resolve_target_path
 
@@ -380,7 +381,7 @@ def regenerate_from_server(args, prompts, todo, chat_template_kwargs):
 
 def parse_args(argv: list[str] | None) -> tuple[RegenerateArgs, dict]:
     """The settings, checked; returns (args, chat_template_kwargs). Raises ValueError naming the flag."""
-    (args,) = HfArgumentParser(RegenerateArgs).parse_args_into_dataclasses(args=argv)
+    (args,) = ScriptParser(RegenerateArgs).parse_args_into_dataclasses(args=argv)
     try:
         chat_template_kwargs = json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as error:

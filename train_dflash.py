@@ -1172,7 +1172,14 @@ def held_out_tau(drafter: DFlashDraftModel, target, tokenizer, data: TrainData, 
 
 
 def log_eval(progress: Progress, evaluate, settings: TrainSettings) -> None:
-    """Held-out tau now (the lead): into the trackers and train_log.jsonl, and one log line."""
+    """Held-out tau now (the lead): a line before (its bar shows only on a terminal, and decoding takes a minute or
+    so), then into the trackers and train_log.jsonl, and one log line."""
+    logger.info(
+        "Measuring held-out tau at step %d: up to %d held-out prompts, %d new tokens each",
+        progress.global_step,
+        settings.eval_num_prompts,
+        settings.eval_max_new_tokens,
+    )
     scalars = {"step": progress.global_step, **evaluate(), "elapsed_s": time.perf_counter() - progress.loop_start}
     progress.eval_tau, progress.prompt_lookup_tau = scalars["eval_tau"], scalars.get("eval_prompt_lookup_tau")
     progress.record(scalars, settings.output_dir, with_step=False)

@@ -206,11 +206,23 @@ def test_user_errors_of_the_tools_are_one_line_like_training(tmp_path):
             "error: --compile_decode must be auto, on or off, got 'maybe'",
         ),
     }
-    results = run_two_at_a_time({script: args for script, (args, _) in runs.items()}, {**os.environ, "HF_HUB_OFFLINE": "1"}, 120)
-    for script, (_, message) in runs.items():
-        result = results[script]
-        assert result.returncode == 2 and "Traceback" not in result.stderr, f"{script}: {result.stderr[-2000:]}"
-        assert result.stderr.strip().splitlines()[-1].startswith(message), f"{script}: {result.stderr[-500:]}"
+    # A missing or mistyped flag: the same one line, not argparse's usage text.
+    flag_runs = {
+        "eval_dflash.py": (
+            ["--target_model", "x", "--draft_model", "y", "--data", "d.jsonl"],
+            "error: the following arguments are required: --max_new_tokens, --output; see `python eval_dflash.py --help`",
+        ),
+        "regenerate_data.py": (
+            ["--target_model", "x", "--prompts", "p.jsonl", "--batch_size", "many"],
+            "error: --batch_size expects an integer, got 'many'; see `python regenerate_data.py --help`",
+        ),
+    }
+    for cases in (runs, flag_runs):
+        results = run_two_at_a_time({script: args for script, (args, _) in cases.items()}, {**os.environ, "HF_HUB_OFFLINE": "1"}, 120)
+        for script, (_, message) in cases.items():
+            result = results[script]
+            assert result.returncode == 2 and "Traceback" not in result.stderr and "usage:" not in result.stderr, f"{script}: {result.stderr[-2000:]}"
+            assert result.stderr.strip().splitlines()[-1].startswith(message), f"{script}: {result.stderr[-500:]}"
 
 
 def test_the_gpu_tools_run_in_a_tiny_cpu_mode(tiny_qwen3_target, train_env, tmp_path):

@@ -305,6 +305,9 @@ def test_two_process_deepspeed_zero2_launch(tiny_qwen3_target, gsm8k_path, train
     held_out = [line.split("\r")[-1] for line in result.stderr.split("\n") if "Held-out tau at step" in line]
     assert len(held_out) == 2 and all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in held_out), held_out
     assert all("(prompt lookup on the same prompts: " in line for line in held_out), held_out
+    # Announced first: without a terminal there is no bar over the prompts, and decoding takes a while.
+    assert result.stderr.count("Measuring held-out tau at step 2: up to ") == 1
+    assert result.stderr.index("Measuring held-out tau at step 2: ") < result.stderr.index("Held-out tau at step 2: ")
     assert all(row["eval_prompt_lookup_tau"] >= 1.0 for row in eval_rows)
     card = (out / "final" / "README.md").read_text()
     assert f"transformers' prompt lookup reaches {eval_rows[-1]['eval_prompt_lookup_tau']:.2f} on the same prompts" in card
