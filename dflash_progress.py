@@ -397,16 +397,18 @@ def start_progress(
     # Trackers take flat scalars; lists and None become strings.
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in resolved.items()}
     trackers = start_trackers(settings, hparams, resume.global_step) if layout.is_lead else []
+    anchors = f"{settings.num_anchors} anchors x block {block_size}"
+    if resolved.get("anchor_sampling") == "pooled":
+        anchors += f" (anchors: a sequence's mean, drawn over each micro-batch into {2 * settings.num_anchors} slots)"
     logger.info(
-        "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %d anchors x block %d",
+        "%d samples, %d ranks (%d drafter), %d optimizer steps (%d per epoch, %d epochs), %s",
         num_samples,
         world,
         layout.dp_world,
         schedule.total_steps,
         schedule.steps_per_epoch,
         schedule.num_epochs,
-        settings.num_anchors,
-        block_size,
+        anchors,
     )
     bar = tqdm(total=schedule.total_steps, initial=resume.global_step, disable=not layout.is_lead, desc="train", dynamic_ncols=True)
     return Progress(resume.global_step, trackers, bar, block_size, settings)
