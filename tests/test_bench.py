@@ -138,3 +138,45 @@ def test_tied_head_step_counts_the_same_useful_flops():
     parts = drafter_step_flops(config, 40, anchors, anchor_valid, label_valid, dense_attention=True)
     assert mode.get_total_flops() == pytest.approx(sum(f + b for f, b in parts.values()), rel=0.02)
     assert ctx["head_weight"].grad is None  # frozen: the head's backward is its input gradient only
+
+
+def test_the_top_k_group_lever_sets_dflash2s_grouped_top_k_and_refuses_a_size_that_does_not_divide(monkeypatch):
+    """`top_k_group_N`: parsed beside the other levers; a DFlash2 step under it sets dflash_loss_kernels.TOP_K_GROUP
+    and trains the same loss as one torch.topk (random float32 logits: no ties); a size that does not divide the
+    vocabulary is refused in one line naming the sizes that do."""
+    import dflash_loss_kernels
+    from dflash_bench_training import set_drafter_levers
+
+    monkeypatch.setattr(dflash_loss_kernels, "TOP_K_GROUP", 0)
+    assert parse_variant("compile_layers+fused_ce_compiled+top_k_group_4096").top_k_group == 4096
+    target = Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=96
+    )
+    config = drafter_config_for_target(
+        target, mask_token_id=3, num_draft_layers=1, block_size=4, target_layer_ids=[1, 2], drafter="dflash2", selector_top_k=4
+    )
+    device = torch.device("cpu")
+    losses = {}
+    for name in ("fused_ce", "fused_ce+top_k_group_24"):
+        torch.manual_seed(0)
+        ctx = drafter_context(config, device, torch.float32, lambda line: None, "sdpa", 1, 0)
+        variant = parse_variant(name)
+        set_drafter_levers(ctx, variant)
+        assert dflash_loss_kernels.TOP_K_GROUP == variant.top_k_group
+        batch_tensors = make_batch(2, 40, config, device, torch.float32)
+        args = (
+            ctx["drafter"],
+            ctx["optimizer"],
+            ctx["head_weight"],
+            ctx["weights"],
+            variant,
+            batch_tensors,
+            6,
+            "sdpa",
+            torch.Generator().manual_seed(0),
+        )
+        drafter_step(*args, PhaseClock(device))
+        losses[name] = [p.detach().clone() for p in ctx["drafter"].parameters()]  # after one optimizer step
+    assert all(torch.equal(a, b) for a, b in zip(*losses.values()))
+    with pytest.raises(ValueError, match=r"top_k_group_20 must divide the vocabulary \(96\); one of \[4, 6, 8, 12, 16, 24, 32, 48\]"):
+        set_drafter_levers(ctx, parse_variant("top_k_group_20"))
