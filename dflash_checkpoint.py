@@ -209,6 +209,8 @@ def find_resume_point(settings: CheckpointSettings, accelerator: Accelerator, ra
     point = ResumePoint(resume, state)
     log_file = Path(settings.output_dir) / "train_log.jsonl"
     earlier_run = checkpoint_dirs(settings.output_dir) + [p for p in [log_file] if p.is_file()]
+    if earlier_run:  # with it goes the evaluation the run's closing line suggests (eval_dflash.py --output OUT/eval.json)
+        earlier_run += [p for p in (Path(settings.output_dir) / name for name in ("eval.json", "eval_acceptance.png")) if p.is_file()]
     if not resume and earlier_run:
         # A fresh run on top of an earlier one would mix two logs and two runs' checkpoints, and
         # --resume_from_checkpoint latest could then pick the wrong run. Asked to continue a run that

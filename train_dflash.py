@@ -265,7 +265,7 @@ class TrainSettings:
     eval_prompt_lookup: bool = field(default=False, metadata={"group": "evaluation", "help": "Also decode the held-out prompts with transformers' prompt lookup at each evaluation: the baseline's tau beside the drafter's in the log and the model card"})
     # output, checkpoints and the Hub
     output_dir: str = field(default="outputs/dflash", metadata={"group": "output", "help": "Checkpoints, final export and logs go here"})
-    overwrite_output_dir: bool = field(default=False, metadata={"group": "output", "help": "Start fresh in an --output_dir that holds an earlier run (its checkpoints and log are deleted)"})
+    overwrite_output_dir: bool = field(default=False, metadata={"group": "output", "help": "Start fresh in an --output_dir that holds an earlier run (its checkpoints, log, and eval.json and eval_acceptance.png of the evaluation its closing line suggests are deleted)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"group": "output", "help": "'latest' (the newest checkpoint-{step} in --output_dir; where there is none, a warning and a fresh run; on a run that has finished, a note and nothing else) or a checkpoint-{step} path (default: none, a fresh run)"})
     save_steps: int = field(default=500, metadata={"group": "output", "help": "Write {output_dir}/checkpoint-{step} every N optimizer steps (0 = never)"})
     save_total_limit: int | None = field(default=3, metadata={"group": "output", "help": "Keep at most this many checkpoints (oldest deleted)"})

@@ -632,6 +632,8 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tiny_qwen3_target
     out = tmp_path / "out"
     (out / "checkpoint-3").mkdir(parents=True)
     (out / "train_log.jsonl").write_text('{"step": 3, "loss": 1.0}\n')
+    (out / "eval.json").write_text("{}")  # the evaluation of the earlier run's export that its closing line suggests
+    (out / "notes.txt").write_text("mine")  # anything else is the user's
     result = train_runs.run("train_dflash.py", tiny_args(tiny_qwen3_target, gsm8k_path, out, max_steps=1), timeout=900)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "holds an earlier run" in result.stderr and "--resume_from_checkpoint latest" in result.stderr
@@ -640,7 +642,8 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tiny_qwen3_target
     result = train_runs.run("train_dflash.py", args, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "checkpoint-3").exists() and [row["step"] for row in read_log(out)] == [1]
-    assert f"--overwrite_output_dir: deleting the earlier run in {out} (checkpoint-3, train_log.jsonl)" in result.stderr
+    assert f"--overwrite_output_dir: deleting the earlier run in {out} (checkpoint-3, train_log.jsonl, eval.json)" in result.stderr
+    assert not (out / "eval.json").exists() and (out / "notes.txt").read_text() == "mine"
 
 
 def test_filler_micro_batches_change_neither_the_step_nor_the_logs(tiny_qwen3_target, train_runs, tmp_path):
