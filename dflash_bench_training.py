@@ -26,7 +26,7 @@ from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor
 from dflash_compile import get_compiled_flex_attention, warm_up_flex_attention
 from dflash_flops import drafter_step_flops, target_forward_flops
 from dflash_loss import block_target_hidden, chunked_dspark_loss, loss_weights, selector_objective, weighted_block_loss
-from dflash_loss_kernels import LOSSES, check_fused_loss, resolve_fused_loss, top_k_group_sizes
+from dflash_loss_kernels import LOSSES, check_fused_loss, check_top_k_group, resolve_fused_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, markov_predecessor_ids
@@ -383,12 +383,12 @@ def set_drafter_levers(ctx, variant: Variant) -> None:
 
     Raises:
         ValueError: a top-K group size that does not divide the vocabulary (names the sizes that do)."""
-    vocab, group, k = ctx["config"].vocab_size, variant.top_k_group, getattr(ctx["config"], "selector_top_k", 1)
-    if group and (vocab % group or group < k):
-        raise ValueError(
-            f"--variant {variant.name}: top_k_group_{group} must divide the vocabulary ({vocab}); one of {top_k_group_sizes(vocab, k) or top_k_group_sizes(vocab, k, smallest=k)}"
-        )
-    dflash_loss_kernels.TOP_K_GROUP = group
+    config = ctx["config"]
+    try:
+        check_top_k_group(config.vocab_size, getattr(config, "selector_top_k", 1), variant.top_k_group)
+    except ValueError as error:
+        raise ValueError(f"--variant {variant.name}: {error}") from None
+    dflash_loss_kernels.TOP_K_GROUP = variant.top_k_group
     ctx["drafter"].compile_layers(variant.compile_layers)
     ctx["drafter"].chunk_context(variant.context_chunk)
     ctx["drafter"].checkpoint_layers(variant.checkpoint_layers)

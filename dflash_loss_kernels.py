@@ -669,9 +669,22 @@ TOP_K_GROUP = 0  # top_k_ids' default group size (0: one torch.topk over the who
 
 
 def top_k_group_sizes(vocab: int, k: int, smallest: int = 256, largest: int = 8192) -> list[int]:
-    """The group sizes `top_k_ids` can use for a vocabulary: divisors of `vocab` in [max(smallest, k), largest],
-    ascending (a vocabulary with none, e.g. a prime size, gets one topk pass)."""
-    return [g for g in range(max(smallest, k), min(largest, vocab - 1) + 1) if vocab % g == 0]
+    """The group sizes worth trying in `top_k_ids` for a vocabulary: divisors of `vocab` in [max(smallest, k), largest],
+    ascending; where there are none (a small vocabulary), the divisors from k up; none for a prime size (one topk pass)."""
+    sizes = [g for g in range(max(smallest, k), min(largest, vocab - 1) + 1) if vocab % g == 0]
+    return sizes or [g for g in range(k, min(largest, vocab - 1) + 1) if vocab % g == 0]
+
+
+def check_top_k_group(vocab: int, k: int, group: int) -> None:
+    """Refuse a `top_k_ids` group size that does not divide the vocabulary or is below k (0, no grouping, passes).
+
+    Raises:
+        ValueError: one line, naming the sizes that would do.
+    """
+    if group and (vocab % group or group < k):
+        raise ValueError(
+            f"top-K group size {group} must divide the vocabulary ({vocab}) and be >= K ({k}); one of {top_k_group_sizes(vocab, k)}, or 0"
+        )
 
 
 def top_k_ids(logits: torch.Tensor, k: int, group: int | None = None) -> torch.Tensor:
@@ -690,10 +703,7 @@ def top_k_ids(logits: torch.Tensor, k: int, group: int | None = None) -> torch.T
     if not group:
         return logits.topk(k, dim=-1).indices
     rows, vocab = logits.shape
-    if vocab % group or group < k:
-        raise ValueError(
-            f"top-K group size {group} must divide the vocabulary ({vocab}) and be >= K ({k}); one of {top_k_group_sizes(vocab, k)}, or 0"
-        )
+    check_top_k_group(vocab, k, group)
     values, local = logits.reshape(rows, vocab // group, group).topk(k, dim=-1)  # [rows, groups, k] each
     best = values.flatten(1).topk(k, dim=-1).indices  # [rows, k] into the groups x k candidates
     starts = torch.arange(0, vocab, group, device=logits.device).repeat_interleave(k)  # [groups * k]: each candidate's group start

@@ -178,5 +178,8 @@ def test_the_top_k_group_lever_sets_dflash2s_grouped_top_k_and_refuses_a_size_th
         drafter_step(*args, PhaseClock(device))
         losses[name] = [p.detach().clone() for p in ctx["drafter"].parameters()]  # after one optimizer step
     assert all(torch.equal(a, b) for a, b in zip(*losses.values()))
-    with pytest.raises(ValueError, match=r"top_k_group_20 must divide the vocabulary \(96\); one of \[4, 6, 8, 12, 16, 24, 32, 48\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"--variant top_k_group_20: top-K group size 20 must divide the vocabulary \(96\) and be >= K \(4\); one of \[4, 6, 8, 12, 16, 24, 32, 48\], or 0",
+    ):
         set_drafter_levers(ctx, parse_variant("top_k_group_20"))

@@ -177,7 +177,7 @@ def top_k_table(shape: str, device: torch.device, dtype: torch.dtype, reps: int)
     k = min(TOP_K, vocab)
     logits = (torch.randn(chunk_size, vocab, device=device) * 2).to(dtype)
     reference = logits.topk(k).values
-    sizes = top_k_group_sizes(vocab, k) or top_k_group_sizes(vocab, k, smallest=k)  # the tiny shape: smaller groups
+    sizes = top_k_group_sizes(vocab, k)
     groups = [0] + sorted({min(sizes, key=lambda g: abs(g - want)) for want in (256, 512, 1024, 2048, 4096, 8192)} if sizes else set())
     lines, failures = [], 0
     for group in groups:
