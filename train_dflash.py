@@ -230,7 +230,7 @@ class TrainSettings:
     muon_adamw_weight_decay: float = field(default=0.01, metadata={"group": "optimisation", "help": "--optimizer muon: weight decay of the parameters AdamW trains beside Muon (norm gains, DFlash2's codebooks and base kernels, DSpark's heads)"})
     lr_scheduler: str = field(default="cosine", metadata={"group": "optimisation", "help": "Decay after the warmup: cosine (to 0) or linear (to 0)"})
     warmup_ratio: float = field(default=0.04, metadata={"group": "optimisation", "help": "Fraction of steps of linear warmup before the decay"})
-    max_grad_norm: float | None = field(default=None, metadata={"group": "optimisation", "help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU (default: 1.0 with adamw; 0 with muon, where ZeRO computes the update in the backward and would clip the update itself)"})
+    max_grad_norm: float | None = field(default=None, metadata={"group": "optimisation", "help": "Gradient clipping norm; 0: no clipping, and DeepSpeed (ZeRO 1/2) skips the gradient norm and its per-step waits for the GPU. With muon the raw gradient is clipped before Muon folds it into its momentum, as speculators does (ZeRO-2, one micro-batch per step) (default: 1.0 with adamw; 0 with muon)"})
     seed: int = field(default=0, metadata={"group": "optimisation", "help": "Seed for data order, anchors and init"})
     batch_order: str = field(default="length_grouped", metadata={"group": "optimisation", "help": "How each epoch's samples form micro-batches: length_grouped (similar lengths together: little padding) or random (a fresh random mix each epoch, as packed trainers draw; more padding unless --pad_to_multiple_of already fixes the shape)"})
     deepspeed_config: str = field(default="ds_configs/zero2.json", metadata={"group": "optimisation", "help": "DeepSpeed config; 'auto' fields are filled from these settings"})
@@ -411,12 +411,13 @@ class TrainSettings:
         if self.lr_scheduler not in LR_SCHEDULERS:
             raise ValueError(f"--lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
         muon = self.optimizer == "muon"
-        if muon and self.max_grad_norm:
-            # ZeRO-2 orthogonalizes each matrix's gradient while it reduces it, in the backward; DeepSpeed's
-            # clipping then scales the orthogonalized update, not the gradient (15-200x smaller steps).
+        if muon and self.max_grad_norm and self.gradient_accumulation_steps > 1:
+            # clip_gradient_before_muon takes the norm when ZeRO-2 flattens the step's gradient; with several
+            # micro-batches a step, part of it is then still in DeepSpeed's accumulation buffers.
             raise ValueError(
-                f"--max_grad_norm {self.max_grad_norm} with --optimizer muon would clip Muon's update, not the "
-                "gradient (ZeRO computes the update during the backward): pass --max_grad_norm 0, or --optimizer adamw"
+                f"--max_grad_norm {self.max_grad_norm} with --optimizer muon clips the gradient of one micro-batch a step: "
+                f"pass --gradient_accumulation_steps 1 (now {self.gradient_accumulation_steps}) with a larger "
+                "--per_device_batch_size, or --max_grad_norm 0"
             )
         if self.weight_decay is None:
             self.weight_decay = 0.1 if muon else 0.0
@@ -973,7 +974,8 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
         train_micro_batch_size_per_gpu=settings.per_device_batch_size,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         train_batch_size=settings.per_device_batch_size * settings.gradient_accumulation_steps * drafter_ranks,
-        gradient_clipping=settings.max_grad_norm,
+        # Muon's clipping is clip_gradient_before_muon's: DeepSpeed's would scale Muon's update, not the gradient.
+        gradient_clipping=0.0 if settings.optimizer == "muon" else settings.max_grad_norm,
         **{"bf16.enabled": bf16, "fp16.enabled": False},
     )
     config = plugin.deepspeed_config
@@ -982,7 +984,7 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
         # With one drafter rank there is no communication to overlap, and ZeRO's overlap path
         # synchronizes the whole device twice per optimizer step.
         config["zero_optimization"] = {**zero, "overlap_comm": False}
-    if settings.max_grad_norm == 0 and zero.get("stage") in (1, 2):
+    if (settings.max_grad_norm == 0 or settings.optimizer == "muon") and zero.get("stage") in (1, 2):
         # Nothing to clip: without this DeepSpeed still takes the gradient norm parameter by parameter
         # and waits for the GPU to check it, every step.
         config["zero_optimization"] = {**config["zero_optimization"], "compute_grad_norm": False}
@@ -1038,6 +1040,56 @@ def muon_newton_schulz_in_fp32() -> None:
     from deepspeed.runtime.zero.muon import original_muon
 
     original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
+
+
+def clip_gradient_before_muon(zero_optimizer, max_norm: float) -> None:
+    """Clip the step's gradient to a global L2 norm of `max_norm` before DeepSpeed's Muon folds it into its
+    momentum, as `torch.nn.utils.clip_grad_norm_` before `torch.optim.Muon` does (speculators' order).
+
+    ZeRO-2 computes Muon's update at the end of the backward, group by group, as it flattens each group's
+    reduced gradient into this rank's partition (`get_flat_partition`); DeepSpeed's own clipping runs later,
+    in step(), and would scale the orthogonalized update instead. So the norm is taken, and every group's
+    gradient (Muon's matrices and AdamW's rest) scaled in place, just before the first group is flattened,
+    when all of them are reduced. Each rank counts the slice of each gradient its partition owns (a Muon
+    matrix split between two ranks is reduced whole on both) and the squares are summed over the drafter
+    ranks. Scaling is a tensor op (no wait for the GPU). The norm before clipping is kept as
+    `zero_optimizer.gradient_norm_before_clipping` (a 0-dim float32 tensor).
+
+    Needs ZeRO stage 2 with gradients accumulated in the model's dtype, and one micro-batch per step
+    (TrainSettings refuses more); raises ValueError otherwise. Patches this optimizer instance only.
+    """
+    ds = zero_optimizer
+    groups = range(len(ds.bit16_groups))
+    if not getattr(ds, "partition_gradients", False) or any(ds._use_compact_grad_partition_buffer(i) for i in groups):
+        raise ValueError(
+            "--max_grad_norm with --optimizer muon needs ZeRO stage 2 with gradients accumulated in the model's dtype "
+            "(ds_configs/zero2.json, no data_types.grad_accum_dtype): change --deepspeed_config, or pass --max_grad_norm 0"
+        )
+    flatten = ds.get_flat_partition
+
+    def owned_slice(group: int, index: int, grad: torch.Tensor) -> torch.Tensor:
+        partition = deepspeed.comm.get_rank(group=ds.real_dp_process_group[group])
+        param_id = ds.get_param_id(ds.params_in_partition[group][index])
+        start = int(ds.grad_start_offset[group][partition][param_id])
+        dest = int(ds.grad_partition_insertion_offset[group][partition][param_id])
+        return grad.reshape(-1).narrow(0, start, int(min(grad.numel() - start, ds.partition_size[group] - dest)))
+
+    def clip_then_flatten(tensor_list, first_offset, partition_size, dtype, device, param_group_idx, return_tensor_list=False):
+        if param_group_idx == 0:  # the first group of this step: every group's gradient is reduced by now
+            grads = [ds.all_grad_tensors[0]] + [ds.get_all_grad_tensors(ds.params_in_partition[i], dtype) for i in groups[1:]]
+            squares = torch.zeros((), dtype=torch.float32, device=device)
+            for i in groups:
+                for index, grad in enumerate(grads[i]):
+                    squares += owned_slice(i, index, grad).float().pow(2).sum()
+            deepspeed.comm.all_reduce(squares, group=ds.real_dp_process_group[0])
+            ds.gradient_norm_before_clipping = norm = squares.sqrt()
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
+            for group_grads in grads:
+                for grad in group_grads:
+                    grad.mul_(scale)  # in place: the tensors the flattening reads next
+        return flatten(tensor_list, first_offset, partition_size, dtype, device, param_group_idx, return_tensor_list)
+
+    ds.get_flat_partition = clip_then_flatten
 
 
 def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list[dict]:
@@ -1096,6 +1148,8 @@ def start_deepspeed(settings: TrainSettings, drafter: DFlashDraftModel, layout, 
                 mpu=DrafterGroupMPU(layout),
                 lr_scheduler=lambda optimizer: decay(optimizer, warmup_steps, total_steps),
             )
+        if settings.max_grad_norm:
+            clip_gradient_before_muon(engine.optimizer, settings.max_grad_norm)
     else:
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
         scheduler = decay(optimizer, warmup_steps, total_steps)

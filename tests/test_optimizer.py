@@ -1,5 +1,6 @@
 """The optimizers: AdamW, and DeepSpeed's Muon under ZeRO-2 matched to torch.optim.Muon's update size;
-the learning-rate schedules; the refusals (clipping a Muon update, resuming another optimizer's run)."""
+the learning-rate schedules; clipping the gradient before Muon; the refusals (Muon clipping with accumulated
+micro-batches, resuming another optimizer's run)."""
 
 import json
 import subprocess
@@ -107,18 +108,21 @@ def test_resume_refuses_a_muon_checkpoint_of_another_split(tmp_path):
     assert loaded == [str(tmp_path)]
 
 
-# One ZeRO-2 step of start_deepspeed's optimizer on a given gradient (a loss linear in the weights),
-# in a process of its own (torch.distributed, world of 1 on gloo); prints the weights before and after.
+# ZeRO-2 steps of start_deepspeed's optimizer on given gradients (a loss linear in the weights), in processes of
+# their own (torch.distributed on gloo, one process per drafter rank, every rank the same gradient); the first rank
+# saves the weights before and after each step. Step k's gradient is scales[k] x a fixed random draw.
 STEP_SCRIPT = r"""
-import sys, types, torch
+import os, sys, types, torch
 sys.path.insert(0, sys.argv[1])
 import train_dflash as t
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_schedule import ResumePoint
 from dspark_model import DSparkConfig, DSparkDraftModel
-torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=world_size)
 world = torch.distributed.group.WORLD
-layout = types.SimpleNamespace(dp_world=1, dp_rank=0, drafter_group=world, drafter_ranks=[0], self_group=world, split=False)
+layout = types.SimpleNamespace(dp_world=world_size, dp_rank=rank, drafter_group=world, drafter_ranks=list(range(world_size)),
+                               self_group=world, split=False)
 torch.manual_seed(0)
 shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
              num_hidden_layers=2, vocab_size=64, block_size=4, num_target_layers=4, rope_theta=10000.0,
@@ -131,57 +135,92 @@ settings = t.TrainSettings(target_model="t", train_data=["d"], optimizer=sys.arg
                            lr_scheduler="linear", max_grad_norm=float(sys.argv[4]) if sys.argv[4] != "default" else None)
 compute = t.Compute(backend="sdpa", pad_multiple=8, compile_drafter=False, compile_target=False, dtype=torch.float32, on_cuda=False)
 before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
-grads = {n: 10 * torch.randn_like(p) for n, p in drafter.named_parameters()}  # a gradient norm far above 1
+scales = [float(x) for x in sys.argv[7].split(",")]
+grads = [{n: scale * torch.randn_like(p) for n, p in drafter.named_parameters()} for scale in scales]
 engine, scheduler = t.start_deepspeed(settings, drafter, layout, types.SimpleNamespace(total_steps=10), compute, ResumePoint(None, {}))
-loss = sum((p * grads[n]).sum() for n, p in engine.module.named_parameters())
-engine.backward(loss)
-engine.step()
-after = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-torch.save({"before": before, "after": after, "grads": grads, "lr": scheduler.get_last_lr()}, sys.argv[5])
+after, lrs = [], []
+for step_grads in grads:
+    lrs.append(scheduler.get_last_lr())
+    loss = sum((p * step_grads[n]).sum() for n, p in engine.module.named_parameters())
+    engine.backward(loss)
+    engine.step()
+    after.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+if rank == 0:
+    torch.save({"before": before, "after": after, "grads": grads, "lrs": lrs}, sys.argv[5])
 """
 
 
-def zero2_step(tmp_path, optimizer: str, max_grad_norm: str = "default", drafter: str = "dflash") -> dict:
-    out = tmp_path / f"step_{optimizer}_{drafter}.pt"
+def zero2_steps(tmp_path, optimizer: str, max_grad_norm: str = "default", drafter: str = "dflash", scales=(10.0,), ranks: int = 1) -> dict:
+    """The saved weights of `len(scales)` ZeRO-2 steps over `ranks` CPU processes: {"before", "after": [per step],
+    "grads": [per step], "lrs": [per step]}."""
+    out = tmp_path / f"steps_{optimizer}_{max_grad_norm}_{drafter}_{ranks}.pt"
     port = str(free_port())
-    env = {
+    base = {
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
         "PATH": "/usr/bin:/bin",
         "HOME": str(tmp_path),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": port,
     }
-    result = subprocess.run(
-        [sys.executable, "-c", STEP_SCRIPT, str(REPO), port, optimizer, max_grad_norm, str(out), drafter],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    args = [sys.executable, "-c", STEP_SCRIPT, str(REPO), port, optimizer, max_grad_norm, str(out), drafter, ",".join(map(str, scales))]
+    processes = [
+        subprocess.Popen(
+            args,
+            cwd=tmp_path,
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-3000:]
     return torch.load(out)
 
 
-def test_deepspeed_muon_step_equals_torch_muon_unclipped(tmp_path):
-    step = zero2_step(tmp_path, "muon")
-    before, after, grads = step["before"], step["after"], step["grads"]
-    # The reference: torch.optim.Muon on the matrices (speculators' settings), torch's AdamW on the norm gains.
+def zero2_step(tmp_path, optimizer: str, max_grad_norm: str = "default", drafter: str = "dflash") -> dict:
+    """One step at a gradient of norm far above 1: {"before", "after", "grads", "lr"} of that step."""
+    steps = zero2_steps(tmp_path, optimizer, max_grad_norm, drafter)
+    return {"before": steps["before"], "after": steps["after"][0], "grads": steps["grads"][0], "lr": steps["lrs"][0]}
+
+
+def torch_muon_steps(before: dict, grads: list[dict], max_grad_norm: float) -> list[dict]:
+    """The reference: torch.optim.Muon on the matrices (speculators' settings), torch's AdamW on the norm gains,
+    the gradient clipped by clip_grad_norm_ before them (0: not clipped); the weights after each step."""
     reference = {n: p.clone().requires_grad_() for n, p in before.items()}
     matrices = [p for n, p in reference.items() if p.ndim >= 2]
     gains = [p for n, p in reference.items() if p.ndim < 2]
     muon = torch.optim.Muon(matrices, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW(gains, lr=1e-3, weight_decay=0.01)
-    for n, p in reference.items():
-        p.grad = grads[n].clone()
-    muon.step()
-    adamw.step()
+    after = []
+    for step, step_grads in enumerate(grads):
+        for group in (*muon.param_groups, *adamw.param_groups):
+            group["lr"] = 1e-3 * (1 - step / 10)  # the linear schedule of 10 steps, no warmup
+        for n, p in reference.items():
+            p.grad = step_grads[n].clone()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(list(reference.values()), max_grad_norm)
+        muon.step()
+        adamw.step()
+        after.append({n: p.detach().clone() for n, p in reference.items()})
+    return after
+
+
+def step_agreement(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, float]:
+    """(size ratio, cosine) of two updates."""
+    ratio = (ours.norm() / theirs.norm()).item()
+    return ratio, torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0).item()
+
+
+def test_deepspeed_muon_step_equals_torch_muon_unclipped(tmp_path):
+    step = zero2_step(tmp_path, "muon")
+    before, after = step["before"], step["after"]
+    reference = torch_muon_steps(before, [step["grads"]], max_grad_norm=0)[0]
     for n in before:
-        ours, theirs = after[n] - before[n], reference[n].detach() - before[n]
+        ours, theirs = after[n] - before[n], reference[n] - before[n]
         assert theirs.abs().max() > 1e-5, n  # the step moved the weight
         if before[n].ndim < 2:  # the norm gains: torch's AdamW on both sides
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-8)
@@ -189,9 +228,31 @@ def test_deepspeed_muon_step_equals_torch_muon_unclipped(tmp_path):
         # torch's Newton-Schulz iteration runs in bf16, DeepSpeed's here in fp32 (`muon_newton_schulz_in_fp32`): measured
         # sizes within 0.4%, cosine >= 0.99984; with DeepSpeed's own bf16 on a CPU, cosine down to 0.9989. A no-op flag
         # (AdamW's first step, ~lr x sqrt(numel): 5x larger) or a clipped update (gradient norm ~400: 1/400) is far outside.
-        ratio = (ours.norm() / theirs.norm()).item()
-        cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0).item()
+        ratio, cosine = step_agreement(ours, theirs)
         assert abs(ratio - 1) < 0.01 and cosine > 0.9997, f"{n}: DeepSpeed's Muon step differs from torch's: size x{ratio:.4f}, cosine {cosine:.5f}"
+
+
+def test_muon_clips_the_gradient_before_its_momentum_as_torch(tmp_path):
+    """--max_grad_norm with Muon clips the raw gradient before Muon's momentum, as clip_grad_norm_ before
+    torch.optim.Muon: seen at the second step, where a first gradient 1000x larger than the second dominates an
+    unclipped momentum and not a clipped one. Over two drafter ranks the same steps: each rank counts only the
+    gradient slices it owns."""
+    scales = (10.0, 0.01)
+    steps = zero2_steps(tmp_path, "muon", "1.0", scales=scales)
+    before, after = steps["before"], steps["after"]
+    clipped = torch_muon_steps(before, steps["grads"], max_grad_norm=1.0)
+    unclipped = torch_muon_steps(before, steps["grads"], max_grad_norm=0)
+    for n in before:
+        ours, theirs, other = (run[1][n] - run[0][n] for run in (after, clipped, unclipped))
+        if before[n].ndim < 2:  # AdamW's gains: the clip scales both steps' gradients by different factors
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-8)
+            continue
+        ratio, cosine = step_agreement(ours, theirs)
+        assert abs(ratio - 1) < 0.01 and cosine > 0.9997, f"{n}: the clipped Muon step differs from torch's: size x{ratio:.4f}, cosine {cosine:.5f}"
+        assert step_agreement(ours, other)[1] < 0.9, f"{n}: the second step does not tell clipped from unclipped"
+    two_ranks = zero2_steps(tmp_path, "muon", "1.0", scales=scales, ranks=2)
+    for n in before:
+        torch.testing.assert_close(two_ranks["after"][1][n], after[1][n], rtol=1e-4, atol=1e-6)
 
 
 def test_deepspeed_muon_steps_dspark_heads_with_adamw(tmp_path):
@@ -211,9 +272,13 @@ def test_deepspeed_muon_steps_dspark_heads_with_adamw(tmp_path):
     assert 0.1e-3 < moved < 0.4e-3, moved
 
 
-def test_muon_refuses_clipping_and_schedules_decay_to_zero(tmp_path):
-    with pytest.raises(ValueError, match=r"--max_grad_norm 1.0 with --optimizer muon would clip Muon's update"):
-        TrainSettings(target_model="t", train_data=["d"], optimizer="muon", max_grad_norm=1.0)
+def test_muon_clipping_needs_one_micro_batch_a_step_and_schedules_decay_to_zero(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"--max_grad_norm 1.0 with --optimizer muon clips the gradient of one micro-batch a step: pass --gradient_accumulation_steps 1 \(now 2\)",
+    ):
+        TrainSettings(target_model="t", train_data=["d"], optimizer="muon", max_grad_norm=1.0, gradient_accumulation_steps=2)
+    assert TrainSettings(target_model="t", train_data=["d"], optimizer="muon", max_grad_norm=1.0).max_grad_norm == 1.0
     with pytest.raises(ValueError, match="--optimizer must be one of adamw, muon"):
         TrainSettings(target_model="t", train_data=["d"], optimizer="sgd")
     with pytest.raises(ValueError, match="--lr_scheduler must be one of cosine, linear"):

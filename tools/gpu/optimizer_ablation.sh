@@ -24,6 +24,8 @@
 #   muon_linear_pooled    muon_linear with --anchor_sampling pooled: 64 x 128 anchors drawn over each step's replies at
 #                         once, every position with the same chance (speculators' draw over its packed row), instead
 #                         of 128 per reply (all of a short one's); 256 slots a reply: ~2x the drafter's work a step
+#   muon_linear_clip      muon_linear with --max_grad_norm 1.0: the raw gradient clipped before Muon's momentum, as
+#                         speculators clips it (clip_grad_norm_ before torch.optim.Muon)
 #   spec_adamw            speculators' row with our optimizer and schedule (AdamW 8e-4, no decay, cosine, 4% warmup):
 #                         what speculators' lead owes to its optimizer, seen from its side
 #   dspark_muon_linear    --drafter dspark with muon_linear's optimizer and schedule, gamma 15: the DFlash rows' 15 drafts
@@ -56,6 +58,9 @@
 # evaluation, a larger numeric change than eager kernels, moved tau by 0.03). muon_linear_pooled +0.0 to +0.12 over
 # muon_linear (short replies' blocks stop repeating every epoch; long replies, which held-out decoding resembles
 # more, get more of the anchors); both with --batch_order random would tell whether the two add up.
+# Prediction for muon_linear_clip, written before its first run (T=0, same questions): -0.03 to +0.06 over muon_linear
+# (Muon's update size ignores the norm; only the momentum's mix of steps changes, most in the first ~50 steps, when
+# the gradient's norm falls fastest).
 # Predictions for the DSpark rows, written before their first run (same questions, tau against muon_linear's 3.02
 # and 2.05): the paper claims +16-18% over DFlash at T=1, llama.cpp saw no gain, and here a loss against the
 # target's distribution (--loss lk) gave -0.06 at T=0 and +0.08 at T=0.8 beside CE (docs/quality.md). So:
@@ -107,6 +112,7 @@ args_of() {  # run name: our trainer's flags on top of the recipe
     muon_linear_wd1) echo "$MUON $LINEAR --weight_decay 1.0" ;;
     muon_linear_count) echo "$MUON $LINEAR --loss_normalize count" ;;
     muon_linear_pooled) echo "$MUON $LINEAR --anchor_sampling pooled" ;;
+    muon_linear_clip) echo "$MUON $LINEAR --max_grad_norm 1.0" ;;
     muon_linear_eager_target) echo "$MUON $LINEAR --compile_target off --target_cuda_graphs false" ;;
     dspark_muon_linear) echo "$DSPARK $MUON_ONLY $LINEAR" ;;
     # after speculators_compare.sh's own --max_steps, so it wins; 62% of the TINY trial's 3 steps: 2
