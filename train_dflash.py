@@ -1092,6 +1092,16 @@ def clip_gradient_before_muon(zero_optimizer, max_norm: float) -> None:
     ds.get_flat_partition = clip_then_flatten
 
 
+def last_gradient_norm(engine) -> float | None:
+    """The global L2 norm of the last optimizer step's gradient, before clipping: DeepSpeed's (AdamW with
+    clipping), `clip_gradient_before_muon`'s (Muon with clipping), or None where nothing clips (no norm is
+    taken then). Reading it waits for the GPU: called at logging steps only."""
+    norm = getattr(engine.optimizer, "gradient_norm_before_clipping", None)
+    if norm is None:
+        norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
 def muon_param_groups(drafter: torch.nn.Module, settings: TrainSettings) -> list[dict]:
     """The drafter's parameters in groups for DeepSpeed's Muon, with learning rates that give each
     matrix the update size of torch.optim.Muon(adjust_lr_fn="match_rms_adamw") at --learning_rate.
@@ -1304,6 +1314,9 @@ def train_loop(
             slots = loss_fn.take_mean_anchor_slots()
             if slots is not None:
                 scalars["anchor_slots"] = slots  # this rank's micro-batches, of --num_anchors
+            grad_norm = last_gradient_norm(engine)
+            if grad_norm is not None:
+                scalars["grad_norm"] = grad_norm  # the last step's, before clipping
             progress.bar.set_postfix(
                 loss=f"{scalars['loss']:.3f}",
                 acc=f"{scalars['acc_first']:.3f}",

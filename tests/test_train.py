@@ -78,6 +78,7 @@ def test_loss_falls_on_gsm8k_with_tiny_qwen3_target(trainable_qwen3_target, gsm8
     log = read_log(out)
     assert [row["step"] for row in log] == [5, 10, 15, 20, 25, 30]
     assert all(row["anchor_slots"] == 16 for row in log)  # the micro-batches' slots: every row here fills its 16
+    assert all(0 < row["grad_norm"] < 1e4 for row in log), log  # DeepSpeed's norm before clipping to 1.0
     profile = (out / "profile.txt").read_text()  # --profile_steps: steps 21..22, ops by self time
     assert profile.startswith("optimizer steps 21..22\nsorted by self_cpu_time_total") and "aten::" in profile
     assert (out / "profile_trace.json").stat().st_size > 1000
