@@ -1025,6 +1025,10 @@ def test_the_shipped_deepspeed_config_asks_for_no_per_step_device_syncs():
     assert "compute_grad_norm" not in one["zero_optimization"] and one["gradient_clipping"] == 1.0
     unclipped = resolve_deepspeed_config(replace(settings, max_grad_norm=0.0), drafter_ranks=1, bf16=True, split=False)
     assert unclipped["zero_optimization"]["compute_grad_norm"] is False and unclipped["gradient_clipping"] == 0.0
+    # Muon clips before its momentum itself (clip_gradient_before_muon): DeepSpeed's clip would scale the update.
+    muon = TrainSettings(target_model="x", train_data=["x"], output_dir="unused", optimizer="muon", max_grad_norm=1.0)
+    muon_config = resolve_deepspeed_config(muon, drafter_ranks=1, bf16=True, split=False)
+    assert muon_config["gradient_clipping"] == 0.0 and muon_config["zero_optimization"]["compute_grad_norm"] is False
 
 
 def test_anchor_slots_multiple_groups_batches_by_assistant_length(qwen3_tokenizer):
