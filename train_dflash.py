@@ -1059,7 +1059,7 @@ def clip_gradient_before_muon(zero_optimizer, max_norm: float) -> None:
     (TrainSettings refuses more); raises ValueError otherwise. Patches this optimizer instance only.
     """
     ds = zero_optimizer
-    groups = range(len(ds.bit16_groups))
+    groups = range(len(getattr(ds, "bit16_groups", [])))
     if not getattr(ds, "partition_gradients", False) or any(ds._use_compact_grad_partition_buffer(i) for i in groups):
         raise ValueError(
             "--max_grad_norm with --optimizer muon needs ZeRO stage 2 with gradients accumulated in the model's dtype "

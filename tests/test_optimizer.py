@@ -313,3 +313,13 @@ def test_resume_refuses_a_checkpoint_of_another_optimizer(tmp_path):
     check_same_optimizer(checkpoint, "muon")
     with pytest.raises(ValueError, match=r"trained with --optimizer muon, this one asks for --optimizer adamw.*resume with --optimizer muon"):
         check_same_optimizer(checkpoint, "adamw")
+
+
+def test_muon_clipping_refuses_an_optimizer_it_cannot_clip_in():
+    """Without ZeRO-2's partitioned gradients (ZeRO stage 1, or no ZeRO) there is no flattening to clip before."""
+    from train_dflash import clip_gradient_before_muon
+
+    stage_one = types.SimpleNamespace(partition_gradients=False, bit16_groups=[[]])
+    for optimizer in (stage_one, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)):
+        with pytest.raises(ValueError, match=r"--max_grad_norm with --optimizer muon needs ZeRO stage 2 .*or pass --max_grad_norm 0"):
+            clip_gradient_before_muon(optimizer, 1.0)
