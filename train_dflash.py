@@ -968,14 +968,15 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
         path = str(REPO_DIR / path)
     if not os.path.isfile(path):
         raise ValueError(f"--deepspeed_config {settings.deepspeed_config}: no such file")
+    # Muon's clipping is clip_gradient_before_muon's: DeepSpeed's would scale Muon's update, not the gradient.
+    deepspeed_clip = 0.0 if settings.optimizer == "muon" else settings.max_grad_norm
     plugin = DeepSpeedPlugin(hf_ds_config=path)
     plugin.deepspeed_config_process(
         must_match=False,
         train_micro_batch_size_per_gpu=settings.per_device_batch_size,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         train_batch_size=settings.per_device_batch_size * settings.gradient_accumulation_steps * drafter_ranks,
-        # Muon's clipping is clip_gradient_before_muon's: DeepSpeed's would scale Muon's update, not the gradient.
-        gradient_clipping=0.0 if settings.optimizer == "muon" else settings.max_grad_norm,
+        gradient_clipping=deepspeed_clip,
         **{"bf16.enabled": bf16, "fp16.enabled": False},
     )
     config = plugin.deepspeed_config
@@ -984,8 +985,8 @@ def resolve_deepspeed_config(settings: TrainSettings, drafter_ranks: int, bf16: 
         # With one drafter rank there is no communication to overlap, and ZeRO's overlap path
         # synchronizes the whole device twice per optimizer step.
         config["zero_optimization"] = {**zero, "overlap_comm": False}
-    if (settings.max_grad_norm == 0 or settings.optimizer == "muon") and zero.get("stage") in (1, 2):
-        # Nothing to clip: without this DeepSpeed still takes the gradient norm parameter by parameter
+    if deepspeed_clip == 0 and zero.get("stage") in (1, 2):
+        # Nothing for DeepSpeed to clip: without this DeepSpeed still takes the gradient norm parameter by parameter
         # and waits for the GPU to check it, every step.
         config["zero_optimization"] = {**config["zero_optimization"], "compute_grad_norm": False}
     if split:
