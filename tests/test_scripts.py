@@ -316,6 +316,29 @@ def test_the_gpu_shell_scripts_parse():
         assert result.returncode == 0 and not result.stderr, f"{script.name}: {result.stderr}"
 
 
+def test_the_ablation_base_restores_the_previous_recipe_under_the_shipped_config():
+    """The ablation scripts train configs/smollm2-gsm8k-gpu.yaml with ABLATION_BASE (tools/gpu/helpers.sh) before
+    each row's flags: that must give the optimisation their earlier rows were measured on, though the config now
+    ships DFlash2 with Muon, and a row's own flags, after the base, must still win."""
+    from train_dflash import parse_settings
+
+    base = subprocess.run(
+        ["bash", "-c", 'source tools/gpu/helpers.sh && printf "%s\\n" "${ABLATION_BASE[@]}"'], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    config = ["--config", "configs/smollm2-gsm8k-gpu.yaml", "--train_data", "data/demo_conversations.jsonl", "--eval_data", ""]
+
+    def settings(*flags):
+        return parse_settings([*config, *flags])[0]
+
+    def optimisation(s):
+        return (s.drafter, s.optimizer, s.learning_rate, s.lr_scheduler, s.warmup_ratio, s.loss_weighting, s.batch_order, s.num_train_epochs)
+
+    assert optimisation(settings()) == ("dflash2", "muon", 1e-3, "linear", 0.01, "dpace", "random", 4)  # the shipped recipe
+    assert optimisation(settings(*base)) == ("dflash", "adamw", 8e-4, "cosine", 0.04, "exp", "length_grouped", 6)
+    row = settings(*base, "--drafter", "dflash2", "--optimizer", "muon", "--learning_rate", "1e-3")
+    assert optimisation(row)[:3] == ("dflash2", "muon", 1e-3)
+
+
 def test_the_ablation_table_pairs_each_run_with_the_first_by_question(tmp_path):
     """optimizer_ablation.sh's table: speculators' row names its evaluation after itself, ours after ours_best;
     the paired line is the mean and standard error of the per-question differences on the shared questions."""

@@ -5,7 +5,6 @@ LM head is the target's, frozen: no weight gradient), at SmolLM2-135M and Qwen3-
     python tools/gpu/fused_loss_check.py                  # GPU: both shapes, every path (~1 min on an H100)
     python tools/gpu/fused_loss_check.py --shapes smollm2
     python tools/gpu/fused_loss_check.py --tiny           # CPU (or GPU): tiny shapes, seconds; off CUDA the library rows are skipped
-    python tools/gpu/fused_loss_check.py --top_k_only     # GPU: only the top-K timing table below (seconds)
 
 The libraries are not in requirements.txt (GPU only, Triton): `pip install liger-kernel cut-cross-entropy`;
 a machine without internet takes them as wheels (.whl/, tools/gpu/setup.sh).
@@ -26,10 +25,6 @@ blocks of 512); float32: 1e-5, 1e-4, 0. The reference in bf16 must meet the firs
 what bf16 itself costs. Cut Cross-Entropy's gradient filter (blocks of softmax below 2^-12 skipped, its
 default, which train_dflash.py keeps) is what its gradient error measures. The top-K ids must be equal.
 Exits 1 when any row misses a tolerance (its row says which), 0 otherwise; a skipped row says why.
-
-Then DFlash2's top-K of one loss chunk's logits, timed: one torch.topk over the vocabulary against
-`dflash_loss_kernels.top_k_ids` in two passes over groups of it (about 256 to 8192 ids a group); each row's
-values must equal torch.topk's (exits 1 otherwise). dflash_loss_kernels.TOP_K_GROUP takes the winner.
 """
 
 import argparse
@@ -42,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dflash_loss import loss_weights, weighted_block_loss  # noqa: E402  (the repository root, on the path above)
-from dflash_loss_kernels import FUSED_LOSSES, resolve_fused_loss, top_k_candidates, top_k_group_sizes, top_k_ids  # noqa: E402
+from dflash_loss_kernels import FUSED_LOSSES, resolve_fused_loss, top_k_candidates  # noqa: E402
 
 # name -> (hidden, vocab, anchors, block size, rows per loss chunk). 512 anchors x 15 positions = 7,680 label rows.
 SHAPES = {
@@ -169,40 +164,12 @@ def check_shape(shape: str, device: torch.device, dtype: torch.dtype, paths: lis
     return lines, failures
 
 
-def top_k_table(shape: str, device: torch.device, dtype: torch.dtype, reps: int) -> tuple[list[str], int]:
-    """DFlash2's top-K of one loss chunk's logits ([chunk rows, vocab] in `dtype`): one torch.topk against
-    `top_k_ids` in two passes over groups of the vocabulary (about 256 to 8192 ids each). The table rows and the
-    number whose values differ from torch.topk's (ids may differ only among tied logits)."""
-    _, vocab, _, _, chunk_size = SHAPES[shape]
-    k = min(TOP_K, vocab)
-    logits = (torch.randn(chunk_size, vocab, device=device) * 2).to(dtype)
-    reference = logits.topk(k).values
-    sizes = top_k_group_sizes(vocab, k)
-    groups = [0] + sorted({min(sizes, key=lambda g: abs(g - want)) for want in (256, 512, 1024, 2048, 4096, 8192)} if sizes else set())
-    lines, failures = [], 0
-    for group in groups:
-        top_k_ids(logits, k, group)  # warm-up
-        times = []
-        for _ in range(reps):
-            sync(device)
-            start = time.perf_counter()
-            ids = top_k_ids(logits, k, group)
-            sync(device)
-            times.append((time.perf_counter() - start) * 1e3)
-        same = torch.equal(logits.gather(1, ids), reference)
-        failures += not same
-        name = "torch.topk" if not group else f"{vocab // group} groups of {group}"
-        lines.append(f"| {shape} | {chunk_size} x {vocab} | {name} | {statistics.median(times):.3f} | {'same' if same else 'DIFFERENT'} |")
-    return lines, failures
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes only (hidden 32, vocab 300): the CPU smoke run")
     parser.add_argument("--shapes", default="smollm2,qwen3-8b", help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--top_k_only", action="store_true", help="only the top-K timing table (seconds)")
     parser.add_argument("--paths", default=",".join(FUSED_LOSSES), help="comma list of " + ", ".join(FUSED_LOSSES) + " (none: the reference)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -220,19 +187,13 @@ def main(argv: list[str]) -> int:
     dtype = getattr(torch, args.dtype)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{gpu}, torch {torch.__version__}, {args.dtype}; tolerances {TOLERANCES[dtype]}, top-K {TOP_K} (tiny: min(K, vocab))", flush=True)
+    print(
+        "| shape | case | path | loss | loss rel err | grad rel err | acceptance max diff vs reference | top-K vs two-pass | ms fwd+bwd | peak GB | result |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     failures = 0
-    if not args.top_k_only:
-        print(
-            "| shape | case | path | loss | loss rel err | grad rel err | acceptance max diff vs reference | top-K vs two-pass | ms fwd+bwd | peak GB | result |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for shape in shapes:
-            lines, failed = check_shape(shape, device, dtype, paths, reps=3 if device.type == "cuda" else 1)
-            failures += failed
-            print("\n".join(lines), flush=True)
-    print("\n| shape | logits | top-K | ms (median) | values vs torch.topk |\n|---|---|---|---|---|")
     for shape in shapes:
-        lines, failed = top_k_table(shape, device, dtype, reps=10 if device.type == "cuda" else 2)
+        lines, failed = check_shape(shape, device, dtype, paths, reps=3 if device.type == "cuda" else 1)
         failures += failed
         print("\n".join(lines), flush=True)
     print(f"{failures} row(s) missed a tolerance" if failures else "every row that ran is within tolerance")

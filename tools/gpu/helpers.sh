@@ -1,7 +1,14 @@
 # Shell helpers of the GPU scripts (tools/gpu/, experiments/gpu/), sourced from the repository root beside
 # tools/gpu/setup.sh (which stages the machine): the timed steps and the recipe's greedy replies. They
-# only define functions; `step` and `timed` write to $OUT, recipe_greedy_replies reads setup.sh's
+# define functions and ABLATION_BASE; `step` and `timed` write to $OUT, recipe_greedy_replies reads setup.sh's
 # DATA_DIR and SMOLLM2 when called.
+
+# The previous recipe's optimisation (DFlash, AdamW 8e-4 with a cosine schedule, length-grouped batches,
+# the paper's position weights), which the ablation scripts put before their rows' flags: their rows
+# were measured on it, and configs/smollm2-gsm8k-gpu.yaml now trains DFlash2 with Muon. A row's own
+# flags come later and win.
+ABLATION_BASE=(--drafter dflash --optimizer adamw --learning_rate 8e-4 --lr_scheduler cosine --warmup_ratio 0.04
+  --loss_weighting exp --batch_order length_grouped --num_train_epochs 6)
 
 # For the benchmark scripts: run a step with a time cap, its output in $OUT/NAME.log, and append
 # "NAME<TAB>seconds<TAB>exit code" to $OUT/steps.tsv (a failed or capped step does not stop the script).

@@ -5,8 +5,9 @@
 # questions each. Drafters, each evaluated at every length at temperature 0 and 0.8 (eval_dflash.py,
 # 128 new tokens, block size 16), then tabulated by tools/gpu/tau_by_length.py into OUT_DIR/table.md
 # and drawn into OUT_DIR/tau_by_length.png (tau against prompt tokens, solid T=0, dashed T=0.8):
-#   recipe        configs/smollm2-gsm8k-gpu.yaml on the greedy replies, 600 steps (the recipe's settings;
-#                 its sampled replies and 3,270 steps cost ~15 more minutes, so the base is this short run).
+#   recipe        configs/smollm2-gsm8k-gpu.yaml with the previous recipe's optimisation (ABLATION_BASE,
+#                 tools/gpu/helpers.sh: DFlash, AdamW 8e-4 cosine) on the greedy replies, 600 steps (a full
+#                 recipe's sampled replies and epochs cost ~15 more minutes, so the base is this short run).
 #   long          the same, with 700 long samples in the mix (train_long.jsonl: the same greedy replies
 #                 after k-shot prompts, 2,048 / 4,096 / 7,680 tokens in all, 9% of the samples),
 #                 --max_seq_length 8192, at recipe's GPU-minutes: STEPS_LONG steps (below).
@@ -128,7 +129,7 @@ train() {  # run name
   esac
   timed "train_$name$( ((at_once == 1)) || echo " (AT_ONCE=$at_once)")" "${launch[@]}" --config configs/smollm2-gsm8k-gpu.yaml \
     --target_model "$SMOLLM2" --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 8 --eval_steps 0 --save_steps 0 \
-    --report_to none --output_dir "$OUT/$name" --overwrite_output_dir "${tiny[@]}" "${settings[@]}" > "$OUT/train_$name.log" 2>&1
+    --report_to none --output_dir "$OUT/$name" --overwrite_output_dir "${ABLATION_BASE[@]}" "${tiny[@]}" "${settings[@]}" > "$OUT/train_$name.log" 2>&1
 }
 for name in $runs; do
   train "$name" &

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lever at a time against a short base run of the SmolLM2 GSM8K recipe on one GPU. Base: the
 # greedy replies only, 654 steps (3 epochs at batch 32, 256 anchors: the base every pass in BENCHMARKS.md
-# was measured against), configs/smollm2-gsm8k-gpu.yaml otherwise.
+# was measured against), configs/smollm2-gsm8k-gpu.yaml with the previous recipe's optimisation
+# (ABLATION_BASE, tools/gpu/helpers.sh: DFlash, AdamW 8e-4 cosine) otherwise.
 # The trainings run RUNS_AT_ONCE at a time, default 2 (one batch-32 training already fills an H200:
 # six side by side ran at ~240 samples/s together, one alone at 234; two let one's start-up and
 # evaluation overlap the other's training, and results come in as runs finish); each evaluates
@@ -60,6 +61,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); RECIPE=${2:-outputs/smollm2-gsm8k-gpu}
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh
 D=$RECIPE/data
 mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -104,7 +106,7 @@ for name in ${RUNS:-${order[@]}}; do
   accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py --config configs/smollm2-gsm8k-gpu.yaml \
     --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 64 \
     --per_device_batch_size 32 --num_anchors 256 --max_steps 654 --eval_steps 0 --save_steps 0 \
-    --output_dir "$OUT/$name" --overwrite_output_dir ${flags[$name]} \
+    --output_dir "$OUT/$name" --overwrite_output_dir "${ABLATION_BASE[@]}" ${flags[$name]} \
     > "$OUT/$name.log" 2>&1 &
   while (($(jobs -rp | wc -l) >= ${RUNS_AT_ONCE:-2})); do sleep 2; done
 done

@@ -15,8 +15,9 @@
 #   spec_paper    speculators with the paper's objective: --per-position-loss-weight fixed-exp-decay
 #                 --dflash-decay-gamma 7 --loss-fn ce, every layer full attention (bidirectional block)
 #   spec_adamw    spec_default with our optimizer and schedule: AdamW 8e-4, no weight decay, cosine, 4% warmup
-#   ours_recipe   configs/smollm2-gsm8k-gpu.yaml as shipped (8 layers, AdamW 8e-4 cosine, target-argmax labels)
-#   ours_best     the recipe plus BEST_ARGS (default --loss_weighting dpace: +0.26 held-out tau in the
+#   ours_recipe   configs/smollm2-gsm8k-gpu.yaml with the previous recipe's optimisation, ABLATION_BASE of
+#                 tools/gpu/helpers.sh (DFlash, 8 layers, AdamW 8e-4 cosine, target-argmax labels)
+#   ours_best     that plus BEST_ARGS (default --loss_weighting dpace: +0.26 held-out tau in the
 #                 654-step runs of BENCHMARKS.md, at no cost per step)
 # What is shared: the replies, tokenized by our data code (same tokens, same loss mask); the target's
 # layer outputs (speculators reads them from files that OUR feature extractor writes: layers 1 8 14 20 27
@@ -216,7 +217,7 @@ for row in $ROWS; do
       timed "train_$row" timeout -s KILL $(($(left) - 5)) "${OURS_LAUNCH[@]}" --config "$CONFIG" --target_model "$SMOLLM2" --train_data "$REPLIES" \
         --eval_data "" --eval_steps 0 --save_steps 0 --per_device_batch_size "$BATCH" --num_anchors "$ANCHORS" \
         --max_steps "$STEPS" ${MAX_SAMPLES:+--max_samples $MAX_SAMPLES} --output_dir "$OUT/$row" --overwrite_output_dir \
-        "${OURS_EXTRA[@]}" "${flags[@]}" > "$OUT/$row.log" 2>&1 || { tail -n 30 "$OUT/$row.log"; continue; }
+        "${ABLATION_BASE[@]}" "${OURS_EXTRA[@]}" "${flags[@]}" > "$OUT/$row.log" 2>&1 || { tail -n 30 "$OUT/$row.log"; continue; }
     fi
     drafter=$OUT/$row/final
   fi
