@@ -1057,6 +1057,7 @@ def test_anchor_slots_multiple_groups_batches_by_assistant_length(qwen3_tokenize
     plain = load_data(parse_settings(base)[0], qwen3_tokenizer, OneProcess())
     trimmed = load_data(parse_settings(base + ["--anchor_slots_multiple", "32"])[0], qwen3_tokenizer, OneProcess())
     assert plain.lengths == [len(ids) for ids in plain.dataset["input_ids"]]
+    assert type(plain.lengths) is list and type(trimmed.lengths) is list  # not a datasets Column: Arrow on every index
     assert trimmed.lengths == [sum(mask) for mask in trimmed.dataset["loss_mask"]] != plain.lengths
 
 
