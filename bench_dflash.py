@@ -100,10 +100,6 @@ The distribution losses read the target's last hidden state at the position befo
   loss_tv, loss_nla   1 - sum min(p, q), -log sum min(p, q). Prediction: as loss_kl, within +-3% of it.
   loss_lk             the LK hybrid of KL and TV. Prediction: +1-3% over loss_kl (both terms' elementwise work).
   loss_ce             CE, explicitly (the default).
-  top_k_group_N       --drafter dflash2: the selector's top-K of each loss chunk's logits in two passes over groups of N
-                      ids (dflash_loss_kernels.top_k_ids; N divides the vocabulary: 4096 or 2048 for SmolLM2's 49,152,
-                      1187 or 2374 for Qwen3's 151,936). Prediction: DFlash2 -8 to -15% ms/sample at SmolLM2 shapes
-                      (one torch.topk per chunk took 46 of a 281 ms profiled step), -3 to -6% at Qwen3-8B shapes.
   fused_loss_liger, fused_loss_cce   the head + CE through Liger Kernel or Cut Cross-Entropy (train_dflash.py's
                       --fused_loss; CE only; off CUDA the reference runs), to time beside the same variant without it.
 At 512 / 3072 / 1 the same 7,680 rows come per sample instead of per 2 samples: about twice the added ms/sample.

@@ -21,12 +21,11 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-import dflash_loss_kernels
 from dflash2_model import DFlash2Config, DFlash2DraftModel, selector_predecessor_ids
 from dflash_compile import get_compiled_flex_attention, warm_up_flex_attention
 from dflash_flops import drafter_step_flops, target_forward_flops
 from dflash_loss import block_target_hidden, chunked_dspark_loss, loss_weights, selector_objective, weighted_block_loss
-from dflash_loss_kernels import LOSSES, check_fused_loss, check_top_k_group, resolve_fused_loss
+from dflash_loss_kernels import LOSSES, check_fused_loss, resolve_fused_loss
 from dflash_masks import block_labels, create_anchor_block_mask, sample_anchors
 from dflash_model import DFlashConfig, DFlashDraftModel
 from dspark_model import DSparkConfig, DSparkDraftModel, dspark_block_labels, markov_predecessor_ids
@@ -108,7 +107,6 @@ class Variant:
     context_chunk: int = 0  # DFlashDraftModel.chunk_context (0: the context path in one piece)
     checkpoint_layers: bool = False  # DFlashDraftModel.checkpoint_layers
     fused_loss: str = "none"  # weighted_block_loss's fused_loss: none | liger | cce
-    top_k_group: int = 0  # dflash_loss_kernels.TOP_K_GROUP: DFlash2's top-K in two passes over groups of this many ids
 
 
 def parse_variant(name: str) -> Variant:
@@ -123,7 +121,6 @@ def parse_variant(name: str) -> Variant:
         "context_chunk": 0,
         "checkpoint_layers": False,
         "fused_loss": "none",
-        "top_k_group": 0,
     }
     for lever in name.split("+"):
         if lever == "baseline":
@@ -142,8 +139,6 @@ def parse_variant(name: str) -> Variant:
             fields["context_chunk"] = int(lever[len("context_chunk_") :])
         elif lever == "checkpoint_layers":
             fields["checkpoint_layers"] = True
-        elif lever.startswith("top_k_group_") and lever[len("top_k_group_") :].isdigit():
-            fields["top_k_group"] = int(lever[len("top_k_group_") :])
         elif lever == "fused_ce":
             fields["loss"] = "fused"
         elif lever == "fused_ce_compiled":
@@ -152,7 +147,7 @@ def parse_variant(name: str) -> Variant:
             raise ValueError(
                 f"--variant {name!r}: unknown lever {lever!r}; use baseline, compile_layers, loss_chunk_N, fused_ce, "
                 f"fused_ce_compiled, {', '.join('loss_' + loss for loss in LOSSES)}, dpace, context_chunk_N, checkpoint_layers, "
-                f"fused_loss_liger, fused_loss_cce, top_k_group_N, joined by '+'"
+                f"fused_loss_liger, fused_loss_cce, joined by '+'"
             )
     check_fused_loss(fields["fused_loss"], fields["objective"])
     return Variant(name=name, **fields)
@@ -378,17 +373,8 @@ def drafter_step(drafter, optimizer, head_weight, weights, variant, batch_tensor
 
 
 def set_drafter_levers(ctx, variant: Variant) -> None:
-    """Train through compiled drafter layers or eager ones (`DFlashDraftModel.compile_layers`, as in training), with
-    the variant's memory levers (`chunk_context`, `checkpoint_layers`) and DFlash2's top-K grouping (`top_k_group_N`).
-
-    Raises:
-        ValueError: a top-K group size that does not divide the vocabulary (names the sizes that do)."""
-    config = ctx["config"]
-    try:
-        check_top_k_group(config.vocab_size, getattr(config, "selector_top_k", 1), variant.top_k_group)
-    except ValueError as error:
-        raise ValueError(f"--variant {variant.name}: {error}") from None
-    dflash_loss_kernels.TOP_K_GROUP = variant.top_k_group
+    """Train through compiled drafter layers or eager ones (`DFlashDraftModel.compile_layers`, as in training), and
+    with the variant's memory levers (`chunk_context`, `checkpoint_layers`)."""
     ctx["drafter"].compile_layers(variant.compile_layers)
     ctx["drafter"].chunk_context(variant.context_chunk)
     ctx["drafter"].checkpoint_layers(variant.checkpoint_layers)

@@ -108,7 +108,7 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
             end = min(start + chunk_size, rows.shape[0])
             logits = rows[start:end] @ weight.t()  # [rows, vocab], bf16 on GPU
             if top_k:  # before the chunk function, which may overwrite fp32 logits in place
-                top_ids[start:end] = top_k_ids(logits, top_k)
+                top_ids[start:end] = logits.topk(top_k, dim=-1).indices
             ce_sum, dlogits, hit = ce_grad_chunk(logits, targets[start:end], row_weights[start:end])
             del logits
             if needs_grad:
@@ -341,7 +341,7 @@ class _FusedLinearRowLoss(torch.autograd.Function):
             end = min(start + chunk_size, rows.shape[0])
             logits = rows[start:end] @ weight.t()  # [rows, vocab]
             if top_k:  # before the chunk function, which may overwrite fp32 logits in place
-                top_ids[start:end] = top_k_ids(logits, top_k)
+                top_ids[start:end] = logits.topk(top_k, dim=-1).indices
             target_logits = None if target_rows is None else target_rows[start:end] @ weight.t()  # [rows, vocab]
             loss_c, confidence_c, dlogits, hit = row_grad_chunk(logits, targets[start:end], target_logits)
             del logits, target_logits
@@ -665,51 +665,6 @@ def resolve_fused_loss(fused_loss: str, device: torch.device) -> str:
     return fused_loss
 
 
-TOP_K_GROUP = 0  # top_k_ids' default group size (0: one torch.topk over the whole vocabulary)
-
-
-def top_k_group_sizes(vocab: int, k: int, smallest: int = 256, largest: int = 8192) -> list[int]:
-    """The group sizes worth trying in `top_k_ids` for a vocabulary: divisors of `vocab` in [max(smallest, k), largest],
-    ascending; where there are none (a small vocabulary), the divisors from k up; none for a prime size (one topk pass)."""
-    sizes = [g for g in range(max(smallest, k), min(largest, vocab - 1) + 1) if vocab % g == 0]
-    return sizes or [g for g in range(k, min(largest, vocab - 1) + 1) if vocab % g == 0]
-
-
-def check_top_k_group(vocab: int, k: int, group: int) -> None:
-    """Refuse a `top_k_ids` group size that does not divide the vocabulary or is below k (0, no grouping, passes).
-
-    Raises:
-        ValueError: one line, naming the sizes that would do.
-    """
-    if group and (vocab % group or group < k):
-        raise ValueError(
-            f"top-K group size {group} must divide the vocabulary ({vocab}) and be >= K ({k}); one of {top_k_group_sizes(vocab, k)}, or 0"
-        )
-
-
-def top_k_ids(logits: torch.Tensor, k: int, group: int | None = None) -> torch.Tensor:
-    """The ids of each row's k largest logits, largest first: logits [rows, vocab] -> [rows, k] int64.
-
-    With a group size (default TOP_K_GROUP; it must divide the vocabulary, 0 for none) in two passes: the k largest
-    of every group of `group` consecutive ids, then the k largest of those rows x (vocab / group) x k candidates.
-    Exact: each of a row's k largest lies among its group's k largest. The values are torch.topk's; where logits
-    tie, another of the tied ids may be picked. On a GPU one topk over a whole bf16 vocabulary row is far from
-    memory-bound (tools/gpu/fused_loss_check.py times both), which the grouped passes may avoid.
-
-    Raises:
-        ValueError: a group size that does not divide the vocabulary, or is below k.
-    """
-    group = TOP_K_GROUP if group is None else group
-    if not group:
-        return logits.topk(k, dim=-1).indices
-    rows, vocab = logits.shape
-    check_top_k_group(vocab, k, group)
-    values, local = logits.reshape(rows, vocab // group, group).topk(k, dim=-1)  # [rows, groups, k] each
-    best = values.flatten(1).topk(k, dim=-1).indices  # [rows, k] into the groups x k candidates
-    starts = torch.arange(0, vocab, group, device=logits.device).repeat_interleave(k)  # [groups * k]: each candidate's group start
-    return (local.flatten(1) + starts).gather(1, best)
-
-
 @torch.no_grad()
 def top_k_candidates(rows: torch.Tensor, head_weight: torch.Tensor, top_k: int, chunk_size: int) -> torch.Tensor:
     """rows [T, hidden] -> [T, K] int64, the ids of the K largest logits of each row, most likely
@@ -717,7 +672,7 @@ def top_k_candidates(rows: torch.Tensor, head_weight: torch.Tensor, top_k: int, 
     cap are monotone, so the raw logits rank the candidates as the served ones do."""
     ids = torch.empty(rows.shape[0], top_k, dtype=torch.long, device=rows.device)
     for start in range(0, rows.shape[0], chunk_size):
-        ids[start : start + chunk_size] = top_k_ids(rows[start : start + chunk_size] @ head_weight.t(), top_k)
+        ids[start : start + chunk_size] = (rows[start : start + chunk_size] @ head_weight.t()).topk(top_k, dim=-1).indices
     return ids
 
 

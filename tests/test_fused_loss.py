@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 import dflash_loss
-import dflash_loss_kernels
 from dflash2_model import DFlash2DraftModel
 from dflash_loss import loss_weights, selector_objective, weighted_block_loss
-from dflash_loss_kernels import check_fused_loss, resolve_fused_loss, top_k_candidates, top_k_group_sizes, top_k_ids
+from dflash_loss_kernels import check_fused_loss, resolve_fused_loss, top_k_candidates
 from dflash_target import drafter_config_for_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,32 +83,6 @@ def test_single_pass_top_k_equals_a_second_pass_through_the_head(loss, weighting
     # Nothing valid: an empty [0, K], still in its slot.
     *_, empty = weighted_block_loss(hidden, head, labels, torch.zeros_like(valid), loss_weights(BLOCK, 2.0), top_k=top_k, **kwargs)
     assert empty.shape == (0, top_k) and empty.dtype == torch.long
-
-
-def test_the_grouped_top_k_gives_torch_topk_ids_and_values(monkeypatch):
-    """top_k_ids in two passes over groups of the vocabulary: the same ids as one torch.topk where no logits tie
-    (float32), the same values where bf16 logits do tie; the group sizes offered divide the vocabulary; a group
-    that does not is refused in one line; with TOP_K_GROUP set, the loss's single pass uses it."""
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(37, 49152, generator=g) * 2  # SmolLM2's vocabulary: 2^14 x 3
-    assert top_k_group_sizes(49152, 16)[:3] == [256, 384, 512] and top_k_group_sizes(151936, 16) == [1187, 2374, 4748]
-    assert top_k_group_sizes(49157, 16) == []  # a prime: one pass
-    for group in (256, 1024, 4096, 8192):
-        assert torch.equal(top_k_ids(logits, 16, group), logits.topk(16).indices), group
-    low = logits.to(torch.bfloat16)  # 7 bits of mantissa: ties in the top 16 of 49,152
-    for group in (256, 4096):
-        ids = top_k_ids(low, 16, group)
-        assert torch.equal(low.gather(1, ids), low.topk(16).values)
-        assert all(len(set(row)) == 16 for row in ids.tolist())  # 16 distinct ids a row
-    assert torch.equal(top_k_ids(logits, 16, 0), logits.topk(16).indices)
-    with pytest.raises(ValueError, match=r"top-K group size 1000 must divide the vocabulary \(49152\) and be >= K \(16\); one of \[256, 384"):
-        top_k_ids(logits, 16, 1000)
-    hidden, _, head, labels, valid = random_inputs()
-    rows = hidden.detach()[valid]
-    grouped_size = top_k_group_sizes(VOCAB, 5, smallest=5)[0]
-    monkeypatch.setattr(dflash_loss_kernels, "TOP_K_GROUP", grouped_size)
-    *_, top_ids = weighted_block_loss(hidden, head, labels, valid, loss_weights(BLOCK, 2.0), chunk_size=4096, top_k=5)
-    assert torch.equal(top_ids, (rows @ head.T).topk(5).indices)
 
 
 class CandidateScores(nn.Module):
@@ -350,10 +323,8 @@ def test_the_gpu_check_runs_tiny_on_cpu_and_skips_the_libraries():
         [sys.executable, "tools/gpu/fused_loss_check.py", "--tiny", "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny |") and "| 64 x 300 |" not in line]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 9, result.stdout  # 3 cases x (reference, liger, cce)
-    top_k = [line for line in result.stdout.splitlines() if line.startswith("| tiny | 64 x 300 |")]
-    assert [row.split(" | ")[2] for row in top_k] == ["torch.topk", "2 groups of 150"] and all(row.endswith("| same |") for row in top_k)
     reference = [row for row in rows if "| reference |" in row]
     assert len(reference) == 3 and all("| same |" in row and row.endswith("| - | ok |") for row in reference), reference
     assert sum("skipped: CUDA only (Triton kernels)" in row for row in rows) == 6
