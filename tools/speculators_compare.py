@@ -47,7 +47,7 @@ ROW_TEXT = {
     "spec_default": "speculators 0.9.0, its defaults (5 layers, D-PACE, Muon, sliding 2048, causal in-block)",
     "spec_paper": "speculators 0.9.0, the paper's objective (exp decay gamma 7, CE, full attention)",
     "spec_adamw": "speculators 0.9.0, its defaults with AdamW 8e-4, no decay, cosine, 4% warmup",
-    "ours_recipe": "ours, the recipe as shipped (configs/smollm2-gsm8k-gpu.yaml)",
+    "ours_recipe": "ours, the previous recipe (DFlash, AdamW 8e-4 cosine; ABLATION_BASE of tools/gpu/helpers.sh)",
     "ours_best": "ours, the recipe + the best lever",
 }
 

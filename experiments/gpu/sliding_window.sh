@@ -15,6 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "$1"); RECIPE=${2:-outputs/smollm2-gsm8k-gpu}
 source tools/gpu/setup.sh
+source tools/gpu/helpers.sh  # ABLATION_BASE: the previous recipe's optimisation, which these runs were measured on
 D=$RECIPE/data
 mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -23,7 +24,7 @@ train() {  # name, flags...: one run in the background, its log in OUT/name.log
   shift
   nice -n 5 accelerate launch --config_file accelerate_configs/1gpu.yaml train_dflash.py --config configs/smollm2-gsm8k-gpu.yaml \
     --target_model "$SMOLLM2" --train_data "$D/greedy.jsonl" --eval_data "$D/heldout_questions.jsonl" --eval_num_prompts 100 \
-    --max_steps 654 --eval_steps 0 --save_steps 0 --output_dir "$OUT/$name" --overwrite_output_dir "$@" > "$OUT/$name.log" 2>&1 &
+    --max_steps 654 --eval_steps 0 --save_steps 0 --output_dir "$OUT/$name" --overwrite_output_dir "${ABLATION_BASE[@]}" "$@" > "$OUT/$name.log" 2>&1 &
 }
 train full
 train last_full_w2048 --layer_types last_full --sliding_window 2048

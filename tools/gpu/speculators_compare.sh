@@ -91,10 +91,11 @@ CONFIG=configs/smollm2-gsm8k-gpu.yaml
 eval "$(python3 - "$CONFIG" <<'EOF'
 import sys, yaml
 c = yaml.safe_load(open(sys.argv[1]))
-print(f"BATCH={c['per_device_batch_size']} ANCHORS={c['num_anchors']} EPOCHS={c['num_train_epochs']} MASK={c['mask_token_id']} "
+print(f"BATCH={c['per_device_batch_size']} ANCHORS={c['num_anchors']} MASK={c['mask_token_id']} "
       f"MAXLEN={c['max_seq_length']} BLOCK={c['block_size']} LAYER_IDS='{' '.join(map(str, c['target_layer_ids']))}'")
 EOF
 )"
+EPOCHS=6  # the comparison's own length, not the recipe's: 6 epochs of the greedy replies (654 steps), as every row so far
 SPEC_IDS=$(for i in $LAYER_IDS; do printf '%d ' $((i + 1)); done)  # speculators indexes HF hidden states: our id + 1
 SPEC_LAYERS=5               # speculators' default depth
 EVAL_PROMPTS=${EVAL_PROMPTS:-100}  # the recipe's evaluation (tools/gpu/smollm2_gsm8k.sh)
