@@ -383,6 +383,9 @@ def window_scalars(progress: Progress, supply: FeatureSupply, settings: Progress
         scalars["flex_compiles"] = flex_compile_stats()["compiles"]
     if device.type == "cuda":
         scalars["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        # Since the start: each retry freed the allocator's cache and synchronized to find memory. A count that
+        # keeps rising means fragmentation, and slower steps (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
+        scalars["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     return scalars
 
 
