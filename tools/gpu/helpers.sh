@@ -3,10 +3,11 @@
 # define functions and ABLATION_BASE; `step` and `timed` write to $OUT, recipe_greedy_replies reads setup.sh's
 # DATA_DIR and SMOLLM2 when called.
 
-# The previous recipe's optimisation (DFlash, AdamW 8e-4 with a cosine schedule, length-grouped batches,
-# the paper's position weights), which the ablation scripts put before their rows' flags: their rows
-# were measured on it, and configs/smollm2-gsm8k-gpu.yaml now trains DFlash2 with Muon. A row's own
-# flags come later and win.
+# Where the previous recipe differed from configs/smollm2-gsm8k-gpu.yaml, which now trains DFlash2 with Muon:
+# DFlash, AdamW 8e-4, cosine with 4% warm-up, the paper's exponential position weights, length-grouped batches,
+# 6 epochs. With the config they give back the DFlash/AdamW recipe that the rows of quality_ablations.sh,
+# speculators_compare.sh (optimizer_ablation.sh's rows), long_context_tau.sh and experiments/gpu/sliding_window.sh
+# were measured on. A row's own flags come later and win (their --max_steps over the 6 epochs).
 ABLATION_BASE=(--drafter dflash --optimizer adamw --learning_rate 8e-4 --lr_scheduler cosine --warmup_ratio 0.04
   --loss_weighting exp --batch_order length_grouped --num_train_epochs 6)
 
