@@ -450,7 +450,7 @@ class FeatureSupply:
         self.cache = None
         if settings.cache_target_outputs:
             self.cache = TargetOutputCache(
-                list(data.dataset["num_tokens"]),
+                data.dataset["num_tokens"][:],  # one slice: list(Column) reads index by index
                 target_output_dim(draft_config, settings.loss),
                 compute.dtype,
                 device,

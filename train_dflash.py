@@ -931,8 +931,9 @@ def load_data(settings: TrainSettings, tokenizer, accelerator: Accelerator) -> T
     # Micro-batches group samples of similar length. With --anchor_slots_multiple, of similar assistant
     # length: that decides the anchor slots a micro-batch needs (the whole length only its padding).
     # A plain list: a datasets Column reads Arrow on every index (~0.2 ms), and every epoch's batching
-    # and every step's token count index it (seconds at each epoch boundary, 35k samples).
-    lengths = list(dataset["num_loss_tokens"] if settings.anchor_slots_multiple else dataset["num_tokens"])
+    # and every step's token count index it (seconds at each epoch boundary, 35k samples). Taken as one
+    # slice: list(Column) would read it index by index too (40 s against 3.7 s at 800k samples).
+    lengths = dataset["num_loss_tokens" if settings.anchor_slots_multiple else "num_tokens"][:]
     return TrainData(dataset, lengths, eval_prompts, chat_kwargs, eval_prompts_in_file)
 
 
