@@ -379,6 +379,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     proposal: str = "sample",
     confidence_threshold: float = 0.0,
+    draft_temperature: float | None = None,
 ) -> tuple[list[int], dict]:
     """DFlash speculative decoding, batch size 1. Lossless: greedy returns plain greedy decoding's
     tokens; sampling returns tokens distributed as plain sampling from the target.
@@ -430,6 +431,10 @@ def speculative_generate(
             before its first slot k whose predicted acceptance sigmoid(c_k) is below it (DeepSpec's
             gate); 0 (the default) verifies every draft. Exact at T > 0 too: c_k reads h_k and
             d_{k-1}, never d_k, so whether d_k is verified is settled before d_k is drawn.
+        draft_temperature: at temperature > 0 under proposal "sample", the temperature of the
+            drafter's q (default `temperature`). Rejection sampling is exact for any q, so this only
+            moves acceptance: a drafter trained on the target's argmax need not be calibrated at
+            the target's temperature.
     Returns:
         tokens: the generated ids.
         stats: {"prompt_tokens", "generated_tokens", "verify_forwards", "committed" (tokens per
@@ -438,8 +443,8 @@ def speculative_generate(
             block_size - 1 unless the confidence gate cut them, list), "block_size"}.
     Raises:
         ValueError: on a batch of several prompts, max_new_tokens < 1, an unknown proposal, a block
-            size the drafter cannot fill, or a confidence threshold outside [0, 1] or without a
-            DSpark confidence head.
+            size the drafter cannot fill, a draft temperature <= 0, or a confidence threshold outside
+            [0, 1] or without a DSpark confidence head.
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one prompt at a time; got a batch of {input_ids.shape[0]}")
@@ -447,6 +452,9 @@ def speculative_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if proposal not in PROPOSALS:
         raise ValueError(f"proposal must be one of {', '.join(PROPOSALS)}, got {proposal!r}")
+    draft_temperature = temperature if draft_temperature is None else draft_temperature
+    if temperature > 0 and not draft_temperature > 0:
+        raise ValueError(f"draft_temperature must be > 0 (or None: the target's temperature), got {draft_temperature}")
     block_size = resolve_block_size(drafter, block_size)
     dspark = isinstance(drafter, DSparkDraftModel)  # drafts and q come from the Markov walk
     selector_walk = not dspark and hasattr(drafter, "draft_sample")  # DFlash2: drafts and q come from the selector's walk
@@ -473,7 +481,7 @@ def speculative_generate(
                 anchor = torch.tensor([tokens[-1]], device=device)  # [1]
                 candidates = None
                 if dspark:  # q_i given d_{i-1}: the Markov term of the draft before; one-hot on the greedy walk
-                    walk_temperature = temperature if proposal == "sample" else 0.0
+                    walk_temperature = draft_temperature if proposal == "sample" and temperature > 0 else 0.0
                     uniform = torch.rand(1, drafter.config.block_size, generator=generator, device=device) if walk_temperature > 0 else None
                     drafts, q, confidence = drafting.markov_walk(anchor, walk_temperature, top_p, uniform, confidence_threshold > 0)
                     count = block_size - 1
@@ -486,10 +494,10 @@ def speculative_generate(
                         candidates, q = drafts[0, :, None], torch.ones(block_size - 1, 1, device=device)  # [b-1, 1]
                 elif selector_walk:
                     uniform = torch.rand(1, drafter.config.block_size - 1, generator=generator, device=device)  # [1, B-1]
-                    drafts, candidates, q = drafting.draft_sample(anchor, temperature, top_p, uniform)
+                    drafts, candidates, q = drafting.draft_sample(anchor, draft_temperature, top_p, uniform)
                     drafts, candidates, q = drafts[:, : block_size - 1], candidates[0, : block_size - 1], q[0, : block_size - 1]
                 else:
-                    q = drafting.draft_probs(anchor, temperature, top_p)[0, : block_size - 1].to(device)  # [b-1, vocab]
+                    q = drafting.draft_probs(anchor, draft_temperature, top_p)[0, : block_size - 1].to(device)  # [b-1, vocab]
                     drafts = torch.multinomial(q, 1, generator=generator).T  # [1, b-1], d_i ~ q_i
                 proposed_drafts.append(drafts.shape[1])
                 block = torch.cat([anchor[:, None], drafts], dim=1)  # [1, b] at positions L..L+b-1

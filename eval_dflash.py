@@ -91,6 +91,7 @@ class EvalArgs:
     temperature: float = field(default=0.0, metadata={"help": "0 (default): greedy, checked token for token against plain greedy decoding. > 0: the draft is sampled from the drafter's distribution and verified by rejection sampling (lossless in distribution, not per prompt)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1] at --temperature > 0, for the target and the drafter alike."})
     proposal: str = field(default="sample", metadata={"help": "At --temperature > 0, the drafts proposed: sample (each drawn from the drafter's distribution q) or argmax (the drafter's argmax, verified as a one-hot q: accepted with the target's probability of it; DSpark: its greedy Markov walk). Both are exact; docs/evaluation.md#proposals."})
+    draft_temperature: float | None = field(default=None, metadata={"help": "At --temperature > 0 with sampled proposals, the temperature of the drafter's distribution q (default: --temperature). Lossless for any value (rejection sampling is exact for any q); it only moves acceptance. docs/evaluation.md#proposals."})
     confidence_threshold: float = field(default=0.0, metadata={"help": "DSpark drafters with a confidence head: cut each proposal before its first slot whose predicted acceptance (the head's sigmoid) is below this, so fewer drafts are verified; 0 (default): off, every draft verified. In [0, 1]."})
     seed: int = field(default=0, metadata={"help": "Random seed when sampling (prompt i uses seed + i)."})
     num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of --data (default: every prompt)."})
@@ -121,6 +122,11 @@ def check_args(args: EvalArgs) -> dict:
         raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1]; got {args.temperature} and {args.top_p}")
     if args.proposal not in PROPOSALS:
         raise ValueError(f"--proposal must be one of {', '.join(PROPOSALS)}, got {args.proposal!r}")
+    if args.draft_temperature is not None and (args.temperature == 0 or args.proposal != "sample" or not args.draft_temperature > 0):
+        raise ValueError(
+            f"--draft_temperature {args.draft_temperature}: needs --temperature > 0, --proposal sample and a value > 0 "
+            "(greedy and argmax proposals draft the argmax); leave it out to draft at --temperature"
+        )
     if not 0 <= args.confidence_threshold <= 1:
         raise ValueError(f"--confidence_threshold must be in [0, 1] (0: off), got {args.confidence_threshold}")
     if args.baseline not in ("prompt_lookup", "none"):
@@ -189,6 +195,7 @@ class EvalRun:
             **self.sample,
             generator=self.generator(index),
             proposal=self.args.proposal,
+            draft_temperature=self.args.draft_temperature,
             confidence_threshold=self.args.confidence_threshold,
         )
 
@@ -268,6 +275,7 @@ def prepare_run(args: EvalArgs, chat_template_kwargs: dict) -> EvalRun:
         f"{kv_cache} KV cache{', CUDA graphs' if cuda_graphs else ''}; "
         + (
             f"sampling at temperature {args.temperature}, top_p {args.top_p}, seed {args.seed}, {args.proposal} proposals"
+            + (f" drawn at draft temperature {args.draft_temperature}" if args.draft_temperature is not None else "")
             if run.sampling
             else "greedy"
         )

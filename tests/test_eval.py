@@ -407,6 +407,13 @@ def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path, monkeypatch):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "-0.5"])
     with pytest.raises(ValueError, match="--top_p"):
         eval_dflash.main(base + ["--draft_model", str(drafter_dir), "--temperature", "0.7", "--top_p", "0"])
+    for draft_settings in (
+        ["--draft_temperature", "0.5"],
+        ["--temperature", "0.7", "--draft_temperature", "0"],
+        ["--temperature", "0.7", "--proposal", "argmax", "--draft_temperature", "0.5"],
+    ):
+        with pytest.raises(ValueError, match=r"^--draft_temperature .*: needs --temperature > 0, --proposal sample and a value > 0"):
+            eval_dflash.main(base + ["--draft_model", str(drafter_dir)] + draft_settings)
     # A block size the drafter cannot draft and a missing prompt file fail before the target loads.
     import dflash_target
 

@@ -102,13 +102,26 @@ def exact_marginals(target, prompt: torch.Tensor, steps: int) -> list[torch.Tens
     return marginals
 
 
-def speculative_samples(target, drafter, seeds: int, tokens: int, proposal: str = "sample") -> tuple[torch.Tensor, list[dict]]:
+def speculative_samples(
+    target, drafter, seeds: int, tokens: int, proposal: str = "sample", draft_temperature: float | None = None
+) -> tuple[torch.Tensor, list[dict]]:
     """Output tokens [seeds, tokens] of speculative sampling, one seed per run, and the runs' stats."""
     decoder = Decoder(target, drafter)
     outputs, stats = [], []
     for seed in range(seeds):
         out, s = speculative_generate(
-            target, drafter, PROMPT, tokens, BLOCK, (), decoder, TEMPERATURE, TOP_P, torch.Generator().manual_seed(seed), proposal=proposal
+            target,
+            drafter,
+            PROMPT,
+            tokens,
+            BLOCK,
+            (),
+            decoder,
+            TEMPERATURE,
+            TOP_P,
+            torch.Generator().manual_seed(seed),
+            proposal=proposal,
+            draft_temperature=draft_temperature,
         )
         outputs.append(out)
         stats.append(s)
@@ -123,24 +136,32 @@ def speculative_samples(target, drafter, seeds: int, tokens: int, proposal: str 
 SEEDS, TOKENS, TV_BOUND = 1000, BLOCK, 0.08
 
 
-@pytest.mark.parametrize("proposal", ["sample", "argmax"])
-def test_speculative_sampling_matches_plain_sampling_in_distribution(proposal, models, monkeypatch):
+@pytest.mark.parametrize("proposal, draft_temperature", [("sample", None), ("argmax", None), ("sample", 1.3)])
+def test_speculative_sampling_matches_plain_sampling_in_distribution(proposal, draft_temperature, models, monkeypatch):
+    """Exact for either proposal, and for a q drawn at another temperature than the target's."""
     target, drafter = models
     exact = exact_marginals(target, PROMPT, TOKENS)
+    draft_temperatures = []  # what the drafter's q was drawn at
+    draft_probs = dflash_runners.Drafting.draft_probs
+    monkeypatch.setattr(
+        dflash_runners.Drafting, "draft_probs", lambda self, anchor, t, p: draft_temperatures.append(t) or draft_probs(self, anchor, t, p)
+    )
     if proposal == "argmax":
         # The random drafter's argmax is almost never the target's choice, which would test rejections only. Any
         # proposal fixed by the context is exact under a one-hot q, so propose the most likely token of each
         # position instead: accepted often, rejected often.
         likely = torch.stack([x.argmax() for x in exact[1:]])[None]  # [1, BLOCK - 1]
         monkeypatch.setattr(dflash_runners.Drafting, "draft", lambda self, anchor: likely)
-    samples, stats = speculative_samples(target, drafter, SEEDS, TOKENS, proposal)
+    samples, stats = speculative_samples(target, drafter, SEEDS, TOKENS, proposal, draft_temperature)
+    if proposal == "sample":
+        assert set(draft_temperatures) == {draft_temperature or TEMPERATURE}
     accepted = [n for s in stats for n in s["accepted_drafts"]]
     # Every outcome of a verify step happens often: a rejection at each position, and full acceptance.
     assert all(accepted.count(n) > len(accepted) // 20 for n in range(BLOCK)), [accepted.count(n) for n in range(BLOCK)]
     empirical = [torch.bincount(samples[:, j], minlength=VOCAB).float() / SEEDS for j in range(TOKENS)]
     distances = [tv(e, x) for e, x in zip(empirical, exact)]
     assert max(distances) < TV_BOUND, distances
-    if proposal == "argmax":
+    if proposal == "argmax" or draft_temperature is not None:
         return
 
     # The check has power: a verifier that accepts every draft (tokens 2..4 from q, not p) fails it.
