@@ -73,6 +73,8 @@
 #
 #   RUNS="spec_default base muon" bash tools/gpu/optimizer_ablation.sh [OUT] [RECIPE_DIR]
 #   ARGMAX_RUNS="base muon"   also evaluate these at T=0.8 with --proposal argmax (OUT/RUN/eval_argmax_t0.8.json)
+#   DRAFT_TEMP_RUNS="dflash2_muon_linear" DRAFT_TEMPS="0.6 1.0"   also evaluate these at T=0.8 with the drafter's q at
+#                             each draft temperature (eval_dflash.py --draft_temperature; OUT/RUN/eval_t0.8_td<T_d>.json)
 #   FP32_RUNS="muon"          also evaluate these at T=0 in float32 (OUT/RUN/eval_fp32_t0.json): the strict lossless check
 #   AT_ONCE=2                 at most this many runs at a time, started in RUNS order (default: as many as GPU_GB holds)
 #   GPU_GB=76                 a run starts only when the peaks of the runs in flight (gb_of below, measured) and its own
@@ -92,6 +94,7 @@ mkdir -p "$OUT"
 RUNS=${RUNS:-spec_default base muon muon_linear muon_linear_sliding}
 ARGMAX_RUNS=${ARGMAX_RUNS:-}
 FP32_RUNS=${FP32_RUNS:-}
+DRAFT_TEMP_RUNS=${DRAFT_TEMP_RUNS:-}
 TINY=${TINY:-0}
 MUON_ONLY="--optimizer muon --learning_rate 1e-3"
 MUON="--loss_weighting dpace $MUON_ONLY"
@@ -173,6 +176,9 @@ for run in $RUNS; do
     fi
     [[ " $ARGMAX_RUNS " == *" $run "* ]] && extra_eval "$run" argmax_t0.8 --temperature 0.8 --top_p 1.0 --proposal argmax &
     [[ " $FP32_RUNS " == *" $run "* ]] && extra_eval "$run" fp32_t0 --temperature 0 --dtype float32 &
+    if [[ " $DRAFT_TEMP_RUNS " == *" $run "* ]]; then
+      for td in ${DRAFT_TEMPS:-0.6 1.0}; do extra_eval "$run" "t0.8_td$td" --temperature 0.8 --top_p 1.0 --draft_temperature "$td" & done
+    fi
     wait
   ) > "$OUT/$run.log" 2>&1 &
   run_gb[$!]=$need
