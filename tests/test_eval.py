@@ -348,10 +348,14 @@ def test_cli_samples_at_temperature(qwen3_dirs, tmp_path):
     rates = first["acceptance_rate_by_position"]
     assert len(rates) == 5 and rates == sorted(rates, reverse=True)
     assert first["settings"]["temperature"] == 0.9 and first["settings"]["top_p"] == 0.95
-    # The same seed draws the same tokens.
-    assert {k: first["per_prompt"][0][k] for k in ("generated_tokens", "verify_forwards", "acceptance_length")} == {
-        k: again["per_prompt"][0][k] for k in ("generated_tokens", "verify_forwards", "acceptance_length")
-    }
+    # The same seed draws the same tokens, with or without the target-only reference decoding beside them.
+    alone = eval_dflash.main(args + ["--output", str(tmp_path / "c.json"), "--baseline", "none", "--target_reference", "false"])
+    keys = ("generated_tokens", "verify_forwards", "acceptance_length")
+    assert (
+        {k: first["per_prompt"][0][k] for k in keys} == {k: again["per_prompt"][0][k] for k in keys} == {k: alone["per_prompt"][0][k] for k in keys}
+    )
+    assert again["speedup"] > 0 and alone["speedup"] is None and alone["target_tokens_per_s"] is None
+    assert alone["seconds"]["target"] == 0 and alone["target_only_tokens"] == 0 and again["target_only_tokens"] > 0
 
 
 def test_evaluate_acceptance_restores_training_mode(qwen3_dirs):
@@ -414,6 +418,9 @@ def test_cli_rejects_bad_inputs(qwen3_dirs, tmp_path, monkeypatch):
     ):
         with pytest.raises(ValueError, match=r"^--draft_temperature .*: needs --temperature > 0, --proposal sample and a value > 0"):
             eval_dflash.main(base + ["--draft_model", str(drafter_dir)] + draft_settings)
+    for reference_settings in (["--target_reference", "false"], ["--temperature", "0.7", "--target_reference", "false"]):
+        with pytest.raises(ValueError, match=r"^--target_reference false: needs --temperature > 0 and --baseline none"):
+            eval_dflash.main(base + ["--draft_model", str(drafter_dir)] + reference_settings)
     # A block size the drafter cannot draft and a missing prompt file fail before the target loads.
     import dflash_target
 

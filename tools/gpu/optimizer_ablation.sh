@@ -177,7 +177,7 @@ for run in $RUNS; do
     [[ " $ARGMAX_RUNS " == *" $run "* ]] && extra_eval "$run" argmax_t0.8 --temperature 0.8 --top_p 1.0 --proposal argmax &
     [[ " $FP32_RUNS " == *" $run "* ]] && extra_eval "$run" fp32_t0 --temperature 0 --dtype float32 &
     if [[ " $DRAFT_TEMP_RUNS " == *" $run "* ]]; then
-      for td in ${DRAFT_TEMPS:-0.6 1.0}; do extra_eval "$run" "t0.8_td$td" --temperature 0.8 --top_p 1.0 --draft_temperature "$td" & done
+      for td in ${DRAFT_TEMPS:-0.6 1.0}; do extra_eval "$run" "t0.8_td$td" --temperature 0.8 --top_p 1.0 --draft_temperature "$td" --target_reference false & done
     fi
     wait
   ) > "$OUT/$run.log" 2>&1 &
