@@ -95,7 +95,7 @@ class EvalArgs:
     confidence_threshold: float = field(default=0.0, metadata={"help": "DSpark drafters with a confidence head: cut each proposal before its first slot whose predicted acceptance (the head's sigmoid) is below this, so fewer drafts are verified; 0 (default): off, every draft verified. In [0, 1]."})
     seed: int = field(default=0, metadata={"help": "Random seed when sampling (prompt i uses seed + i)."})
     num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts of --data (default: every prompt)."})
-    target_reference: bool = field(default=True, metadata={"help": "Decode every prompt with the target alone as well: the lossless check at --temperature 0 and the speedup's denominator. false (at --temperature > 0 only): skip it, about 60% of an evaluation's time on a small target; tau and acceptance are unchanged, speedup is null."})
+    target_reference: bool = field(default=True, metadata={"help": "Decode every prompt with the target alone as well: the lossless check at --temperature 0 and the speedup's denominator. false (at --temperature > 0 only): skip it (most of an evaluation's time on a small target); tau and acceptance are unchanged, speedup is null."})
     baseline: str = field(default="prompt_lookup", metadata={"help": "'prompt_lookup' (transformers' prompt-lookup decoding on the same prompts) or 'none'."})
     prompt_lookup_num_tokens: int = field(default=10, metadata={"help": "Candidate tokens per prompt-lookup step (transformers' prompt_lookup_num_tokens)."})
     prompt_lookup_max_ngram_size: int = field(default=2, metadata={"help": "Longest n-gram prompt lookup matches (transformers' max_matching_ngram_size)."})
