@@ -75,6 +75,8 @@
 #   ARGMAX_RUNS="base muon"   also evaluate these at T=0.8 with --proposal argmax (OUT/RUN/eval_argmax_t0.8.json)
 #   DRAFT_TEMP_RUNS="dflash2_muon_linear" DRAFT_TEMPS="0.6 1.0"   also evaluate these at T=0.8 with the drafter's q at
 #                             each draft temperature (eval_dflash.py --draft_temperature; OUT/RUN/eval_t0.8_td<T_d>.json)
+#                             Every evaluation of a 135M target runs its own decode loop: two side by side cost little, five
+#                             took 3-5x as long each (BENCHMARKS.md 2026-12-08 01:08)
 #   FP32_RUNS="muon"          also evaluate these at T=0 in float32 (OUT/RUN/eval_fp32_t0.json): the strict lossless check
 #   AT_ONCE=2                 at most this many runs at a time, started in RUNS order (default: as many as GPU_GB holds)
 #   GPU_GB=76                 a run starts only when the peaks of the runs in flight (gb_of below, measured) and its own
